@@ -1,0 +1,39 @@
+"""hp_lightning: HyperParallel-style FSDP/HSDP (``fully_shard``) for the Lightning Trainer.
+
+Importing this package registers the strategy names ``"hsdp"``, ``"hp_fsdp"`` and
+``"hsdp_cpu_offload"`` in Lightning's ``StrategyRegistry``.
+"""
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from hp_lightning.fully_shard import (
+    CPUOffloadPolicy,
+    HSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
+from hp_lightning.mesh import init_device_mesh
+from hp_lightning.strategies import HSDPPrecision, HSDPStrategy
+
+__version__ = "0.1.0"
+
+
+def _register() -> None:
+    if "hsdp" not in StrategyRegistry:
+        HSDPStrategy.register_strategies(StrategyRegistry)
+
+
+_register()
+
+__all__ = [
+    "CPUOffloadPolicy",
+    "HSDPModule",
+    "HSDPPrecision",
+    "HSDPStrategy",
+    "MixedPrecisionPolicy",
+    "OffloadPolicy",
+    "__version__",
+    "fully_shard",
+    "init_device_mesh",
+]

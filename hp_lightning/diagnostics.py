@@ -1,0 +1,115 @@
+"""Counting collectives where they are issued: at the ``torch.distributed`` call.
+
+:class:`CollectiveCounter` wraps (never replaces the behaviour of) the ``torch.distributed``
+functions FSDP2 and hp_lightning call, and records each call's kind, process group ranks and
+bytes. Tests assert on it; benchmarks report it; users can put it around a step to see what
+their configuration communicates.
+
+FSDP2 calls ``dist.all_gather_single`` / ``dist.reduce_scatter_single`` (torch >= 2.13) or the
+``*_into_tensor`` / ``*_tensor`` spellings (older); all are wrapped, and a call made from inside
+another wrapped call is not counted twice.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+#: Wrapped function name -> the kind it is counted as.
+WRAPPED: dict[str, str] = {
+    "all_gather_single": "all_gather",
+    "all_gather_into_tensor": "all_gather",
+    "all_gather": "all_gather",
+    "reduce_scatter_single": "reduce_scatter",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "reduce_scatter": "reduce_scatter",
+    "all_reduce": "all_reduce",
+    "broadcast": "broadcast",
+}
+
+
+@dataclass(frozen=True)
+class CollectiveCall:
+    kind: str
+    ranks: tuple[int, ...]
+    bytes: int
+
+
+@dataclass
+class CollectiveCounter:
+    """Context manager recording every wrapped collective issued by this process.
+
+    Example::
+
+        with CollectiveCounter() as comms:
+            trainer.fit(model)
+        comms.count("reduce_scatter")
+    """
+
+    calls: list[CollectiveCall] = field(default_factory=list)
+    _originals: dict[str, Callable[..., Any]] = field(default_factory=dict)
+    _local: threading.local = field(default_factory=threading.local)
+    paused: bool = False
+
+    def __enter__(self) -> CollectiveCounter:
+        for name in WRAPPED:
+            original = getattr(dist, name, None)
+            if original is None:
+                continue
+            self._originals[name] = original
+            setattr(dist, name, self._wrap(name, original))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for name, original in self._originals.items():
+            setattr(dist, name, original)
+        self._originals.clear()
+
+    def _wrap(self, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+        kind = WRAPPED[name]
+
+        @functools.wraps(original)
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            depth = getattr(self._local, "depth", 0)
+            if depth == 0 and not self.paused:
+                self.calls.append(CollectiveCall(kind, _group_ranks(kwargs.get("group")), _payload_bytes(args, kwargs)))
+            self._local.depth = depth + 1
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self._local.depth = depth
+
+        return counted
+
+    def reset(self) -> None:
+        self.calls.clear()
+
+    def count(self, kind: str | None = None, ranks: tuple[int, ...] | None = None) -> int:
+        return sum(1 for c in self.calls if (kind is None or c.kind == kind) and (ranks is None or c.ranks == ranks))
+
+    def by_kind(self) -> Counter[str]:
+        return Counter(c.kind for c in self.calls)
+
+    def groups(self, kind: str) -> set[tuple[int, ...]]:
+        return {c.ranks for c in self.calls if c.kind == kind}
+
+    def bytes(self, kind: str | None = None) -> int:
+        return sum(c.bytes for c in self.calls if kind is None or c.kind == kind)
+
+
+def _group_ranks(group: Any) -> tuple[int, ...]:
+    if group is None or group is dist.group.WORLD:
+        return tuple(range(dist.get_world_size()))
+    return tuple(dist.get_process_group_ranks(group))
+
+
+def _payload_bytes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+    """Bytes of the largest tensor argument (the gathered output / scattered input / reduced tensor)."""
+    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+    return max((t.numel() * t.element_size() for t in tensors), default=0)

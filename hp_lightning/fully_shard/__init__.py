@@ -1,0 +1,22 @@
+"""The seed's ``fully_shard`` API (HyperParallel) on PyTorch FSDP2."""
+
+from hp_lightning.fully_shard.api import REDUCE_OPS, HSDPModule, fully_shard, hsdp_modules
+from hp_lightning.fully_shard.policies import (
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    build_mp_policy,
+    parse_dtype,
+)
+
+__all__ = [
+    "CPUOffloadPolicy",
+    "HSDPModule",
+    "MixedPrecisionPolicy",
+    "OffloadPolicy",
+    "REDUCE_OPS",
+    "build_mp_policy",
+    "fully_shard",
+    "hsdp_modules",
+    "parse_dtype",
+]

@@ -1,0 +1,372 @@
+"""HyperParallel's ``fully_shard`` signature and runtime controls, running on PyTorch FSDP2.
+
+``hp_lightning.fully_shard`` accepts exactly the seed's arguments and returns the same module,
+now an :class:`HSDPModule` (which is also a torch ``FSDPModule``). Everything that shards,
+gathers or reduces is FSDP2's; this layer adds what the seed has and FSDP2 spells differently
+or lacks:
+
+=========================  ======================================================================
+seed                       here
+=========================  ======================================================================
+``replicate_params``       FSDP2 ``ignored_params`` + :class:`~.replicate.ReplicatedParamSync`
+``comm_fusion``            bucketed replicate-param all-reduce (FSDP2 already fuses each unit's
+                           all-gather and reduce-scatter into one collective)
+``set_reduce_op_type``     FSDP2 gradient divide factor + sum-only collectives
+``set_gradient_scaling_``  same mechanism: final gradient = factor x reduced gradient
+``factor``
+=========================  ======================================================================
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, UnshardHandle
+from torch.distributed.fsdp import fully_shard as _torch_fully_shard
+from torch.distributed.tensor import Shard
+
+from hp_lightning.fully_shard.policies import MixedPrecisionPolicy, OffloadPolicy
+from hp_lightning.fully_shard.replicate import ReplicatedParamSync
+
+__all__ = ["HSDPModule", "REDUCE_OPS", "fully_shard", "hsdp_modules"]
+
+#: Gradient reduce ops: "avg" divides the summed gradients by the data-parallel size.
+REDUCE_OPS = ("avg", "sum")
+
+
+def _require_bool(value: Any, what: str) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{what} expects a bool (True or False); got {type(value).__name__} {value!r}.")
+    return value
+
+
+def _require_fsdp_modules(modules: Any, what: str) -> list[FSDPModule]:
+    if isinstance(modules, nn.Module) or not isinstance(modules, Iterable):
+        raise TypeError(
+            f"{what} expects a list of modules returned by fully_shard; got {type(modules).__name__}. "
+            f"Wrap a single module in a list: {what}([module])."
+        )
+    modules = list(modules)
+    for module in modules:
+        if not isinstance(module, FSDPModule):
+            raise TypeError(
+                f"{what} expects modules that fully_shard has sharded; got an unsharded "
+                f"{type(module).__name__}. Call hp_lightning.fully_shard on it first."
+            )
+    return modules
+
+
+class HSDPModule(FSDPModule):
+    """The runtime controls of a module sharded by :func:`fully_shard`.
+
+    Each control validates its argument and, where the seed does, recurses over the sharding
+    units below this one. Methods not overridden here are FSDP2's own.
+    """
+
+    # MRO: [HP<FSDP<Orig>>, HSDPModule, FSDP<Orig>, FSDPModule, Orig, ...]; FSDPModule.__new__
+    # uses this index to construct the original class when a container is indexed.
+    _orig_cls_mro_index: int = 4
+
+    # Set by fully_shard on every unit.
+    _hp_mesh: DeviceMesh
+    _hp_replicated: ReplicatedParamSync | None
+    _hp_reduce_op: str
+    _hp_scaling_factor: float | None
+
+    def _hp_units(self, recurse: bool) -> list[HSDPModule]:
+        if not recurse:
+            return [self]
+        return [m for m in self.modules() if isinstance(m, HSDPModule)]
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        """The data-parallel mesh this unit shards over (1-D FSDP or 2-D HSDP)."""
+        return self._hp_mesh
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """Turn gradient reduction on or off (off = accumulate locally, e.g. on non-final micro-batches).
+
+        Off holds full-size, unsharded gradients between backward passes: the least
+        communication, the most memory.
+        """
+        _require_bool(requires_gradient_sync, "set_requires_gradient_sync")
+        _require_bool(recurse, "set_requires_gradient_sync(recurse=...)")
+        super().set_requires_gradient_sync(requires_gradient_sync, recurse=recurse)
+        for unit in self._hp_units(recurse):
+            if unit._hp_replicated is not None:
+                unit._hp_replicated.requires_gradient_sync = requires_gradient_sync
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP only: run (True) or defer (False) the all-reduce across replicate groups.
+
+        With False, gradients are still reduce-scattered inside each shard group every backward,
+        and the cross-group all-reduce waits for a backward with True: the middle road between
+        syncing every micro-batch and syncing only the last.
+        """
+        _require_bool(requires_all_reduce, "set_requires_all_reduce")
+        _require_bool(recurse, "set_requires_all_reduce(recurse=...)")
+        if self._hp_mesh.ndim != 2:
+            raise ValueError(
+                f"set_requires_all_reduce applies to HSDP (a 2-D (replicate, shard) mesh); this unit "
+                f"has a {self._hp_mesh.ndim}-D mesh {tuple(self._hp_mesh.shape)}. Use "
+                f"set_requires_gradient_sync for FSDP."
+            )
+        super().set_requires_all_reduce(requires_all_reduce, recurse=recurse)
+        for unit in self._hp_units(recurse):
+            if unit._hp_replicated is not None:
+                unit._hp_replicated.requires_all_reduce = requires_all_reduce
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        """Free gathered parameters after forward (True: less memory) or keep them for backward."""
+        _require_bool(reshard_after_forward, "set_reshard_after_forward")
+        _require_bool(recurse, "set_reshard_after_forward(recurse=...)")
+        super().set_reshard_after_forward(reshard_after_forward, recurse=recurse)
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        """Free gathered parameters after backward (True) or keep them for the next micro-batch."""
+        _require_bool(reshard_after_backward, "set_reshard_after_backward")
+        _require_bool(recurse, "set_reshard_after_backward(recurse=...)")
+        super().set_reshard_after_backward(reshard_after_backward, recurse=recurse)
+
+    def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """All-gather ``modules`` as soon as this unit's forward starts (overlaps communication)."""
+        super().set_modules_to_forward_prefetch(_require_fsdp_modules(modules, "set_modules_to_forward_prefetch"))
+
+    def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """All-gather ``modules`` as soon as this unit's backward starts."""
+        super().set_modules_to_backward_prefetch(_require_fsdp_modules(modules, "set_modules_to_backward_prefetch"))
+
+    def set_gradient_scaling_factor(self, factor: float | None) -> None:
+        """Multiply every reduced gradient below this unit by ``factor`` (None: no scaling).
+
+        The final gradient is ``factor * reduce_op(local gradients)``, replicate parameters
+        included; e.g. ``1 / tokens_in_global_batch`` with ``reduce_op="sum"`` normalizes by
+        the global token count.
+        """
+        if factor is not None:
+            if isinstance(factor, bool) or not isinstance(factor, (int, float)):
+                raise TypeError(
+                    f"set_gradient_scaling_factor expects a positive float or None; got "
+                    f"{type(factor).__name__} {factor!r}."
+                )
+            if not math.isfinite(factor) or factor <= 0:
+                raise ValueError(
+                    f"set_gradient_scaling_factor expects a finite factor > 0, or None to disable "
+                    f"scaling; got {factor!r}."
+                )
+            factor = float(factor)
+        for unit in self._hp_units(recurse=True):
+            unit._hp_scaling_factor = factor
+            unit._hp_apply_reduction()
+
+    def set_reduce_op_type(self, reduce_op: str) -> None:
+        """Reduce gradients by ``"avg"`` (default: mean over data-parallel ranks) or ``"sum"``."""
+        if not isinstance(reduce_op, str):
+            raise TypeError(f"set_reduce_op_type expects 'avg' or 'sum'; got {type(reduce_op).__name__} {reduce_op!r}.")
+        op = reduce_op.lower()
+        if op not in REDUCE_OPS:
+            raise ValueError(f"set_reduce_op_type expects one of {REDUCE_OPS}; got {reduce_op!r}.")
+        for unit in self._hp_units(recurse=True):
+            unit._hp_reduce_op = op
+            unit._hp_apply_reduction()
+
+    def _hp_apply_reduction(self) -> None:
+        """Express (reduce op, scaling factor) as FSDP2's gradient divide factor.
+
+        FSDP2 computes ``sum(local grads) / divide_factor``; "avg" with scaling ``f`` is
+        ``divide_factor = N / f`` and "sum" is ``1 / f``, N being the data-parallel size
+        (both axes in HSDP). Sum-only collectives keep this exact on every backend, gloo
+        included, at the cost of one in-place division after the collective.
+        """
+        default = self._hp_reduce_op == "avg" and self._hp_scaling_factor is None
+        if default:
+            super().set_gradient_divide_factor(None)  # type: ignore[arg-type]
+            super().set_force_sum_reduction_for_comms(False)
+        else:
+            divisor = float(self._hp_mesh.size()) if self._hp_reduce_op == "avg" else 1.0
+            if self._hp_scaling_factor is not None:
+                divisor /= self._hp_scaling_factor
+            super().set_gradient_divide_factor(divisor)
+            super().set_force_sum_reduction_for_comms(True)
+        if self._hp_replicated is not None:
+            self._hp_replicated.reduce_op = self._hp_reduce_op
+            self._hp_replicated.scaling_factor = self._hp_scaling_factor
+
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """All-gather this unit's parameters now; with ``async_op=True`` return a handle to wait on."""
+        _require_bool(async_op, "unshard(async_op=...)")
+        return super().unshard(async_op=async_op)
+
+    def reshard(self) -> None:
+        """Free this unit's gathered parameters, keeping only the local shards."""
+        super().reshard()
+
+
+_HP_CLASSES: dict[type, type] = {}
+
+
+def _extend_with_controls(module: nn.Module) -> None:
+    """Swap ``module``'s class for one that adds :class:`HSDPModule`'s controls (as FSDP2 does)."""
+    cls = type(module)
+    if isinstance(module, HSDPModule):
+        return
+    if cls not in _HP_CLASSES:
+        _HP_CLASSES[cls] = type(f"HP{cls.__name__}", (HSDPModule, cls), {})
+    module.__class__ = _HP_CLASSES[cls]
+
+
+def _default_mesh() -> DeviceMesh:
+    from hp_lightning.mesh import build_device_mesh, default_device_type
+
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "fully_shard(mesh=None) builds a 1-D mesh over the default process group, but "
+            "torch.distributed is not initialized. Call torch.distributed.init_process_group "
+            "first, or pass mesh=hp_lightning.init_device_mesh(...)."
+        )
+    return build_device_mesh(default_device_type(), (dist.get_world_size(),))
+
+
+def _param_set(params: Iterable[nn.Parameter] | None, what: str) -> list[nn.Parameter]:
+    if params is None:
+        return []
+    if isinstance(params, (torch.Tensor, nn.Module)) or not isinstance(params, Iterable):
+        raise TypeError(
+            f"fully_shard({what}=...) expects a set or list of nn.Parameter; got {type(params).__name__}. "
+            f"Pass for example {what}={{model.head.weight}}."
+        )
+    out: list[nn.Parameter] = []
+    for p in params:
+        if not isinstance(p, nn.Parameter):
+            raise TypeError(f"fully_shard({what}=...) expects nn.Parameter items; got {type(p).__name__}.")
+        if not any(p is q for q in out):
+            out.append(p)
+    return out
+
+
+def _validate_placement_fn(fn: Callable[[nn.Parameter], Shard | None]) -> Callable[[nn.Parameter], Shard | None]:
+    def checked(param: nn.Parameter) -> Shard | None:
+        placement = fn(param)
+        if placement is not None and not isinstance(placement, Shard):
+            raise TypeError(
+                f"shard_placement_fn must return torch.distributed.tensor.Shard(dim) or None; got "
+                f"{type(placement).__name__} {placement!r} for a parameter of shape {tuple(param.shape)}."
+            )
+        if placement is not None and not -param.ndim <= placement.dim < param.ndim:
+            raise ValueError(
+                f"shard_placement_fn returned Shard({placement.dim}) for a parameter of shape "
+                f"{tuple(param.shape)}; the dim must be in [{-param.ndim}, {param.ndim - 1}]."
+            )
+        return placement
+
+    return checked
+
+
+def fully_shard(
+    module: nn.Module | list[nn.Module],
+    *,
+    mesh: DeviceMesh | None = None,
+    reshard_after_forward: bool = True,
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
+    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+    offload_policy: OffloadPolicy = OffloadPolicy(),
+    ignored_params: set[nn.Parameter] | None = None,
+    replicate_params: set[nn.Parameter] | None = None,
+    comm_fusion: bool = False,
+) -> nn.Module | list[nn.Module]:
+    """Shard ``module`` in place with FSDP (1-D mesh) or HSDP (2-D ``(replicate, shard)`` mesh).
+
+    Call it bottom-up: on each sharding unit (a transformer block, say), then on the root. Each
+    call groups the parameters not yet owned by an inner unit into one all-gather and one
+    reduce-scatter. A list of modules forms one unit.
+
+    Args:
+        module: the module, or a list of modules forming one unit.
+        mesh: 1-D → FSDP; 2-D ``(replicate, shard)`` → HSDP; None → 1-D over the world.
+        reshard_after_forward: free gathered parameters after forward (True) or keep them for
+            backward (False: one all-gather fewer per unit, the unit's full size held longer).
+        shard_placement_fn: ``param -> Shard(dim) | None``; None → dim 0.
+        mp_policy: compute (``param_dtype``) and gradient-reduction (``reduce_dtype``) dtypes.
+        offload_policy: ``CPUOffloadPolicy()`` keeps shards, gradients and optimizer state on
+            the host; ``OffloadPolicy()`` keeps them on the device.
+        ignored_params: left alone: not sharded, gradients not synchronized (each rank keeps its own).
+        replicate_params: kept whole on every rank, gradients all-reduced over the whole
+            data-parallel domain, honouring every control below.
+        comm_fusion: reduce the unit's replicate-parameter gradients in one bucketed all-reduce
+            instead of one per parameter.
+
+    Returns:
+        The same module (or list), extended with :class:`HSDPModule`'s runtime controls.
+
+    Raises:
+        TypeError / ValueError: for arguments of the wrong type or value, before any collective.
+    """
+    modules = module if isinstance(module, list) else [module]
+    if isinstance(module, list) and not module:
+        raise ValueError("fully_shard expects a module or a non-empty list of modules; got [].")
+    for m in modules:
+        if not isinstance(m, nn.Module):
+            raise TypeError(f"fully_shard expects nn.Module or list[nn.Module]; got {type(m).__name__}.")
+        if isinstance(m, FSDPModule):
+            raise ValueError(f"fully_shard was already applied to this {type(m).__name__}; apply it once per unit.")
+    if mesh is not None and not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"fully_shard(mesh=...) expects a DeviceMesh or None; got {type(mesh).__name__}.")
+    _require_bool(reshard_after_forward, "fully_shard(reshard_after_forward=...)")
+    _require_bool(comm_fusion, "fully_shard(comm_fusion=...)")
+    if shard_placement_fn is not None and not callable(shard_placement_fn):
+        raise TypeError(f"fully_shard(shard_placement_fn=...) expects a callable or None; got {type(shard_placement_fn).__name__}.")
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(
+            f"fully_shard(mp_policy=...) expects hp_lightning.MixedPrecisionPolicy; got {type(mp_policy).__name__}."
+        )
+    if not isinstance(offload_policy, OffloadPolicy):
+        raise TypeError(
+            f"fully_shard(offload_policy=...) expects OffloadPolicy() or CPUOffloadPolicy(); got "
+            f"{type(offload_policy).__name__}."
+        )
+    ignored = _param_set(ignored_params, "ignored_params")
+    replicated = _param_set(replicate_params, "replicate_params")
+    both = [p for p in replicated if any(p is q for q in ignored)]
+    if both:
+        raise ValueError(
+            f"{len(both)} parameter(s) are in both ignored_params and replicate_params; a parameter is "
+            f"either left alone (ignored) or kept whole with synchronized gradients (replicate), not both."
+        )
+
+    mesh = mesh if mesh is not None else _default_mesh()
+    if mesh.ndim not in (1, 2):
+        raise ValueError(
+            f"fully_shard expects a 1-D mesh (FSDP) or a 2-D (replicate, shard) mesh (HSDP); got a "
+            f"{mesh.ndim}-D mesh of shape {tuple(mesh.shape)}. For FSDP+TP pass the data-parallel "
+            f"sub-mesh, e.g. mesh['dp']."
+        )
+
+    _torch_fully_shard(
+        module,
+        mesh=mesh,
+        reshard_after_forward=reshard_after_forward,
+        shard_placement_fn=_validate_placement_fn(shard_placement_fn) if shard_placement_fn else None,
+        mp_policy=mp_policy,
+        offload_policy=offload_policy,
+        ignored_params=set(ignored) | set(replicated) or None,
+    )
+    sync = ReplicatedParamSync(replicated, mesh, bucketed=comm_fusion) if replicated else None
+    for m in modules:
+        _extend_with_controls(m)
+        m._hp_mesh = mesh
+        m._hp_replicated = sync
+        m._hp_reduce_op = "avg"
+        m._hp_scaling_factor = None
+        sync = None  # the unit's sync lives on its first module; the others share the FSDP state
+    return module
+
+
+def hsdp_modules(module: nn.Module) -> list[HSDPModule]:
+    """All sharding units in ``module``'s tree (root included), outermost first."""
+    return [m for m in module.modules() if isinstance(m, HSDPModule)]

@@ -1,0 +1,123 @@
+"""DDP-style gradient all-reduce for ``replicate_params``.
+
+PyTorch's FSDP2 has no public way to keep some parameters of a sharding unit whole while still
+synchronizing their gradients (its ``DDPMeshInfo`` path is private and unit-wide, not
+per-parameter). hp_lightning therefore hands those parameters to FSDP2 as ``ignored_params``
+(not sharded, not reduced) and reduces their gradients itself, with public torch.distributed
+calls only:
+
+* a post-accumulate-grad hook per parameter notices when its gradient is final for this
+  backward;
+* without ``comm_fusion`` each gradient is all-reduced on its own as soon as it is ready;
+  with ``comm_fusion`` the unit's replicate gradients are flattened into one bucket and reduced
+  with a single collective once the last of them is ready;
+* the collectives run asynchronously and are waited for in an autograd-engine callback at the
+  end of backward, so they overlap the rest of the backward pass;
+* the result honours the same controls as FSDP2's own reduction: gradient sync on/off (gradient
+  accumulation), the HSDP all-reduce toggle, the reduce op (avg / sum) and the scaling factor.
+
+The reduction runs over the whole data-parallel domain (both axes of an HSDP mesh): the default
+group when the mesh spans the world, else one all-reduce per mesh axis.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+
+class ReplicatedParamSync:
+    """Reduces the gradients of one unit's replicate parameters across all data-parallel ranks.
+
+    Args:
+        params: the parameters kept whole on every rank.
+        mesh: the unit's data-parallel mesh (1-D or 2-D).
+        bucketed: one flat all-reduce for the whole unit (``comm_fusion=True``) instead of one
+            per parameter.
+    """
+
+    def __init__(self, params: Sequence[nn.Parameter], mesh: DeviceMesh, *, bucketed: bool) -> None:
+        self.params = [p for p in params if p.requires_grad]
+        self.mesh = mesh
+        self.bucketed = bucketed
+        self.requires_gradient_sync = True
+        self.requires_all_reduce = True
+        self.scaling_factor: float | None = None
+        self.reduce_op: str = "avg"
+        self._ready: list[nn.Parameter] = []
+        self._in_flight: list[tuple[torch.Tensor, list[nn.Parameter], dist.Work | None]] = []
+        self._callback_queued = False
+        for param in self.params:
+            param.register_post_accumulate_grad_hook(self._on_grad_ready)
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.mesh.size()
+
+    def _groups(self) -> list[dist.ProcessGroup]:
+        if self.mesh.size() == dist.get_world_size():
+            return [dist.group.WORLD]
+        return [self.mesh.get_group(dim) for dim in reversed(range(self.mesh.ndim))]
+
+    def _syncing(self) -> bool:
+        # The HSDP all-reduce toggle defers the whole reduction: replicate gradients have no
+        # shard-group stage to run early, so they are reduced once, on the final micro-batch.
+        return self.requires_gradient_sync and self.requires_all_reduce
+
+    def _on_grad_ready(self, param: nn.Parameter) -> None:
+        if not self._syncing():
+            return
+        if not self._callback_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+            self._callback_queued = True
+        if not self.bucketed:
+            self._launch([param])
+            return
+        self._ready.append(param)
+        if len(self._ready) == len(self.params):
+            self._launch(self._ready)
+            self._ready = []
+
+    def _launch(self, params: list[nn.Parameter]) -> None:
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = grads[0].detach().clone() if len(grads) == 1 else torch.cat([g.reshape(-1) for g in grads])
+        groups = self._groups()
+        if len(groups) == 1:
+            work = dist.all_reduce(flat, group=groups[0], async_op=True)
+        else:
+            for group in groups:
+                dist.all_reduce(flat, group=group)
+            work = None
+        self._in_flight.append((flat, params, work))
+
+    def _finish(self) -> None:
+        """End of backward: reduce a partly filled bucket, wait, scale and write the gradients back."""
+        self._callback_queued = False
+        if self._ready:
+            # Some replicate parameters took no part in this backward; reduce zeros for them so
+            # every rank issues the same collectives.
+            missing = [p for p in self.params if not any(p is r for r in self._ready)]
+            self._launch(self._ready + missing)
+            self._ready = []
+        multiplier = 1.0 if self.scaling_factor is None else float(self.scaling_factor)
+        if self.reduce_op == "avg":
+            multiplier /= self.data_parallel_size
+        for flat, params, work in self._in_flight:
+            if work is not None:
+                work.wait()
+            if multiplier != 1.0:
+                flat.mul_(multiplier)
+            offset = 0
+            for param in params:
+                numel = param.numel()
+                reduced = flat[offset : offset + numel].view_as(param).to(param.dtype)
+                offset += numel
+                if param.grad is None:
+                    param.grad = reduced.clone()
+                else:
+                    param.grad.copy_(reduced)
+        self._in_flight = []

@@ -1,0 +1,97 @@
+"""Gradient clipping over a mix of sharded (DTensor) and whole (plain tensor) gradients.
+
+``torch.nn.utils.clip_grad_norm_`` fails on such a mix ("got mixed torch.Tensor and DTensor"):
+replicate and ignored parameters keep plain gradients next to the DTensor shards. Here the norm
+is computed per kind and combined:
+
+* DTensor gradients: the norm of each mesh's group is a reduction across its shards, so every
+  rank gets the global value (what one process holding the whole model would compute);
+* plain gradients: replicate-parameter gradients are identical on every rank after their
+  all-reduce, so their local norm is already the global one.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Union
+
+import torch
+from torch.distributed.tensor import DTensor
+
+ParamsLike = Union[torch.Tensor, Iterable[torch.Tensor]]
+
+
+def _grads(parameters: ParamsLike) -> list[torch.Tensor]:
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    return [p.grad for p in parameters if p.grad is not None]
+
+
+def _group_by_mesh(grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    groups: dict[object, list[torch.Tensor]] = {}
+    for g in grads:
+        key = g.device_mesh if isinstance(g, DTensor) else None
+        groups.setdefault(key, []).append(g)
+    return list(groups.values())
+
+
+def total_grad_norm(parameters: ParamsLike, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
+    """The global ``norm_type``-norm of all gradients, the same on every rank.
+
+    Raises:
+        RuntimeError: with ``error_if_nonfinite=True`` when the norm is NaN or infinite.
+    """
+    norm_type = float(norm_type)
+    grads = _grads(parameters)
+    if not grads:
+        return torch.tensor(0.0)
+    partial_norms = []
+    for group in _group_by_mesh(grads):
+        norm = torch.nn.utils.get_total_norm(group, norm_type=norm_type, foreach=None)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        partial_norms.append(norm.float())
+    device = partial_norms[0].device
+    stacked = torch.stack([n.to(device) for n in partial_norms])
+    total = stacked.max() if math.isinf(norm_type) else torch.linalg.vector_norm(stacked, norm_type)
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(
+            f"The total norm of order {norm_type} of the gradients is non-finite ({total.item()}), so they "
+            f"cannot be clipped. Lower the learning rate, check the loss for NaN/inf, or pass "
+            f"error_if_nonfinite=False to skip this check."
+        )
+    return total
+
+
+def clip_grad_norm_(
+    parameters: ParamsLike, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+) -> torch.Tensor:
+    """Scale gradients in place so their global norm is at most ``max_norm``; return the norm before."""
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    parameters = list(parameters)
+    total = total_grad_norm(parameters, norm_type, error_if_nonfinite)
+    grads = _grads(parameters)
+    if not grads:
+        return total
+    coefficient = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+    # Scale the local storage: a DTensor's shard is a plain tensor, so one foreach call per
+    # device/dtype serves both kinds without mixing DTensor and Tensor arguments.
+    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    for device, group in _by_device(local).items():
+        torch._foreach_mul_(group, coefficient.to(device))
+    return total
+
+
+def _by_device(tensors: list[torch.Tensor]) -> dict[torch.device, list[torch.Tensor]]:
+    out: dict[torch.device, list[torch.Tensor]] = {}
+    for t in tensors:
+        out.setdefault(t.device, []).append(t)
+    return out
+
+
+def clip_grad_value_(parameters: ParamsLike, clip_value: float) -> None:
+    """Clamp every gradient element to ``[-clip_value, clip_value]`` (elementwise: no collective)."""
+    for g in _grads(parameters):
+        (g.to_local() if isinstance(g, DTensor) else g).clamp_(-float(clip_value), float(clip_value))

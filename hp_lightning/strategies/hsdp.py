@@ -1,0 +1,509 @@
+"""HSDPStrategy: Lightning hooks that delegate to hp_lightning's mesh, wrapping and sharding pieces."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Generator, Mapping, Sequence
+from contextlib import contextmanager, nullcontext
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, Optional, Union
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import _distributed_is_initialized, _init_dist_connection, _sync_ddp_if_available
+from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import _PATH, ReduceOp
+from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.strategies.strategy import TBroadcast
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from hp_lightning import devices
+from hp_lightning.fully_shard import REDUCE_OPS, CPUOffloadPolicy, HSDPModule, OffloadPolicy, build_mp_policy, parse_dtype
+from hp_lightning.mesh import build_device_mesh, describe, resolve_mesh_shape, validate_mesh_shape
+from hp_lightning.parallelize import ShardedModel, ShardingPlan, materialize, move_unsharded_states, parallelize
+from hp_lightning.strategies.precision import HSDPPrecision, precision_from_lightning
+from hp_lightning.wrapping import validate_unit_specs
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+#: How gradients are communicated inside an accumulation window (see callbacks.GradientAccumulationSync).
+ACCUMULATION_MODES = ("skip", "every", "defer_all_reduce")
+STATE_DICT_TYPES = ("sharded", "full")
+
+
+def _check_bool(value: Any, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"HSDPStrategy({name}=...) expects True or False; got {type(value).__name__} {value!r}.")
+    return value
+
+
+def _check_choice(value: Any, name: str, choices: Sequence[str]) -> str:
+    if not isinstance(value, str) or value.lower() not in choices:
+        raise ValueError(f"HSDPStrategy({name}=...) expects one of {list(choices)}; got {value!r}.")
+    return value.lower()
+
+
+def _check_timeout(timeout: Any) -> timedelta:
+    if isinstance(timeout, timedelta):
+        seconds = timeout.total_seconds()
+    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        seconds = float(timeout)
+    else:
+        raise TypeError(f"HSDPStrategy(timeout=...) expects seconds (a number) or a timedelta; got {type(timeout).__name__} {timeout!r}.")
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise ValueError(f"HSDPStrategy(timeout=...) must be > 0 seconds; got {seconds}. Example: timeout=1800.")
+    return timedelta(seconds=seconds)
+
+
+class HSDPStrategy(ParallelStrategy):
+    """FSDP / HSDP training with PyTorch FSDP2 under the Lightning Trainer.
+
+    ``Trainer(strategy="hsdp")`` shards every LightningModule: each repeated block becomes a
+    sharding unit, the rest (embeddings, heads, norms) belongs to the root unit. Gradients are
+    reduce-scattered inside shard groups of consecutive ranks and all-reduced across replicate
+    groups; with gradient accumulation nothing is communicated until the last micro-batch.
+
+    Args:
+        mesh_shape: None → HSDP ``(num_nodes, devices_per_node)``; ``[N]`` → FSDP over N ranks;
+            ``[R, S]`` → HSDP, R replicas of S shards (S consecutive ranks each). One size may be
+            -1 (inferred from the world size).
+        shard_modules: sharding units as classes, dotted class paths, class names or module-name
+            globs. None → HF ``_no_split_modules``, else the blocks of repeated ``nn.ModuleList`` s.
+        reshard_after_forward: free gathered unit parameters after forward (less memory) or keep
+            them for backward (one all-gather fewer per unit and step).
+        param_dtype: compute dtype of gathered parameters (``"bf16"``, ``"fp32"``, ...); None →
+            derived from ``Trainer(precision=...)``.
+        reduce_dtype: dtype of gradient reduction; None → derived from the precision.
+        cpu_offload: keep sharded parameters, gradients and optimizer state on the host.
+        activation_checkpointing: blocks (same forms as ``shard_modules``) whose activations are
+            recomputed in backward instead of stored.
+        ignored_params: parameter-name globs left alone: not sharded, gradients not synchronized.
+        replicate_params: parameter-name globs kept whole on every rank, gradients all-reduced.
+        comm_fusion: bucket the replicate-parameter all-reduces of each unit into one.
+        reduce_op: ``"avg"`` (mean over data-parallel ranks) or ``"sum"``.
+        gradient_scaling_factor: multiply reduced gradients by this factor (None: off).
+        shard_placement: parameter-name glob → dim to shard on (default dim 0).
+        prefetch: each unit all-gathers the next N units in forward and the previous N in
+            backward; 0 leaves prefetching to FSDP2's defaults.
+        forward_methods: extra LightningModule methods that run the model outside the step
+            methods (``generate`` is registered automatically when present).
+        state_dict_type: ``"sharded"`` (a directory, one shard per rank) or ``"full"`` (one file
+            rank 0 writes, loadable on a single CPU process).
+        process_group_backend: None → gloo for CPU, nccl for CUDA, hccl for NPU.
+        timeout: collective timeout, in seconds or as a timedelta.
+    """
+
+    strategy_name = "hsdp"
+
+    def __init__(
+        self,
+        accelerator: Optional[Accelerator] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+        *,
+        mesh_shape: Optional[Sequence[int]] = None,
+        shard_modules: Optional[Sequence[Union[str, type]]] = None,
+        reshard_after_forward: bool = True,
+        param_dtype: Optional[str] = None,
+        reduce_dtype: Optional[str] = None,
+        cpu_offload: bool = False,
+        activation_checkpointing: Optional[Sequence[Union[str, type]]] = None,
+        ignored_params: Optional[Sequence[str]] = None,
+        replicate_params: Optional[Sequence[str]] = None,
+        comm_fusion: bool = False,
+        reduce_op: Literal["avg", "sum"] = "avg",
+        gradient_scaling_factor: Optional[float] = None,
+        shard_placement: Optional[Mapping[str, int]] = None,
+        prefetch: int = 1,
+        forward_methods: Optional[Sequence[str]] = None,
+        state_dict_type: Literal["sharded", "full"] = "sharded",
+        process_group_backend: Optional[str] = None,
+        timeout: Union[float, timedelta] = default_pg_timeout,
+    ) -> None:
+        # Validate everything here: this runs in Trainer(...) before any process or group exists.
+        self._mesh_shape = validate_mesh_shape(mesh_shape)
+        self._shard_modules = validate_unit_specs(shard_modules, "shard_modules") or None
+        self._reshard_after_forward = _check_bool(reshard_after_forward, "reshard_after_forward")
+        self._param_dtype = parse_dtype(param_dtype, name="param_dtype")
+        self._reduce_dtype = parse_dtype(reduce_dtype, name="reduce_dtype")
+        self._cpu_offload = _check_bool(cpu_offload, "cpu_offload")
+        self._activation_checkpointing = validate_unit_specs(activation_checkpointing, "activation_checkpointing") or None
+        self._ignored_params = _check_patterns(ignored_params, "ignored_params")
+        self._replicate_params = _check_patterns(replicate_params, "replicate_params")
+        self._comm_fusion = _check_bool(comm_fusion, "comm_fusion")
+        self._reduce_op = _check_choice(reduce_op, "reduce_op", REDUCE_OPS)
+        self._gradient_scaling_factor = _check_scaling(gradient_scaling_factor)
+        self._shard_placement = _check_placement(shard_placement)
+        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+            raise ValueError(f"HSDPStrategy(prefetch=...) expects an int >= 0 (0 = off); got {prefetch!r}.")
+        self._prefetch = prefetch
+        self._forward_methods = _check_patterns(forward_methods, "forward_methods")
+        self._state_dict_type = _check_choice(state_dict_type, "state_dict_type", STATE_DICT_TYPES)
+        if process_group_backend is not None and not isinstance(process_group_backend, str):
+            raise TypeError(f"HSDPStrategy(process_group_backend=...) expects a string like 'gloo' or None; got {process_group_backend!r}.")
+        self._process_group_backend = process_group_backend
+        self._timeout = _check_timeout(timeout)
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        self.num_nodes = 1
+        self._device_mesh: Optional[DeviceMesh] = None
+        self._sharded: Optional[ShardedModel] = None
+        #: How the next accumulation window communicates; set by GradientAccumulationSync.
+        self.accumulation_mode: str = "skip"
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        if self._device_mesh is None:
+            raise RuntimeError("HSDPStrategy.device_mesh is available once the processes are set up (from configure_model on).")
+        return self._device_mesh
+
+    @property
+    def sharded_model(self) -> Optional[ShardedModel]:
+        """The root and units after setup (None before)."""
+        return self._sharded
+
+    @property
+    def state_dict_type(self) -> str:
+        return self._state_dict_type
+
+    @property
+    def cpu_offload(self) -> bool:
+        return self._cpu_offload
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # Every rank of the mesh (both axes) sees different data.
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+    @property
+    def is_distributed(self) -> bool:
+        """Tells Lightning's connector to inject a DistributedSampler (custom strategies must say so)."""
+        return True
+
+    @property
+    def process_group_backend(self) -> Optional[str]:
+        return self._process_group_backend
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        return False
+
+    @property  # type: ignore[override]
+    @override
+    def precision_plugin(self) -> HSDPPrecision:
+        plugin = self._precision_plugin
+        if plugin is None:
+            plugin = self._precision_plugin = HSDPPrecision("32-true")
+        return plugin  # type: ignore[return-value]
+
+    @precision_plugin.setter
+    @override
+    def precision_plugin(self, precision_plugin: Optional[Precision]) -> None:
+        # Lightning's connector hands us the plugin for Trainer(precision=...) inside Trainer(...):
+        # converting here refuses unsupported precisions before any process starts.
+        self._precision_plugin = None if precision_plugin is None else precision_from_lightning(precision_plugin)
+
+    # ------------------------------------------------------------------ launch and process group
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self._setup_distributed()
+        shape = resolve_mesh_shape(
+            self._mesh_shape, world_size=self.world_size, num_nodes=self.num_nodes, devices_per_node=self.num_processes
+        )
+        self._device_mesh = build_device_mesh(self.root_device.type, shape)
+        assert self.lightning_module is not None
+        self.lightning_module._device_mesh = self._device_mesh
+        self.precision_plugin.device_type = self.root_device.type
+
+    def _setup_distributed(self) -> None:
+        reset_seed()
+        self.set_world_ranks()
+        self._process_group_backend = self._process_group_backend or devices.default_backend(self.root_device.type)
+        assert self.cluster_environment is not None
+        device_id = self.root_device if devices.is_accelerator(self.root_device.type) else None
+        _init_dist_connection(
+            self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
+        )
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    # ------------------------------------------------------------------ model setup
+
+    def sharding_plan(self) -> ShardingPlan:
+        """The plan :func:`hp_lightning.parallelize.parallelize` applies, from this strategy's options."""
+        precision = self.precision_plugin
+        mp_policy = build_mp_policy(
+            param_dtype=self._param_dtype or precision.derived_param_dtype,
+            reduce_dtype=self._reduce_dtype or precision.derived_reduce_dtype,
+        )
+        return ShardingPlan(
+            shard_modules=self._shard_modules,
+            reshard_after_forward=self._reshard_after_forward,
+            mp_policy=mp_policy,
+            offload_policy=CPUOffloadPolicy() if self._cpu_offload else OffloadPolicy(),
+            activation_checkpointing=self._activation_checkpointing,
+            ignored_params=self._ignored_params,
+            replicate_params=self._replicate_params,
+            shard_placement=self._shard_placement,
+            comm_fusion=self._comm_fusion,
+            prefetch=self._prefetch,
+            reduce_op=self._reduce_op,
+            gradient_scaling_factor=self._gradient_scaling_factor,
+            forward_methods=self._forward_methods,
+        )
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.model is not None
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        if not isinstance(self.model, HSDPModule):
+            self.model = self.precision_plugin.convert_module(self.model)
+            self._sharded = parallelize(self.model, self.device_mesh, self.sharding_plan())
+            init_device = devices.cpu_device() if self._cpu_offload else self.root_device
+            materialize(self.model, self.device_mesh, init_device)
+            move_unsharded_states(self.model, self.root_device)
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+
+    @override
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        # Optimizers are (re)built on the sharded parameters: references to the unsharded ones
+        # from before setup would be stale.
+        self._reset_optimizers_and_schedulers()
+        super().setup_optimizers(trainer)
+
+    @override
+    def model_to_device(self) -> None:
+        # FSDP places the shards; only unsharded state moves.
+        assert self.model is not None
+        move_unsharded_states(self.model, self.root_device)
+
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
+        # Parameters are created on the meta device unless the user opts out with
+        # empty_init=False; setup() shards them, then allocates only the local shards.
+        device_context = torch.device("meta") if empty_init is not False else nullcontext()
+        with device_context, self.precision_plugin.tensor_init_context():
+            yield
+
+    # ------------------------------------------------------------------ gradient accumulation
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Non-final micro-batches of an accumulation window, per :attr:`accumulation_mode`.
+
+        ``"skip"``: no gradient collective at all (full-size gradients kept locally).
+        ``"every"``: reduce-scatter (and all-reduce) every micro-batch (sharded gradients only).
+        ``"defer_all_reduce"``: reduce-scatter every micro-batch, all-reduce on the last (HSDP).
+        """
+        root = self.model
+        if not isinstance(root, HSDPModule) or self.accumulation_mode == "every":
+            yield None
+            return
+        if self.accumulation_mode == "defer_all_reduce":
+            if self.device_mesh.ndim == 2:
+                root.set_requires_all_reduce(False)
+                try:
+                    yield None
+                finally:
+                    root.set_requires_all_reduce(True)
+            else:
+                yield None
+            return
+        root.set_requires_gradient_sync(False)
+        try:
+            yield None
+        finally:
+            root.set_requires_gradient_sync(True)
+
+    # ------------------------------------------------------------------ collectives
+
+    @override
+    def barrier(self, name: Optional[str] = None) -> None:
+        if not _distributed_is_initialized():
+            return
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[self.root_device.index])
+        else:
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        if not _distributed_is_initialized():
+            return obj
+        container = [obj]
+        dist.broadcast_object_list(container, src, group=_group.WORLD)
+        return container[0]
+
+    @override
+    def reduce(
+        self, tensor: Union[Tensor, Any], group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean"
+    ) -> Union[Tensor, Any]:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    # ------------------------------------------------------------------ checkpoints
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        from hp_lightning.checkpoint import model_state_dict
+
+        assert self.model is not None
+        return model_state_dict(self.model, full=self._state_dict_type == "full")
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        # Already loaded into the sharded model by load_checkpoint(); nothing left to do here.
+        return None
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        from hp_lightning.checkpoint import optimizer_state_dict
+
+        assert self.model is not None
+        return optimizer_state_dict(self.model, optimizer, full=self._state_dict_type == "full")
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        # Already loaded (and resharded) by load_checkpoint().
+        return None
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None) -> None:
+        from hp_lightning.checkpoint import save_checkpoint
+
+        if storage_options is not None:
+            raise TypeError(f"HSDPStrategy.save_checkpoint does not take storage_options; got {storage_options!r}.")
+        path = Path(self.broadcast(str(filepath)))
+        save_checkpoint(checkpoint, path, sharded=self._state_dict_type == "sharded")
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        from hp_lightning.checkpoint import load_checkpoint
+
+        assert self.model is not None
+        assert self.lightning_module is not None
+        path = Path(self.broadcast(str(checkpoint_path)))
+        return load_checkpoint(path, self.model, self.optimizers, strict=self.lightning_module.strict_loading)
+
+    @override
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        from hp_lightning.checkpoint import remove_checkpoint
+
+        if self.is_global_zero:
+            remove_checkpoint(Path(filepath))
+
+    # ------------------------------------------------------------------ teardown
+
+    @override
+    def teardown(self) -> None:
+        assert self.cluster_environment is not None
+        assert self.accelerator is not None
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register("hsdp", cls, description="HSDP over (nodes, devices per node) with FSDP2")
+        strategy_registry.register("hp_fsdp", cls, description="FSDP2 over all ranks (1-D mesh)", mesh_shape=[-1])
+        strategy_registry.register(
+            "hsdp_cpu_offload", cls, description="HSDP with shards, gradients and optimizer state on the host", cpu_offload=True
+        )
+
+    def __repr__(self) -> str:
+        mesh = describe(self._device_mesh) if self._device_mesh is not None else f"mesh_shape={self._mesh_shape}"
+        return f"{type(self).__name__}({mesh})"
+
+
+def _check_patterns(patterns: Any, name: str) -> Optional[list[str]]:
+    if patterns is None:
+        return None
+    if isinstance(patterns, str) or not isinstance(patterns, Sequence):
+        raise TypeError(f"HSDPStrategy({name}=...) expects a list of strings; got {type(patterns).__name__} {patterns!r}. Example: {name}=['head.*'].")
+    for p in patterns:
+        if not isinstance(p, str) or not p:
+            raise TypeError(f"HSDPStrategy({name}=...) items must be non-empty strings; got {p!r}.")
+    return list(patterns)
+
+
+def _check_scaling(factor: Any) -> Optional[float]:
+    if factor is None:
+        return None
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)):
+        raise TypeError(f"HSDPStrategy(gradient_scaling_factor=...) expects a positive number or None; got {type(factor).__name__} {factor!r}.")
+    if not math.isfinite(factor) or factor <= 0:
+        raise ValueError(f"HSDPStrategy(gradient_scaling_factor=...) must be finite and > 0 (None disables it); got {factor!r}.")
+    return float(factor)
+
+
+def _check_placement(placement: Any) -> Optional[dict[str, int]]:
+    if placement is None:
+        return None
+    if not isinstance(placement, Mapping):
+        raise TypeError(f"HSDPStrategy(shard_placement=...) expects a mapping of parameter-name glob to dim; got {type(placement).__name__}. Example: {{'*.w2.weight': 1}}.")
+    out = {}
+    for pattern, dim in placement.items():
+        if not isinstance(pattern, str) or isinstance(dim, bool) or not isinstance(dim, int):
+            raise TypeError(f"HSDPStrategy(shard_placement=...) maps strings to ints; got {pattern!r}: {dim!r}.")
+        out[pattern] = dim
+    return out

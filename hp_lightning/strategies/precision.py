@@ -1,0 +1,148 @@
+"""Lightning precision plugin for HSDPStrategy: precision flags mapped onto FSDP2's policy.
+
+=================  ===============================  ========================  =================
+``precision=``     sharded (master) weights         compute                   gradient reduce
+=================  ===============================  ========================  =================
+``"32-true"``      fp32                             fp32                      fp32
+``"bf16-mixed"``   fp32                             bf16 (FSDP param_dtype    fp32
+                                                    + autocast)
+``"bf16-true"``    bf16                             bf16                      bf16
+=================  ===============================  ========================  =================
+
+``param_dtype`` / ``reduce_dtype`` given to the strategy override the derived values. fp16
+("16-mixed") needs a gradient scaler that understands sharded gradients and is refused with a
+clear message; so are fp64, transformer-engine and bitsandbytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import Any
+
+import torch
+from lightning.fabric.utilities.types import Optimizable
+from lightning.pytorch.plugins.precision import Precision
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch import nn
+from typing_extensions import override
+
+from hp_lightning import devices
+from hp_lightning.gradients import clip_grad_norm_, clip_grad_value_
+
+#: Precision flags HSDPStrategy accepts, and what each means for (param_dtype, reduce_dtype).
+SUPPORTED_PRECISION: dict[str, tuple[torch.dtype | None, torch.dtype | None]] = {
+    "32-true": (None, None),
+    "bf16-mixed": (torch.bfloat16, torch.float32),
+    "bf16-true": (None, None),
+}
+_ALIASES = {"32": "32-true", 32: "32-true", "bf16": "bf16-mixed"}
+
+
+def normalize_precision(value: Any) -> str:
+    """Return the canonical flag for ``value`` or raise a ValueError that lists the choices."""
+    flag = _ALIASES.get(value, value)
+    if flag not in SUPPORTED_PRECISION:
+        hint = ""
+        if flag in ("16-mixed", "16", 16):
+            hint = " fp16 mixed precision needs a sharded gradient scaler; use 'bf16-mixed' (same memory, no scaler)."
+        raise ValueError(
+            f"HSDPStrategy supports precision {sorted(SUPPORTED_PRECISION)}; got {value!r}.{hint} "
+            f"Set Trainer(precision='bf16-mixed') or '32-true'."
+        )
+    return flag
+
+
+class HSDPPrecision(Precision):
+    """Precision for FSDP2: dtype policy for sharding, autocast for bf16-mixed, DTensor-aware clipping.
+
+    Args:
+        precision: one of ``"32-true"``, ``"bf16-mixed"``, ``"bf16-true"``.
+        device_type: where autocast runs; the strategy sets it from its root device.
+    """
+
+    def __init__(self, precision: str = "32-true", device_type: str = devices.CPU) -> None:
+        self.precision = normalize_precision(precision)  # type: ignore[assignment]
+        self.device_type = device_type
+
+    @property
+    def derived_param_dtype(self) -> torch.dtype | None:
+        return SUPPORTED_PRECISION[self.precision][0]
+
+    @property
+    def derived_reduce_dtype(self) -> torch.dtype | None:
+        return SUPPORTED_PRECISION[self.precision][1]
+
+    @property
+    def true_dtype(self) -> torch.dtype | None:
+        """The dtype the whole module (sharded weights included) is converted to, if any."""
+        return torch.bfloat16 if self.precision == "bf16-true" else None
+
+    @override
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        if self.true_dtype is not None:
+            return module.to(dtype=self.true_dtype)
+        return module
+
+    @override
+    def tensor_init_context(self) -> AbstractContextManager:
+        if self.true_dtype is None:
+            return nullcontext()
+        return _default_dtype(self.true_dtype)
+
+    @override
+    def module_init_context(self) -> AbstractContextManager:
+        return self.tensor_init_context()
+
+    @override
+    def forward_context(self) -> AbstractContextManager:
+        if self.precision == "bf16-mixed":
+            return torch.autocast(self.device_type, dtype=torch.bfloat16)
+        return nullcontext()
+
+    @override
+    def convert_input(self, data: Any) -> Any:
+        if self.true_dtype is None:
+            return data
+        return _cast_floating(data, self.true_dtype)
+
+    @override
+    def clip_grad_by_norm(self, optimizer: Optimizable, clip_val: int | float) -> None:
+        clip_grad_norm_(self.main_params(optimizer), clip_val)
+
+    @override
+    def clip_grad_by_value(self, optimizer: Optimizable, clip_val: int | float) -> None:
+        clip_grad_value_(self.main_params(optimizer), clip_val)
+
+
+def _cast_floating(data: Any, dtype: torch.dtype) -> Any:
+    return apply_to_collection(data, torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t)
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype) -> Generator[None, None, None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def precision_from_lightning(plugin: Precision) -> HSDPPrecision:
+    """Turn the plugin Lightning's connector chose from ``Trainer(precision=...)`` into ours.
+
+    Raises:
+        ValueError: for precision settings FSDP2 sharding cannot honour here.
+    """
+    if isinstance(plugin, HSDPPrecision):
+        return plugin
+    flag = getattr(plugin, "precision", None)
+    supported_types = {"Precision", "MixedPrecision", "HalfPrecision"}
+    if type(plugin).__name__ not in supported_types:
+        raise ValueError(
+            f"HSDPStrategy cannot use the precision plugin {type(plugin).__name__} (precision={flag!r}); it "
+            f"supports Trainer(precision=...) in {sorted(SUPPORTED_PRECISION)}."
+        )
+    device = getattr(plugin, "device", devices.CPU)
+    return HSDPPrecision(normalize_precision(flag), device_type=str(device))

@@ -1,0 +1,229 @@
+"""Test helpers: real multi-process runs on gloo, and the small models the tests train.
+
+``run_distributed(fn, world_size, *args)`` starts ``world_size`` fresh processes (spawn), gives
+each the environment a launcher would (MASTER_ADDR/PORT, RANK, LOCAL_RANK, WORLD_SIZE,
+NODE_RANK), runs ``fn(*args)`` in each and returns the per-rank results. A failure on any rank
+kills the rest and raises with that rank's traceback; a run past ``timeout`` is killed too, so a
+hang fails the test instead of stalling the suite.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+from torch import nn
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(fn: Callable[..., Any], rank: int, world: int, env: dict[str, str], out: str, args: tuple) -> None:
+    os.environ.update(env)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
+    local_world = int(env.get("LOCAL_WORLD_SIZE", world))
+    os.environ.setdefault("LOCAL_RANK", str(rank % local_world))
+    os.environ["LOCAL_RANK"] = str(rank % local_world)
+    os.environ["NODE_RANK"] = str(rank // local_world)
+    torch.set_num_threads(1)
+    try:
+        result = ("ok", fn(*args))
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            # Leave together: a rank tearing down gloo while a peer still talks aborts the peer.
+            dist.barrier()
+            dist.destroy_process_group()
+    except BaseException as exc:  # noqa: BLE001 - forwarded to the parent
+        result = ("error", f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+    with open(out, "wb") as f:
+        pickle.dump(result, f)
+    if result[0] == "error":
+        os._exit(1)
+
+
+def run_distributed(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 240, local_world_size: int | None = None,
+    env: dict[str, str] | None = None,
+) -> list[Any]:
+    """Run ``fn(*args)`` on ``world_size`` gloo ranks; return the list of per-rank results."""
+    ctx = mp.get_context("spawn")
+    base_env = {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "LOCAL_WORLD_SIZE": str(local_world_size or world_size),
+        "OMP_NUM_THREADS": "1",
+        **(env or {}),
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        outs = [str(Path(tmp) / f"rank{r}.pkl") for r in range(world_size)]
+        procs = [ctx.Process(target=_child, args=(fn, r, world_size, base_env, outs[r], args)) for r in range(world_size)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        failed: str | None = None
+        while any(p.is_alive() for p in procs):
+            if time.monotonic() > deadline:
+                failed = f"timed out after {timeout}s"
+                break
+            for r, p in enumerate(procs):
+                if not p.is_alive() and p.exitcode != 0:
+                    failed = f"rank {r} exited with {p.exitcode}"
+            if failed:
+                break
+            time.sleep(0.05)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join()
+        results, errors = [], []
+        for r, path in enumerate(outs):
+            if os.path.exists(path):
+                with open(path, "rb") as f:
+                    status, value = pickle.load(f)
+                (results if status == "ok" else errors).append(value)
+            else:
+                errors.append(f"rank {r}: no result (exit code {procs[r].exitcode})")
+        if failed or errors:
+            raise RuntimeError(f"distributed run failed ({failed or 'error'}):\n" + "\n".join(map(str, errors)))
+        return results
+
+
+# ---------------------------------------------------------------- models used across tests
+
+
+class Block(nn.Module):
+    """A residual MLP block: the repeated unit the strategy shards automatically."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.fc1 = nn.Linear(width, 2 * width)
+        self.fc2 = nn.Linear(2 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.relu(self.fc1(self.norm(x))))
+
+
+class TinyNet(nn.Module):
+    """Embedding-free regression net: input projection, repeated blocks, head (root params)."""
+
+    def __init__(self, width: int = 16, depth: int = 2, d_in: int = 8, d_out: int = 4) -> None:
+        super().__init__()
+        self.inp = nn.Linear(d_in, width)
+        self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
+        self.head = nn.Linear(width, d_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+def make_dataset(n: int = 64, d_in: int = 8, d_out: int = 4, seed: int = 1234) -> torch.utils.data.TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d_in, generator=g)
+    w = torch.randn(d_in, d_out, generator=g)
+    y = torch.tanh(x @ w) + 0.05 * torch.randn(n, d_out, generator=g)
+    return torch.utils.data.TensorDataset(x, y)
+
+
+def full_params(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter as a whole CPU tensor (gathering DTensor shards: a collective)."""
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    for name, p in module.named_parameters():
+        t = p.full_tensor() if isinstance(p, DTensor) else p
+        out[name] = t.detach().to("cpu", torch.float32).clone()
+    return out
+
+
+def max_rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys(), (sorted(a), sorted(b))
+    worst = 0.0
+    for k in a:
+        denom = b[k].abs().max().clamp_min(1e-12)
+        worst = max(worst, float((a[k] - b[k]).abs().max() / denom))
+    return worst
+
+
+import lightning.pytorch as pl  # noqa: E402
+
+
+class RegressionModule(pl.LightningModule):
+    """Calls ``self.net(x)`` directly in every step (never ``self.forward``), as user code often does."""
+
+    def __init__(self, width: int = 16, depth: int = 2, lr: float = 1e-2, optimizer: str = "adamw") -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = TinyNet(width=width, depth=depth)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.net(x), y)
+        self.log("train_loss", loss, sync_dist=True, prog_bar=False)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", torch.nn.functional.mse_loss(self.net(x), y), sync_dist=True)
+
+    def configure_optimizers(self):
+        if self.hparams.optimizer == "sgd":
+            return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
+        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=0.01)
+
+
+class LossRecorder(pl.Callback):
+    """Keeps the (rank-synchronized) logged training loss of every optimizer step."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if "train_loss" in trainer.callback_metrics:
+            self.losses.append(float(trainer.callback_metrics["train_loss"]))
+
+
+def trainer_kwargs(**overrides: Any) -> dict[str, Any]:
+    base = dict(
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        deterministic=False,
+    )
+    base.update(overrides)
+    return base
+
+
+def loader(dataset, batch_size: int, **kwargs: Any) -> torch.utils.data.DataLoader:
+    return torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=False, **kwargs)
+
+
+def rank_loader(dataset, global_batch: int, world: int, **kwargs: Any) -> torch.utils.data.DataLoader:
+    """This rank's slice of every global batch, in order (Lightning would shuffle a training loader).
+
+    With ``DistributedSampler(shuffle=False)`` rank r reads samples r, r+W, r+2W, ...; the union of
+    the ranks' b-th batches is samples [b*G, (b+1)*G), the single-process reference's b-th batch.
+    """
+    sampler = torch.utils.data.DistributedSampler(
+        dataset, num_replicas=world, rank=int(os.environ.get("RANK", 0)), shuffle=False
+    )
+    return torch.utils.data.DataLoader(dataset, batch_size=global_batch // world, sampler=sampler, **kwargs)
