@@ -1,0 +1,36 @@
+# Two commands set everything up on a fresh clone: `make test` and `make demo`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+# The CPU wheel of torch lies on disk; pinning it keeps pip from pulling a multi-GB CUDA build.
+TORCH_PIN ?= torch==2.13.0
+
+.PHONY: install test test-fast demo bench gpu-check clean
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "$(TORCH_PIN)"
+	$(PY) -m pip install --quiet -e ".[test,bench]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q tests/unit
+
+demo: $(STAMP)
+	$(PY) examples/demo.py
+
+bench: $(STAMP)
+	$(PY) -m benchmarks.run
+
+gpu-check: $(STAMP)
+	bash scripts/gpu_check.sh
+
+clean:
+	rm -rf $(VENV) runs lightning_logs .pytest_cache
