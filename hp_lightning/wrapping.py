@@ -9,7 +9,8 @@ Units are named by:
 
 * a class (``MyBlock``) or a dotted class path as a string (``"my_pkg.model.MyBlock"``);
 * a bare class name (``"MyBlock"``) found among the model's submodules;
-* a module-name glob (``"model.layers.*"``), matched against ``named_modules()`` names.
+* a module-name glob (``"model.layers.*"``), matched against ``named_modules()`` names; only
+  the outermost matches count, so ``"layers.*"`` selects the layers, not their sublayers.
 
 With nothing named, the units are the classes in HF's ``_no_split_modules`` when the model has
 it, else the blocks of the model's repeated ``nn.ModuleList`` s.
@@ -109,7 +110,11 @@ def select_modules(model: nn.Module, specs: Sequence[UnitSpec], option: str = "s
         if isinstance(spec, type):
             matched = [m for _, m in named if isinstance(m, spec)]
         elif _is_glob(spec):
-            matched = [m for n, m in named if fnmatch.fnmatchcase(n, spec)]
+            # '*' crosses dots (as in fnmatch), so 'blocks.*' also matches 'blocks.0.fc1'; only the
+            # outermost matches become units, the blocks themselves.
+            names = [n for n, _ in named if fnmatch.fnmatchcase(n, spec)]
+            outermost = [n for n in names if not any(n.startswith(o + ".") for o in names)]
+            matched = [m for n, m in named if n in outermost]
         else:
             cls = _import_class(spec) if "." in spec else None
             if cls is not None:

@@ -247,6 +247,14 @@ class HSDPStrategy(ParallelStrategy):
 
     @override
     def _configure_launcher(self) -> None:
+        # Lightning calls this inside Trainer(...) once devices and nodes are known: the last
+        # moment to refuse a mesh that cannot cover the world before any process starts.
+        resolve_mesh_shape(
+            self._mesh_shape,
+            world_size=self.num_nodes * self.num_processes,
+            num_nodes=self.num_nodes,
+            devices_per_node=self.num_processes,
+        )
         assert self.cluster_environment is not None
         if not self.cluster_environment.creates_processes_externally:
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
@@ -372,6 +380,35 @@ class HSDPStrategy(ParallelStrategy):
             yield None
         finally:
             root.set_requires_gradient_sync(True)
+
+    # ------------------------------------------------------------------ loop boundaries
+
+    def reshard_all(self) -> None:
+        """Free every gathered unit, so ``model.parameters()`` are the sharded DTensors again.
+
+        Evaluation has no backward to free what forward gathered (the root keeps its parameters
+        after forward by design); without this the root would stay whole after validation.
+        """
+        if isinstance(self.model, HSDPModule):
+            for unit in self.model.modules():
+                if isinstance(unit, HSDPModule):
+                    unit.reshard()
+
+    @override
+    def on_validation_end(self) -> None:
+        self.reshard_all()
+
+    @override
+    def on_test_end(self) -> None:
+        self.reshard_all()
+
+    @override
+    def on_predict_end(self) -> None:
+        self.reshard_all()
+
+    @override
+    def on_train_end(self) -> None:
+        self.reshard_all()
 
     # ------------------------------------------------------------------ collectives
 

@@ -141,8 +141,8 @@ def precision_from_lightning(plugin: Precision) -> HSDPPrecision:
     supported_types = {"Precision", "MixedPrecision", "HalfPrecision"}
     if type(plugin).__name__ not in supported_types:
         raise ValueError(
-            f"HSDPStrategy cannot use the precision plugin {type(plugin).__name__} (precision={flag!r}); it "
-            f"supports Trainer(precision=...) in {sorted(SUPPORTED_PRECISION)}."
+            f"HSDPStrategy supports precision {sorted(SUPPORTED_PRECISION)}; got {flag!r} (plugin "
+            f"{type(plugin).__name__}). Set Trainer(precision='bf16-mixed') or '32-true'."
         )
     device = getattr(plugin, "device", devices.CPU)
     return HSDPPrecision(normalize_precision(flag), device_type=str(device))

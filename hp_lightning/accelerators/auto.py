@@ -1,0 +1,73 @@
+"""``Trainer(accelerator="auto")`` on Ascend machines: the one step a registered accelerator cannot take.
+
+Lightning 2.6 resolves ``"auto"`` in ``_AcceleratorConnector._choose_auto_accelerator``, a fixed
+chain (TPU, MPS, CUDA, else CPU) that never consults the ``AcceleratorRegistry``. Registering
+``"npu"`` therefore makes ``accelerator="npu"`` work but leaves ``"auto"`` on the CPU of an NPU
+machine. :func:`install_auto_selection` wraps that one static method: Lightning's answer is kept,
+except that where it would fall back to the CPU and NPUs are present, the answer is ``"npu"``.
+
+Off Ascend machines the wrapper returns exactly what Lightning chose: it asks for NPUs only after
+Lightning picked the CPU, and without ``torch_npu`` installed that question is a path lookup that
+imports nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.trainer.connectors import accelerator_connector as _connector
+
+from hp_lightning import devices
+
+_ATTRIBUTE = "_choose_auto_accelerator"
+_MARK = "_hp_lightning_wrapped"
+
+
+def choose_auto_accelerator(lightning_choice: str) -> str:
+    """Lightning's choice for ``accelerator="auto"``, with ``"npu"`` in place of a CPU fallback on NPU machines."""
+    if lightning_choice == devices.CPU and devices.npu_available():
+        return devices.NPU
+    return lightning_choice
+
+
+def auto_selection_installed() -> bool:
+    """True when :func:`install_auto_selection` is in effect."""
+    current = _connector._AcceleratorConnector.__dict__.get(_ATTRIBUTE)
+    return isinstance(current, staticmethod) and getattr(current.__func__, _MARK, None) is not None
+
+
+def install_auto_selection() -> bool:
+    """Make ``Trainer(accelerator="auto")`` pick NPUs where Lightning would pick the CPU.
+
+    Idempotent. Returns True when this call installed the wrapper; False when it was already in
+    place or when this Lightning version no longer has the hook (a warning then says so and
+    ``accelerator="npu"`` remains the way to select NPUs).
+    """
+    if auto_selection_installed():
+        return False
+    original = _connector._AcceleratorConnector.__dict__.get(_ATTRIBUTE)
+    if not isinstance(original, staticmethod):
+        rank_zero_warn(
+            f"hp_lightning could not extend Lightning's accelerator='auto' to NPUs: "
+            f"_AcceleratorConnector.{_ATTRIBUTE} is missing in this Lightning version. "
+            f"Select NPUs with Trainer(accelerator={devices.NPU!r})."
+        )
+        return False
+    lightning_choose: Callable[[], str] = original.__func__
+
+    def _choose_auto_accelerator() -> str:
+        return choose_auto_accelerator(lightning_choose())
+
+    setattr(_choose_auto_accelerator, _MARK, lightning_choose)
+    setattr(_connector._AcceleratorConnector, _ATTRIBUTE, staticmethod(_choose_auto_accelerator))
+    return True
+
+
+def uninstall_auto_selection() -> bool:
+    """Restore Lightning's own ``accelerator="auto"``; True when a wrapper was removed."""
+    if not auto_selection_installed():
+        return False
+    current = _connector._AcceleratorConnector.__dict__[_ATTRIBUTE]
+    setattr(_connector._AcceleratorConnector, _ATTRIBUTE, staticmethod(getattr(current.__func__, _MARK)))
+    return True

@@ -1,0 +1,150 @@
+"""Bad configurations fail at Trainer(...) or HSDPStrategy(...) with what was expected, what came, and the fix.
+
+Nothing here starts a process or a process group: every error is raised before one could hang.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from lightning.pytorch import Trainer
+from torch import nn
+
+import hp_lightning
+from hp_lightning import HSDPStrategy
+from hp_lightning.mesh import resolve_mesh_shape
+from hp_lightning.wrapping import select_modules, select_params
+from tests.helpers import TinyNet
+
+BAD_STRATEGY_ARGS = [
+    # (kwargs, exception type, regex that must appear in the message)
+    (dict(mesh_shape=[2, 2, 2]), ValueError, r"1 dim .*2 dims.*got 3 dims"),
+    (dict(mesh_shape=[0, 4]), ValueError, r">= 1.*got \[0, 4\]"),
+    (dict(mesh_shape=[-2, 4]), ValueError, r">= 1 \(or -1"),
+    (dict(mesh_shape=[-1, -1]), ValueError, r"at most one size"),
+    (dict(mesh_shape="2x2"), TypeError, r"list/tuple of ints.*got str"),
+    (dict(mesh_shape=[2.0, 2]), TypeError, r"sizes must be ints.*float"),
+    (dict(mesh_shape=[]), ValueError, r"got 0 dims"),
+    (dict(param_dtype="bf17"), ValueError, r"param_dtype must be one of .*got 'bf17'.*param_dtype='bf16'"),
+    (dict(reduce_dtype=torch.int32), ValueError, r"floating dtype; got torch.int32"),
+    (dict(reduce_dtype=16), TypeError, r"string like 'bf16'.*got int"),
+    (dict(reshard_after_forward="yes"), TypeError, r"reshard_after_forward=.*True or False; got str"),
+    (dict(cpu_offload=1), TypeError, r"cpu_offload=.*True or False; got int"),
+    (dict(comm_fusion=None), TypeError, r"comm_fusion=.*True or False; got NoneType"),
+    (dict(reduce_op="mean"), ValueError, r"reduce_op=.*\['avg', 'sum'\]; got 'mean'"),
+    (dict(gradient_scaling_factor=0.0), ValueError, r"finite and > 0.*got 0.0"),
+    (dict(gradient_scaling_factor="half"), TypeError, r"positive number or None; got str"),
+    (dict(prefetch=-1), ValueError, r"int >= 0.*got -1"),
+    (dict(state_dict_type="zip"), ValueError, r"\['sharded', 'full'\]; got 'zip'"),
+    (dict(timeout=-5), ValueError, r"> 0 seconds; got -5"),
+    (dict(timeout="30m"), TypeError, r"seconds .* or a timedelta; got str"),
+    (dict(shard_modules=["no_such_pkg.model.Block"]), ValueError, r"does not import to a class.*my_pkg.model.Block"),
+    (dict(shard_modules=[3]), TypeError, r"classes or strings; got int"),
+    (dict(shard_modules=[torch.Tensor]), TypeError, r"nn.Module subclasses; got Tensor"),
+    (dict(ignored_params="head.*"), TypeError, r"list of strings; got str.*\['head.\*'\]"),
+    (dict(shard_placement={"*.weight": "1"}), TypeError, r"maps strings to ints"),
+    (dict(shard_placement=[("*.weight", 1)]), TypeError, r"mapping of parameter-name glob to dim"),
+    (dict(process_group_backend=3), TypeError, r"string like 'gloo' or None"),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "exc", "pattern"), BAD_STRATEGY_ARGS, ids=[str(k) for k, _, _ in BAD_STRATEGY_ARGS])
+def test_strategy_rejects_bad_arguments(kwargs, exc, pattern):
+    with pytest.raises(exc, match=pattern):
+        HSDPStrategy(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("mesh_shape", "devices", "num_nodes", "pattern"),
+    [
+        ([3, 2], 4, 1, r"replicate x shard == world size 4; got 6"),
+        ([3], 4, 1, r"shard == world size 4; got 3"),
+        ([3, -1], 2, 2, r"3 does not divide it"),
+    ],
+)
+def test_mesh_that_cannot_cover_the_world_fails_in_trainer_constructor(mesh_shape, devices, num_nodes, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        Trainer(strategy=HSDPStrategy(mesh_shape=mesh_shape), accelerator="cpu", devices=devices, num_nodes=num_nodes, logger=False)
+
+
+@pytest.mark.parametrize("precision", ["64-true", "16-true"])
+def test_unsupported_precision_fails_in_trainer_constructor(precision):
+    with pytest.raises(ValueError, match=r"supports precision .*'32-true'.*'bf16-mixed'.*got"):
+        Trainer(strategy="hsdp", accelerator="cpu", devices=2, precision=precision, logger=False)
+
+
+def test_fp16_error_explains_the_alternative():
+    from hp_lightning.strategies.precision import normalize_precision
+
+    with pytest.raises(ValueError, match=r"use 'bf16-mixed'"):
+        normalize_precision("16-mixed")
+
+
+def test_mesh_resolution_infers_and_checks():
+    assert resolve_mesh_shape(None, world_size=8, num_nodes=2, devices_per_node=4) == (2, 4)
+    assert resolve_mesh_shape([-1], world_size=8, num_nodes=2, devices_per_node=4) == (8,)
+    assert resolve_mesh_shape([4, -1], world_size=8, num_nodes=2, devices_per_node=4) == (4, 2)
+    with pytest.raises(ValueError, match=r"world size 8; got 6"):
+        resolve_mesh_shape([3, 2], world_size=8, num_nodes=2, devices_per_node=4)
+
+
+def test_unit_selection_errors_name_what_exists():
+    model = TinyNet()
+    with pytest.raises(ValueError, match=r"'Attention' matches no submodule of TinyNet\. Available classes: \['Block', 'LayerNorm', 'Linear', 'ModuleList'\]"):
+        select_modules(model, ["Attention"])
+    with pytest.raises(ValueError, match=r"'layers\.\*' matches no submodule.*blocks"):
+        select_modules(model, ["layers.*"])
+    with pytest.raises(ValueError, match=r"pattern 'embed\.\*' matches no parameter.*inp.weight"):
+        select_params(model, ["embed.*"], "replicate_params")
+
+
+def test_unit_selection_forms_agree():
+    model = TinyNet(depth=3)
+    by_class = select_modules(model, [type(model.blocks[0])])
+    by_name = select_modules(model, ["Block"])
+    by_path = select_modules(model, ["tests.helpers.Block"])
+    by_glob = select_modules(model, ["blocks.*"])
+    assert [id(m) for m in by_class] == [id(m) for m in by_name] == [id(m) for m in by_path] == [id(m) for m in by_glob]
+    # Bottom-up: the last block first (children before parents, later siblings first).
+    assert by_class[0] is model.blocks[2]
+
+
+def test_auto_units_prefer_hf_no_split_modules():
+    class Layer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+    class HFLike(nn.Module):
+        _no_split_modules = ["Layer"]
+
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList([Layer(), Layer()])
+            self.extra = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)])
+
+    from hp_lightning.wrapping import auto_units
+
+    units = auto_units(HFLike())
+    assert [type(u).__name__ for u in units] == ["Layer", "Layer"]
+
+
+def test_registered_names():
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    assert {"hsdp", "hp_fsdp", "hsdp_cpu_offload"} <= set(StrategyRegistry)
+    fsdp = StrategyRegistry.get("hp_fsdp")
+    offload = StrategyRegistry.get("hsdp_cpu_offload")
+    assert isinstance(fsdp, HSDPStrategy) and fsdp._mesh_shape == (-1,)
+    assert offload.cpu_offload is True
+    assert hp_lightning.HSDPStrategy is HSDPStrategy
+
+
+def test_every_error_message_has_a_received_value():
+    # Every message in BAD_STRATEGY_ARGS names what was received ("got ...").
+    for kwargs, exc, _ in BAD_STRATEGY_ARGS:
+        with pytest.raises(exc) as info:
+            HSDPStrategy(**kwargs)
+        assert re.search(r"got|does not import", str(info.value)), str(info.value)
