@@ -39,6 +39,7 @@ class CollectiveCall:
     kind: str
     ranks: tuple[int, ...]
     bytes: int
+    dtype: torch.dtype | None = None
 
 
 @dataclass
@@ -56,6 +57,8 @@ class CollectiveCounter:
     _originals: dict[str, Callable[..., Any]] = field(default_factory=dict)
     _local: threading.local = field(default_factory=threading.local)
     paused: bool = False
+    #: Called with each recorded call, in issue order (e.g. to interleave with compute events).
+    listeners: list[Callable[[CollectiveCall], None]] = field(default_factory=list)
 
     def __enter__(self) -> CollectiveCounter:
         for name in WRAPPED:
@@ -78,7 +81,17 @@ class CollectiveCounter:
         def counted(*args: Any, **kwargs: Any) -> Any:
             depth = getattr(self._local, "depth", 0)
             if depth == 0 and not self.paused:
-                self.calls.append(CollectiveCall(kind, _group_ranks(kwargs.get("group")), _payload_bytes(args, kwargs)))
+                tensor = _largest_tensor(args, kwargs)
+                self.calls.append(
+                    CollectiveCall(
+                        kind,
+                        _group_ranks(kwargs.get("group")),
+                        0 if tensor is None else tensor.numel() * tensor.element_size(),
+                        None if tensor is None else tensor.dtype,
+                    )
+                )
+                for listener in self.listeners:
+                    listener(self.calls[-1])
             self._local.depth = depth + 1
             try:
                 return original(*args, **kwargs)
@@ -109,7 +122,7 @@ def _group_ranks(group: Any) -> tuple[int, ...]:
     return tuple(dist.get_process_group_ranks(group))
 
 
-def _payload_bytes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
-    """Bytes of the largest tensor argument (the gathered output / scattered input / reduced tensor)."""
+def _largest_tensor(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
+    """The largest tensor argument: the gathered output, the scattered input, the reduced tensor."""
     tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
-    return max((t.numel() * t.element_size() for t in tensors), default=0)
+    return max(tensors, key=lambda t: t.numel() * t.element_size(), default=None)
