@@ -300,7 +300,12 @@ class HSDPStrategy(ParallelStrategy):
             shard_modules=self._shard_modules,
             reshard_after_forward=self._reshard_after_forward,
             mp_policy=mp_policy,
-            offload_policy=CPUOffloadPolicy() if self._cpu_offload else OffloadPolicy(),
+            # Pinned host memory speeds up host<->device copies but needs an accelerator runtime.
+            offload_policy=(
+                CPUOffloadPolicy(pin_memory=devices.is_accelerator(self.root_device.type))
+                if self._cpu_offload
+                else OffloadPolicy()
+            ),
             activation_checkpointing=self._activation_checkpointing,
             ignored_params=self._ignored_params,
             replicate_params=self._replicate_params,
