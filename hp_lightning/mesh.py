@@ -138,7 +138,7 @@ def init_device_mesh(
     """
     shape = validate_mesh_shape(mesh_shape) if len(mesh_shape) <= 2 else tuple(mesh_shape)
     if shape is None or INFER in shape:
-        raise ValueError(f"init_device_mesh needs explicit sizes; got {mesh_shape!r}.")
+        raise ValueError(f"init_device_mesh expects explicit sizes >= 1; got {mesh_shape!r}. Example: (2, 4).")
     names = tuple(mesh_dim_names) if mesh_dim_names is not None else dim_names_for(shape)
     return _torch_init_device_mesh(device_type or default_device_type(), tuple(shape), mesh_dim_names=names)
 

@@ -217,13 +217,25 @@ def loader(dataset, batch_size: int, **kwargs: Any) -> torch.utils.data.DataLoad
     return torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=False, **kwargs)
 
 
-def rank_loader(dataset, global_batch: int, world: int, **kwargs: Any) -> torch.utils.data.DataLoader:
-    """This rank's slice of every global batch, in order (Lightning would shuffle a training loader).
+class OrderedRankSampler(torch.utils.data.DistributedSampler):
+    """``DistributedSampler(shuffle=False)`` that reads its rank when iterated, not when built.
 
-    With ``DistributedSampler(shuffle=False)`` rank r reads samples r, r+W, r+2W, ...; the union of
-    the ranks' b-th batches is samples [b*G, (b+1)*G), the single-process reference's b-th batch.
+    A script's loader is built before Lightning's launcher has started the other ranks; the rank
+    is only known once the process group exists. Rank r reads samples r, r+W, r+2W, ...; the
+    union of the ranks' b-th batches is samples [b*G, (b+1)*G), the single-process b-th batch.
     """
-    sampler = torch.utils.data.DistributedSampler(
-        dataset, num_replicas=world, rank=int(os.environ.get("RANK", 0)), shuffle=False
-    )
+
+    def __init__(self, dataset, world: int) -> None:
+        super().__init__(dataset, num_replicas=world, rank=0, shuffle=False)
+
+    def __iter__(self):
+        import torch.distributed as dist
+
+        self.rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
+        return super().__iter__()
+
+
+def rank_loader(dataset, global_batch: int, world: int, **kwargs: Any) -> torch.utils.data.DataLoader:
+    """This rank's slice of every global batch, in order (Lightning would shuffle a training loader)."""
+    sampler = OrderedRankSampler(dataset, world)
     return torch.utils.data.DataLoader(dataset, batch_size=global_batch // world, sampler=sampler, **kwargs)

@@ -113,9 +113,8 @@ class HSDPModule(FSDPModule):
         _require_bool(recurse, "set_requires_all_reduce(recurse=...)")
         if self._hp_mesh.ndim != 2:
             raise ValueError(
-                f"set_requires_all_reduce applies to HSDP (a 2-D (replicate, shard) mesh); this unit "
-                f"has a {self._hp_mesh.ndim}-D mesh {tuple(self._hp_mesh.shape)}. Use "
-                f"set_requires_gradient_sync for FSDP."
+                f"set_requires_all_reduce expects an HSDP unit (2-D (replicate, shard) mesh); got a unit on a "
+                f"{self._hp_mesh.ndim}-D mesh {tuple(self._hp_mesh.shape)}. Use set_requires_gradient_sync for FSDP."
             )
         super().set_requires_all_reduce(requires_all_reduce, recurse=recurse)
         for unit in self._hp_units(recurse):
@@ -260,8 +259,8 @@ def _validate_placement_fn(fn: Callable[[nn.Parameter], Shard | None]) -> Callab
             )
         if placement is not None and not -param.ndim <= placement.dim < param.ndim:
             raise ValueError(
-                f"shard_placement_fn returned Shard({placement.dim}) for a parameter of shape "
-                f"{tuple(param.shape)}; the dim must be in [{-param.ndim}, {param.ndim - 1}]."
+                f"shard_placement_fn must return a dim in [{-param.ndim}, {param.ndim - 1}] for a parameter of "
+                f"shape {tuple(param.shape)}; got Shard({placement.dim}). Return Shard(0) or None for dim 0."
             )
         return placement
 
@@ -314,7 +313,10 @@ def fully_shard(
         if not isinstance(m, nn.Module):
             raise TypeError(f"fully_shard expects nn.Module or list[nn.Module]; got {type(m).__name__}.")
         if isinstance(m, FSDPModule):
-            raise ValueError(f"fully_shard was already applied to this {type(m).__name__}; apply it once per unit.")
+            raise ValueError(
+                f"fully_shard expects a module it has not sharded yet; got {type(m).__name__}, already sharded. "
+                f"Apply it once per unit, bottom-up: the blocks first, then the root."
+            )
     if mesh is not None and not isinstance(mesh, DeviceMesh):
         raise TypeError(f"fully_shard(mesh=...) expects a DeviceMesh or None; got {type(mesh).__name__}.")
     _require_bool(reshard_after_forward, "fully_shard(reshard_after_forward=...)")
@@ -335,8 +337,9 @@ def fully_shard(
     both = [p for p in replicated if any(p is q for q in ignored)]
     if both:
         raise ValueError(
-            f"{len(both)} parameter(s) are in both ignored_params and replicate_params; a parameter is "
-            f"either left alone (ignored) or kept whole with synchronized gradients (replicate), not both."
+            f"fully_shard expects disjoint ignored_params and replicate_params; got {len(both)} parameter(s) in "
+            f"both. A parameter is either left alone (ignored) or kept whole with synchronized gradients "
+            f"(replicate): remove it from one of the sets."
         )
 
     mesh = mesh if mesh is not None else _default_mesh()

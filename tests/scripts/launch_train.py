@@ -1,0 +1,30 @@
+"""Train the test model with HSDPStrategy as a user script would; rank 0 writes the final params.
+
+Run as ``python launch_train.py OUT.pt 2`` (Lightning's subprocess launcher starts the other
+ranks) or under ``torchrun --nproc-per-node 2 launch_train.py OUT.pt 2``.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from lightning.pytorch import Trainer, seed_everything
+
+import hp_lightning  # noqa: F401 - registers "hsdp"
+from tests.helpers import RegressionModule, full_params, make_dataset, rank_loader, trainer_kwargs
+
+
+def main(out: str, devices: int) -> None:
+    torch.set_num_threads(1)
+    seed_everything(0)
+    model = RegressionModule()
+    trainer = Trainer(devices=devices, strategy="hp_fsdp", max_steps=3, **trainer_kwargs())
+    trainer.fit(model, rank_loader(make_dataset(), 16, devices))
+    params = full_params(model)
+    if trainer.is_global_zero:
+        torch.save({"params": params, "world": trainer.world_size, "mesh": tuple(model.device_mesh.shape)}, out)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]))
