@@ -1,3 +1,29 @@
-"""Per-step policy callbacks for HSDPStrategy (gradient sync, scaling, resharding, reports)."""
+"""Per-step policy on top of HSDPStrategy's mechanism, each configurable from LightningCLI YAML.
 
-__all__: list[str] = []
+* :class:`GradientAccumulationSync`: what non-final micro-batches communicate
+  (``"skip"`` / ``"every"`` / ``"defer_all_reduce"``); :func:`micro_batch_sync` for manual optimization.
+* :class:`GradientScaling`: the gradient scaling factor (fixed or per batch) and reduce op.
+* :class:`ReshardSchedule`: ``reshard_after_forward`` per phase, parameters kept gathered
+  inside accumulation windows.
+* :class:`ShardingReport`: per-unit table of what was sharded, with warnings.
+* :class:`GradientMemoryMonitor`: gradient bytes held after each backward.
+"""
+
+from hp_lightning.callbacks.accumulation import GradientAccumulationSync, micro_batch_sync
+from hp_lightning.callbacks.memory import GradientMemoryMonitor, live_gradient_bytes
+from hp_lightning.callbacks.report import ShardingReport, ShardingSummary, UnitReport, sharding_summary
+from hp_lightning.callbacks.resharding import ReshardSchedule
+from hp_lightning.callbacks.scaling import GradientScaling
+
+__all__ = [
+    "GradientAccumulationSync",
+    "GradientMemoryMonitor",
+    "GradientScaling",
+    "ReshardSchedule",
+    "ShardingReport",
+    "ShardingSummary",
+    "UnitReport",
+    "live_gradient_bytes",
+    "micro_batch_sync",
+    "sharding_summary",
+]

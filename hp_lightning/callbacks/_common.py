@@ -85,11 +85,11 @@ def param_groups(unit: HSDPModule) -> list[Any]:
     return list(groups)
 
 
-def forward_prefetch_targets(unit: HSDPModule) -> list[nn.Module]:
-    """Units this one all-gathers ahead of time in forward (explicit prefetch)."""
+def prefetch_targets(unit: HSDPModule, direction: str) -> list[nn.Module]:
+    """Units this one all-gathers ahead of time (explicit prefetch) in ``"forward"`` or ``"backward"``."""
     state = unit._get_fsdp_state()
     modules: list[nn.Module] = []
-    for target in getattr(state, "_states_to_forward_prefetch", []):
+    for target in getattr(state, f"_states_to_{direction}_prefetch", []):
         modules.extend(getattr(target, "_modules", ()))
     return modules
 

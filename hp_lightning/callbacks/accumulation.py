@@ -4,17 +4,12 @@ With ``accumulate_grad_batches=k`` Lightning runs k-1 micro-batches inside
 ``strategy.block_backward_sync()`` and the k-th normally. :class:`HSDPStrategy` owns that
 mechanism and reads ``strategy.accumulation_mode`` to decide what "blocked" means;
 :class:`GradientAccumulationSync` is the policy that sets it. Per unit and optimizer step on an
-HSDP ``(R, S)`` mesh:
+HSDP ``(R, S)`` mesh (reduce-scatters over the shard group / all-reduces over the replicate
+group / gradient memory held between micro-batches):
 
-==================  ====================  ===================  ==================================
-mode                reduce-scatters (S)   all-reduces (R)      gradient memory between micro-
-                                                               batches
-==================  ====================  ===================  ==================================
-``"skip"``          1                     1                    full-size gradients of every unit
-``"every"``         k                     k                    1/S-size gradient shards
-``"defer_all_      k                     1                    1/S-size partial shards
-reduce"``
-==================  ====================  ===================  ==================================
+* ``"skip"``: 1 / 1 / the full-size gradient of every unit;
+* ``"every"``: k / k / 1/S-size gradient shards;
+* ``"defer_all_reduce"``: k / 1 / 1/S-size partial sums.
 
 Pick ``"skip"`` when memory allows (least traffic), ``"every"`` when full-size gradients do not
 fit, and ``"defer_all_reduce"`` on HSDP across nodes: the reduce-scatter stays on the fast

@@ -23,7 +23,7 @@ from lightning.pytorch.strategies.launchers.subprocess_script import _Subprocess
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
@@ -103,6 +103,8 @@ class HSDPStrategy(ParallelStrategy):
             methods (``generate`` is registered automatically when present).
         state_dict_type: ``"sharded"`` (a directory, one shard per rank) or ``"full"`` (one file
             rank 0 writes, loadable on a single CPU process).
+        sharding_report: log the table of units, bytes per rank, placements and dtypes at setup
+            (the same table as the ``ShardingReport`` callback).
         process_group_backend: None → gloo for CPU, nccl for CUDA, hccl for NPU.
         timeout: collective timeout, in seconds or as a timedelta.
     """
@@ -133,6 +135,7 @@ class HSDPStrategy(ParallelStrategy):
         prefetch: int = 1,
         forward_methods: Optional[Sequence[str]] = None,
         state_dict_type: Literal["sharded", "full"] = "sharded",
+        sharding_report: bool = False,
         process_group_backend: Optional[str] = None,
         timeout: Union[float, timedelta] = default_pg_timeout,
     ) -> None:
@@ -155,6 +158,7 @@ class HSDPStrategy(ParallelStrategy):
         self._prefetch = prefetch
         self._forward_methods = _check_patterns(forward_methods, "forward_methods")
         self._state_dict_type = _check_choice(state_dict_type, "state_dict_type", STATE_DICT_TYPES)
+        self._sharding_report = _check_bool(sharding_report, "sharding_report")
         if process_group_backend is not None and not isinstance(process_group_backend, str):
             raise TypeError(f"HSDPStrategy(process_group_backend=...) expects a string like 'gloo' or None; got {process_group_backend!r}.")
         self._process_group_backend = process_group_backend
@@ -192,6 +196,11 @@ class HSDPStrategy(ParallelStrategy):
     @property
     def cpu_offload(self) -> bool:
         return self._cpu_offload
+
+    @property
+    def reshard_after_forward(self) -> bool:
+        """The ``reshard_after_forward`` units were sharded with (the root always keeps its parameters)."""
+        return self._reshard_after_forward
 
     @property
     @override
@@ -332,6 +341,11 @@ class HSDPStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
+        if self._sharding_report:
+            from hp_lightning.callbacks.report import sharding_summary  # lazy: callbacks import this module
+
+            table = sharding_summary(self).table()
+            rank_zero_info(table)
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:

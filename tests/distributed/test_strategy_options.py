@@ -93,6 +93,10 @@ def options_worker() -> dict:
     out["fc1_placement"] = tuple(fc1.placements)
     out["head_all_reduces"] = comms.count("all_reduce", (0, 1))
     out["numerics"] = numerics
+    # ignored_params from the strategy: whole on every rank, never synchronized.
+    model, comms, _ = fit(HSDPStrategy(mesh_shape=[2], ignored_params=["net.inp.bias"]))
+    out["ignored_whole"] = not isinstance(model.net.inp.bias, DTensor)
+    out["ignored_value"] = model.net.inp.bias.detach().clone()
     return out
 
 
@@ -125,3 +129,6 @@ def test_strategy_options():
         assert res["head_all_reduces"] >= STEPS
         for name, params in res["numerics"].items():
             assert max_rel_diff(params, ref) <= 1e-5, name
+        assert res["ignored_whole"]
+    # Each rank trained its own copy of the ignored bias on its own data.
+    assert not torch.allclose(results[0]["ignored_value"], results[1]["ignored_value"])

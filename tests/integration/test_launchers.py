@@ -33,19 +33,19 @@ def reference() -> dict[str, torch.Tensor]:
     return full_params(model)
 
 
-def _check(out: Path, reference) -> None:
+def _check(out: Path, reference, world: int) -> None:
     result = torch.load(out)
-    assert result["world"] == 2 and result["mesh"] == (2,)
+    assert result["world"] == world and result["mesh"] == (world,)
     assert max_rel_diff(result["params"], reference) <= 1e-5
 
 
-def test_script_with_lightning_subprocess_launcher(tmp_path, reference):
+def test_script_with_trainer_devices_4_uses_lightning_subprocess_launcher(tmp_path, reference):
     out = tmp_path / "params.pt"
     env = _env()
     env["MASTER_PORT"] = str(free_port())
-    proc = subprocess.run([sys.executable, str(SCRIPT), str(out), "2"], env=env, cwd=tmp_path, timeout=300, capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, str(SCRIPT), str(out), "4"], env=env, cwd=tmp_path, timeout=300, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    _check(out, reference)
+    _check(out, reference, world=4)
 
 
 def test_script_under_torchrun(tmp_path, reference):
@@ -55,4 +55,4 @@ def test_script_under_torchrun(tmp_path, reference):
     cmd = [torchrun, "--nproc-per-node", "2", "--master-port", str(free_port()), str(SCRIPT), str(out), "2"]
     proc = subprocess.run(cmd, env=_env(), cwd=tmp_path, timeout=300, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    _check(out, reference)
+    _check(out, reference, world=2)
