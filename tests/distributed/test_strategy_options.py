@@ -93,6 +93,15 @@ def options_worker() -> dict:
     out["fc1_placement"] = tuple(fc1.placements)
     out["head_all_reduces"] = comms.count("all_reduce", (0, 1))
     out["numerics"] = numerics
+    # sharding_report=True logs the table (rank 0) at setup.
+    import logging
+
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").addHandler(handler)
+    fit(HSDPStrategy(mesh_shape=[2], sharding_report=True))
+    out["report_lines"] = [r for r in records if "net.blocks.0" in r]
     # ignored_params from the strategy: whole on every rank, never synchronized.
     model, comms, _ = fit(HSDPStrategy(mesh_shape=[2], ignored_params=["net.inp.bias"]))
     out["ignored_whole"] = not isinstance(model.net.inp.bias, DTensor)
@@ -130,5 +139,6 @@ def test_strategy_options():
         for name, params in res["numerics"].items():
             assert max_rel_diff(params, ref) <= 1e-5, name
         assert res["ignored_whole"]
+    assert results[0]["report_lines"], "rank 0 logs the sharding report"
     # Each rank trained its own copy of the ignored bias on its own data.
     assert not torch.allclose(results[0]["ignored_value"], results[1]["ignored_value"])
