@@ -93,6 +93,9 @@ def options_worker() -> dict:
     out["fc1_placement"] = tuple(fc1.placements)
     out["head_all_reduces"] = comms.count("all_reduce", (0, 1))
     out["numerics"] = numerics
+    # Clipping by value works elementwise on the local shards and whole tensors alike.
+    model, comms, _ = fit(HSDPStrategy(mesh_shape=[2], replicate_params=["net.head.*"]), gradient_clip_val=0.01, gradient_clip_algorithm="value")
+    out["clip_value"] = full_params(model)
     # sharding_report=True logs the table (rank 0) at setup.
     import logging
 
@@ -109,10 +112,10 @@ def options_worker() -> dict:
     return out
 
 
-def reference(steps: int = STEPS) -> dict:
+def reference(steps: int = STEPS, **trainer_args) -> dict:
     seed_everything(0)
     model = RegressionModule()
-    trainer = Trainer(devices=1, max_steps=steps, **trainer_kwargs())
+    trainer = Trainer(devices=1, max_steps=steps, **trainer_kwargs(**trainer_args))
     trainer.fit(model, loader(make_dataset(), GLOBAL_BATCH))
     return full_params(model)
 
@@ -140,5 +143,9 @@ def test_strategy_options():
             assert max_rel_diff(params, ref) <= 1e-5, name
         assert res["ignored_whole"]
     assert results[0]["report_lines"], "rank 0 logs the sharding report"
+    clipped = reference(gradient_clip_val=0.01, gradient_clip_algorithm="value")
+    assert max_rel_diff(clipped, ref) > 1e-3, "the clip value must change the result"
+    for res in results:
+        assert max_rel_diff(res["clip_value"], clipped) <= 1e-5
     # Each rank trained its own copy of the ignored bias on its own data.
     assert not torch.allclose(results[0]["ignored_value"], results[1]["ignored_value"])
