@@ -8,7 +8,6 @@ token count instead of averaging per-rank means (which over-weights ranks with s
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
@@ -16,23 +15,13 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from hp_lightning.callbacks._common import require_hsdp_strategy, root_module
-from hp_lightning.fully_shard import REDUCE_OPS
+from hp_lightning.fully_shard import REDUCE_OPS, validate_scaling_factor
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 #: ``factor(trainer, pl_module, batch) -> float | None``, called before each training batch.
 FactorFn = Callable[..., Optional[float]]
-
-
-def _check_factor(value: Any, owner: str) -> Optional[float]:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{owner} expects a finite number > 0 or None (no scaling); got {type(value).__name__} {value!r}.")
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{owner} expects a finite number > 0 or None (no scaling); got {value!r}.")
-    return float(value)
 
 
 class GradientScaling(Callback):
@@ -65,7 +54,7 @@ class GradientScaling(Callback):
         if callable(factor):
             self.factor: Union[float, FactorFn, None] = factor
         else:
-            self.factor = _check_factor(factor, "GradientScaling(factor=...)")
+            self.factor = validate_scaling_factor(factor, "GradientScaling(factor=...)")
         if reduce_op is not None and (not isinstance(reduce_op, str) or reduce_op.lower() not in REDUCE_OPS):
             raise ValueError(f"GradientScaling(reduce_op=...) expects one of {list(REDUCE_OPS)} or None; got {reduce_op!r}.")
         self.reduce_op = reduce_op.lower() if reduce_op is not None else None
@@ -91,7 +80,7 @@ class GradientScaling(Callback):
         if not callable(self.factor):
             return
         name = getattr(self.factor, "__qualname__", repr(self.factor))
-        value = _check_factor(self.factor(trainer, pl_module, batch), f"GradientScaling(factor={name}) result at batch {batch_idx}")
+        value = validate_scaling_factor(self.factor(trainer, pl_module, batch), f"GradientScaling(factor={name}) result at batch {batch_idx}")
         self._set(root_module(require_hsdp_strategy(trainer, self)), value)
 
     def _set(self, root: Any, value: Optional[float]) -> None:

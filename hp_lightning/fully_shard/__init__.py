@@ -1,6 +1,6 @@
 """The seed's ``fully_shard`` API (HyperParallel) on PyTorch FSDP2."""
 
-from hp_lightning.fully_shard.api import REDUCE_OPS, HSDPModule, fully_shard, hsdp_modules
+from hp_lightning.fully_shard.api import REDUCE_OPS, HSDPModule, fully_shard, hsdp_modules, validate_scaling_factor
 from hp_lightning.fully_shard.policies import (
     CPUOffloadPolicy,
     MixedPrecisionPolicy,
@@ -19,4 +19,5 @@ __all__ = [
     "fully_shard",
     "hsdp_modules",
     "parse_dtype",
+    "validate_scaling_factor",
 ]

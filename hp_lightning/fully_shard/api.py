@@ -34,7 +34,7 @@ from torch.distributed.tensor import Shard
 from hp_lightning.fully_shard.policies import MixedPrecisionPolicy, OffloadPolicy
 from hp_lightning.fully_shard.replicate import ReplicatedParamSync
 
-__all__ = ["HSDPModule", "REDUCE_OPS", "fully_shard", "hsdp_modules"]
+__all__ = ["HSDPModule", "REDUCE_OPS", "fully_shard", "hsdp_modules", "validate_scaling_factor"]
 
 #: Gradient reduce ops: "avg" divides the summed gradients by the data-parallel size.
 REDUCE_OPS = ("avg", "sum")
@@ -44,6 +44,22 @@ def _require_bool(value: Any, what: str) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"{what} expects a bool (True or False); got {type(value).__name__} {value!r}.")
     return value
+
+
+def validate_scaling_factor(factor: Any, owner: str) -> float | None:
+    """Check a gradient scaling factor: a finite number > 0, or None (no scaling).
+
+    Raises:
+        TypeError: for anything but a real number or None (bools included).
+        ValueError: for zero, negative, NaN or infinite factors.
+    """
+    if factor is None:
+        return None
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)):
+        raise TypeError(f"{owner} expects a finite number > 0 or None (no scaling); got {type(factor).__name__} {factor!r}.")
+    if not math.isfinite(factor) or factor <= 0:
+        raise ValueError(f"{owner} expects a finite number > 0 or None (no scaling); got {factor!r}.")
+    return float(factor)
 
 
 def _require_fsdp_modules(modules: Any, what: str) -> list[FSDPModule]:
@@ -148,18 +164,7 @@ class HSDPModule(FSDPModule):
         included; e.g. ``1 / tokens_in_global_batch`` with ``reduce_op="sum"`` normalizes by
         the global token count.
         """
-        if factor is not None:
-            if isinstance(factor, bool) or not isinstance(factor, (int, float)):
-                raise TypeError(
-                    f"set_gradient_scaling_factor expects a positive float or None; got "
-                    f"{type(factor).__name__} {factor!r}."
-                )
-            if not math.isfinite(factor) or factor <= 0:
-                raise ValueError(
-                    f"set_gradient_scaling_factor expects a finite factor > 0, or None to disable "
-                    f"scaling; got {factor!r}."
-                )
-            factor = float(factor)
+        factor = validate_scaling_factor(factor, "set_gradient_scaling_factor")
         for unit in self._hp_units(recurse=True):
             unit._hp_scaling_factor = factor
             unit._hp_apply_reduction()

@@ -31,7 +31,15 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from hp_lightning import devices
-from hp_lightning.fully_shard import REDUCE_OPS, CPUOffloadPolicy, HSDPModule, OffloadPolicy, build_mp_policy, parse_dtype
+from hp_lightning.fully_shard import (
+    REDUCE_OPS,
+    CPUOffloadPolicy,
+    HSDPModule,
+    OffloadPolicy,
+    build_mp_policy,
+    parse_dtype,
+    validate_scaling_factor,
+)
 from hp_lightning.mesh import build_device_mesh, describe, resolve_mesh_shape, validate_mesh_shape
 from hp_lightning.parallelize import ShardedModel, ShardingPlan, materialize, move_unsharded_states, parallelize
 from hp_lightning.strategies.precision import HSDPPrecision, precision_from_lightning
@@ -151,7 +159,7 @@ class HSDPStrategy(ParallelStrategy):
         self._replicate_params = _check_patterns(replicate_params, "replicate_params")
         self._comm_fusion = _check_bool(comm_fusion, "comm_fusion")
         self._reduce_op = _check_choice(reduce_op, "reduce_op", REDUCE_OPS)
-        self._gradient_scaling_factor = _check_scaling(gradient_scaling_factor)
+        self._gradient_scaling_factor = validate_scaling_factor(gradient_scaling_factor, "HSDPStrategy(gradient_scaling_factor=...)")
         self._shard_placement = _check_placement(shard_placement)
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
             raise ValueError(f"HSDPStrategy(prefetch=...) expects an int >= 0 (0 = off); got {prefetch!r}.")
@@ -540,16 +548,6 @@ def _check_patterns(patterns: Any, name: str) -> Optional[list[str]]:
         if not isinstance(p, str) or not p:
             raise TypeError(f"HSDPStrategy({name}=...) items must be non-empty strings; got {p!r}.")
     return list(patterns)
-
-
-def _check_scaling(factor: Any) -> Optional[float]:
-    if factor is None:
-        return None
-    if isinstance(factor, bool) or not isinstance(factor, (int, float)):
-        raise TypeError(f"HSDPStrategy(gradient_scaling_factor=...) expects a positive number or None; got {type(factor).__name__} {factor!r}.")
-    if not math.isfinite(factor) or factor <= 0:
-        raise ValueError(f"HSDPStrategy(gradient_scaling_factor=...) must be finite and > 0 (None disables it); got {factor!r}.")
-    return float(factor)
 
 
 def _check_placement(placement: Any) -> Optional[dict[str, int]]:
