@@ -1,11 +1,14 @@
 """hp_lightning: HyperParallel-style FSDP/HSDP (``fully_shard``) for the Lightning Trainer.
 
 Importing this package registers the strategy names ``"hsdp"``, ``"hp_fsdp"`` and
-``"hsdp_cpu_offload"`` in Lightning's ``StrategyRegistry``.
+``"hsdp_cpu_offload"`` in Lightning's ``StrategyRegistry``, the accelerator ``"npu"`` (Ascend,
+through ``torch_npu``, which is not imported here) in its ``AcceleratorRegistry``, and lets
+``accelerator="auto"`` choose NPUs where Lightning would fall back to the CPU.
 """
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from hp_lightning.accelerators import NPUAccelerator, install_auto_selection, register_accelerators
 from hp_lightning.fully_shard import (
     CPUOffloadPolicy,
     HSDPModule,
@@ -22,6 +25,8 @@ __version__ = "0.1.0"
 def _register() -> None:
     if "hsdp" not in StrategyRegistry:
         HSDPStrategy.register_strategies(StrategyRegistry)
+    register_accelerators()
+    install_auto_selection()
 
 
 _register()
@@ -32,6 +37,7 @@ __all__ = [
     "HSDPPrecision",
     "HSDPStrategy",
     "MixedPrecisionPolicy",
+    "NPUAccelerator",
     "OffloadPolicy",
     "__version__",
     "fully_shard",

@@ -57,6 +57,24 @@ def default_backend(device_type: str) -> str:
         ) from None
 
 
+def process_group_backend(device_type: str, *, host_collectives: bool = False) -> str:
+    """The ``backend`` argument of ``init_process_group`` for ranks on ``device_type``.
+
+    Args:
+        device_type: the ranks' device type.
+        host_collectives: also serve collectives on host tensors (gloo) next to the device's
+            backend, as in ``"cpu:gloo,cuda:nccl"``; needed when state lives on the host (CPU
+            offload). Without it NCCL / HCCL refuse CPU tensors.
+
+    Raises:
+        ValueError: for a device type with no known backend.
+    """
+    backend = default_backend(device_type)
+    if not host_collectives or not is_accelerator(device_type):
+        return backend
+    return f"{CPU}:{DEFAULT_BACKENDS[CPU]},{device_type}:{backend}"
+
+
 def is_accelerator(device_type: str) -> bool:
     """True for device types that have their own device module and memory (not the CPU)."""
     return device_type != CPU
@@ -178,6 +196,13 @@ def max_memory_allocated(device: torch.device) -> int | None:
     if module is None:
         return None
     return int(module.max_memory_allocated(device))
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Start a new peak for :func:`max_memory_allocated` on ``device`` (no-op on the CPU)."""
+    module = device_module(device.type)
+    if module is not None:
+        module.reset_peak_memory_stats(device)
 
 
 def memory_stats(device: torch.device) -> dict[str, Any]:

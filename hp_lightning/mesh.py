@@ -102,11 +102,7 @@ def dim_names_for(shape: Sequence[int]) -> tuple[str, ...]:
 
 def default_device_type() -> str:
     """The device type of the current accelerator when there is one, else the CPU."""
-    if devices.cuda_available():
-        return devices.CUDA
-    if devices.npu_available():
-        return devices.NPU
-    return devices.CPU
+    return devices.current_accelerator_type()
 
 
 def build_device_mesh(device_type: str, shape: Sequence[int]) -> DeviceMesh:

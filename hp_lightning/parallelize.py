@@ -226,7 +226,8 @@ def materialize(model: nn.Module, mesh: DeviceMesh, init_device: torch.device) -
     if not has_meta_tensors(model):
         return False
     model.to_empty(device=init_device)
-    seed = torch.tensor([torch.initial_seed() % (2**62)], dtype=torch.int64)
+    # On the mesh's device (the current one of its type): NCCL and HCCL take no host tensors.
+    seed = torch.tensor([torch.initial_seed() % (2**62)], dtype=torch.int64, device=mesh.device_type)
     dist.broadcast(seed, src=0)
     shard_coordinate = mesh.get_local_rank(mesh.ndim - 1)
     with torch.random.fork_rng(devices=[]):

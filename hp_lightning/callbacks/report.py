@@ -25,6 +25,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy
 from torch.distributed.tensor import Replicate, Shard
 from typing_extensions import override
 
+from hp_lightning import devices
 from hp_lightning.callbacks._common import (
     all_units,
     param_groups,
@@ -102,7 +103,7 @@ class ShardingSummary:
                 u.placements,
                 u.compute_dtype,
                 u.reduce_dtype,
-                "cpu" if u.offload else "-",
+                devices.CPU if u.offload else "-",
                 "yes" if u.reshard_after_forward else "no",
                 f"{','.join(u.forward_prefetch) or '-'} / {','.join(u.backward_prefetch) or '-'}",
             ))

@@ -113,7 +113,8 @@ class HSDPStrategy(ParallelStrategy):
             rank 0 writes, loadable on a single CPU process).
         sharding_report: log the table of units, bytes per rank, placements and dtypes at setup
             (the same table as the ``ShardingReport`` callback).
-        process_group_backend: None → gloo for CPU, nccl for CUDA, hccl for NPU.
+        process_group_backend: None → gloo for CPU, nccl for CUDA, hccl for NPU (with gloo added
+            for host tensors under ``cpu_offload``: ``"cpu:gloo,cuda:nccl"``).
         timeout: collective timeout, in seconds or as a timedelta.
     """
 
@@ -291,7 +292,11 @@ class HSDPStrategy(ParallelStrategy):
     def _setup_distributed(self) -> None:
         reset_seed()
         self.set_world_ranks()
-        self._process_group_backend = self._process_group_backend or devices.default_backend(self.root_device.type)
+        # Under CPU offload whole parameters are initialized on the host and broadcast from there,
+        # so accelerator ranks also get gloo ("cpu:gloo,cuda:nccl").
+        self._process_group_backend = self._process_group_backend or devices.process_group_backend(
+            self.root_device.type, host_collectives=self._cpu_offload
+        )
         assert self.cluster_environment is not None
         device_id = self.root_device if devices.is_accelerator(self.root_device.type) else None
         _init_dist_connection(
@@ -443,10 +448,7 @@ class HSDPStrategy(ParallelStrategy):
     def barrier(self, name: Optional[str] = None) -> None:
         if not _distributed_is_initialized():
             return
-        if dist.get_backend() == "nccl":
-            dist.barrier(device_ids=[self.root_device.index])
-        else:
-            dist.barrier()
+        dist.barrier(device_ids=devices.barrier_device_ids(self.root_device))
 
     @override
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
