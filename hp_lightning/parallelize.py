@@ -18,6 +18,7 @@ the model is sharded, so that no rank ever allocates the whole model.
 
 from __future__ import annotations
 
+import copy
 import fnmatch
 import functools
 from collections.abc import Mapping, Sequence
@@ -209,6 +210,22 @@ def has_meta_tensors(model: nn.Module) -> bool:
     return any(t.is_meta for t in [*model.parameters(), *model.buffers()])
 
 
+def _metric_defaults(model: nn.Module) -> list[tuple[nn.Module, dict]]:
+    """Copies of every torchmetrics Metric's default states: ``to_empty`` leaves them uninitialized."""
+    try:
+        from torchmetrics import Metric
+    except ImportError:  # pragma: no cover - torchmetrics is a dependency
+        return []
+    return [(m, copy.deepcopy(m._defaults)) for m in model.modules() if isinstance(m, Metric)]
+
+
+def _restore_metrics(saved: list[tuple[nn.Module, dict]]) -> None:
+    """Put the defaults back and reset each metric's states from them (on the metric's new device)."""
+    for metric, defaults in saved:
+        metric._defaults = defaults
+        metric.reset()
+
+
 @torch.no_grad()
 def materialize(model: nn.Module, mesh: DeviceMesh, init_device: torch.device) -> bool:
     """Allocate meta-device tensors (local shards only) and initialize them.
@@ -225,7 +242,9 @@ def materialize(model: nn.Module, mesh: DeviceMesh, init_device: torch.device) -
     """
     if not has_meta_tensors(model):
         return False
+    metric_defaults = _metric_defaults(model)
     model.to_empty(device=init_device)
+    _restore_metrics(metric_defaults)
     # On the mesh's device (the current one of its type): NCCL and HCCL take no host tensors.
     seed = torch.tensor([torch.initial_seed() % (2**62)], dtype=torch.int64, device=mesh.device_type)
     dist.broadcast(seed, src=0)

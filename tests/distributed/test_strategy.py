@@ -231,9 +231,16 @@ def meta_worker() -> dict:
 
     class Measured(HSDPStrategy):
         def setup(self, trainer):
+            # A sentinel default: materialization (to_empty) must keep the metric's defaults and
+            # reset its state from them, not leave uninitialized memory behind.
+            metric = trainer.lightning_module.val_mse
+            metric._defaults["sum_squared_error"].fill_(7.0)
             with AllocationTracker() as tracker:
                 super().setup(trainer)
             self.setup_bytes, self.setup_largest = tracker.total, tracker.largest
+            self.metric_state_after_setup = float(metric.sum_squared_error)
+            metric._defaults["sum_squared_error"].zero_()
+            metric.reset()
 
     seed_everything(0)
     model = MetaModule()
@@ -254,6 +261,7 @@ def meta_worker() -> dict:
         "losses": recorder.losses,
         "val_mse": float(trainer.callback_metrics["val_mse"]),
         "metric_device": str(model.val_mse.device),
+        "metric_state_after_setup": strategy.metric_state_after_setup,
     }
 
 
@@ -266,6 +274,7 @@ def test_meta_init_allocates_only_local_shards_and_trains():
         assert res["setup_largest"] <= 0.5 * res["largest_param_bytes"] + 64
         assert res["losses"][-1] < 0.7 * res["losses"][0], res["losses"]
         assert res["metric_device"] == "cpu"
+        assert res["metric_state_after_setup"] == 7.0
     # Shards of one weight differ (independent init per shard, not one shard copied).
     a, b = results[0]["local_weight"], results[1]["local_weight"]
     assert a.shape == b.shape and not torch.allclose(a, b)

@@ -1,0 +1,192 @@
+"""LightningCLI: every config in examples/configs trains, every strategy option and callback is reachable from YAML.
+
+Configs run as a user runs them: ``python examples/train.py fit --config ...`` in a subprocess,
+where Lightning launches the other ranks (2 or 4 CPU processes, gloo). The model and corpus are
+shrunk on the command line so each run takes seconds; everything else is the file's own.
+"""
+
+from __future__ import annotations
+
+import csv
+import inspect
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+from lightning.pytorch.callbacks import Callback
+
+import hp_lightning.callbacks
+from hp_lightning import HSDPStrategy
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIGS = REPO / "examples" / "configs"
+TRAIN = REPO / "examples" / "train.py"
+CONFIG_NAMES = sorted(p.stem for p in CONFIGS.glob("*.yaml"))
+#: A model and corpus small enough for seconds per run; the configs' other settings are kept.
+TINY = [
+    "--model.n_layer=2", "--model.n_head=2", "--model.n_embd=32", "--data.max_chars=20000",
+    "--data.batch_size=4", "--data.val_windows=16", "--trainer.limit_val_batches=1",
+    "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false", "--trainer.log_every_n_steps=1",
+]
+
+
+def run_script(script: Path, args: list[str], cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run an example script as a user would (``python examples/x.py ...``); fail with its output on error."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(script), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )
+    if proc.returncode != 0:
+        raise AssertionError(f"{script.name} {' '.join(args)} exited with {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def load_config(name: str) -> dict[str, Any]:
+    return yaml.safe_load((CONFIGS / f"{name}.yaml").read_text())
+
+
+def strategy_args(config: dict[str, Any]) -> dict[str, Any]:
+    strategy = config["trainer"]["strategy"]
+    assert strategy["class_path"] == "hp_lightning.HSDPStrategy"
+    return strategy.get("init_args", {})
+
+
+def checkpoint_meta(root: Path) -> tuple[Path, dict[str, Any]]:
+    """The newest sharded checkpoint directory under ``root`` and its ``meta.pt``."""
+    metas = sorted(root.rglob("meta.pt"), key=lambda p: p.stat().st_mtime)
+    assert metas, f"no sharded checkpoint under {root}: {sorted(str(p) for p in root.rglob('*'))[:20]}"
+    return metas[-1].parent, torch.load(metas[-1], map_location="cpu", weights_only=False)
+
+
+def logged(root: Path, key: str) -> list[float]:
+    """Every value of ``key`` in the CSVLogger's metrics.csv under ``root``."""
+    files = list(root.rglob("metrics.csv"))
+    assert len(files) == 1, files
+    with files[0].open() as f:
+        return [float(row[key]) for row in csv.DictReader(f) if row.get(key)]
+
+
+# ------------------------------------------------------------------ parsing (one process, nothing launched)
+
+
+def test_full_options_sets_every_strategy_option():
+    keyword_only = {
+        name for name, p in inspect.signature(HSDPStrategy.__init__).parameters.items() if p.kind is p.KEYWORD_ONLY
+    }
+    assert set(strategy_args(load_config("full_options"))) == keyword_only
+
+
+def test_full_options_uses_every_callback():
+    classes = {
+        name for name in hp_lightning.callbacks.__all__
+        if isinstance(getattr(hp_lightning.callbacks, name), type) and issubclass(getattr(hp_lightning.callbacks, name), Callback)
+    }
+    used = {c["class_path"].rpartition(".")[2] for c in load_config("full_options")["trainer"]["callbacks"]}
+    assert classes <= used, f"callbacks missing from full_options.yaml: {sorted(classes - used)}"
+
+
+def test_yaml_values_reach_the_strategy():
+    """Strings for dtypes, name patterns for parameter sets, a mapping, seconds: each arrives typed."""
+    from examples.gpt import CharDataModule, GPTLightningModule
+    from examples.train import GPTCLI
+
+    cli = GPTCLI(GPTLightningModule, CharDataModule, run=False, args=["--config", str(CONFIGS / "full_options.yaml")])
+    strategy = cli.trainer.strategy
+    assert isinstance(strategy, HSDPStrategy)
+    assert tuple(strategy._mesh_shape) == (2, 2)
+    assert strategy._param_dtype is torch.bfloat16 and strategy._reduce_dtype is torch.float32
+    assert strategy._ignored_params == ["model.pos_emb.weight"]
+    assert strategy._replicate_params == ["model.ln_f.*", "*.ln_attn.*", "*.ln_mlp.*"]
+    assert strategy._shard_placement == {"*.mlp.proj.weight": 1}
+    assert strategy._activation_checkpointing == ["model.blocks.*"]
+    assert strategy._shard_modules == ["examples.gpt.Block"]
+    assert strategy._comm_fusion is True and strategy._reduce_op == "avg" and strategy._prefetch == 1
+    assert strategy._gradient_scaling_factor == 1.0 and strategy._forward_methods == ["sample_text"]
+    assert strategy.state_dict_type == "sharded" and strategy.process_group_backend == "gloo"
+    assert strategy._timeout.total_seconds() == 1800
+    kinds = {type(c).__name__: c for c in cli.trainer.callbacks}
+    assert kinds["GradientAccumulationSync"].mode == "defer_all_reduce"
+    assert kinds["ReshardSchedule"].validate is False
+    assert cli.model.hparams.block_size == cli.datamodule.hparams.block_size == 64  # linked
+
+
+@pytest.mark.parametrize(
+    ("init_args", "message"),
+    [({"reduce_op": "max"}, "reduce_op"), ({"prefetch": -1}, "expects an int >= 0"), ({"param_dtype": "int8"}, "param_dtype")],
+    ids=["literal", "validated", "dtype"],
+)
+def test_bad_strategy_option_in_yaml_is_refused(tmp_path, capsys, init_args, message):
+    from examples.gpt import CharDataModule, GPTLightningModule
+    from examples.train import GPTCLI
+
+    config = {"trainer": {"accelerator": "cpu", "devices": 2, "strategy": {"class_path": "hp_lightning.HSDPStrategy", "init_args": init_args}}}
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(config))
+    # Type errors stop the parser (SystemExit, message on stderr); the strategy's own checks raise
+    # from its constructor while jsonargparse instantiates it (ValueError naming the option).
+    with pytest.raises((SystemExit, ValueError)) as error:
+        GPTCLI(GPTLightningModule, CharDataModule, run=False, args=["--config", str(path)])
+    if isinstance(error.value, SystemExit):
+        assert error.value.code != 0
+    assert message in str(error.value) + capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ training runs (real processes)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", CONFIG_NAMES)
+def test_config_trains(tmp_path, name):
+    config = load_config(name)
+    trainer_cfg = config["trainer"]
+    world = trainer_cfg["devices"] * trainer_cfg.get("num_nodes", 1)
+    accumulate = trainer_cfg.get("accumulate_grad_batches", 1)
+    steps = 3
+    args = ["fit", "--config", str(CONFIGS / f"{name}.yaml"), f"--trainer.max_steps={steps}",
+            f"--trainer.val_check_interval={steps * accumulate}", *TINY]
+    run_script(TRAIN, args, cwd=tmp_path)
+
+    # The run went through HSDPStrategy: the checkpoint is a sharded directory, one file per rank,
+    # and it recorded exactly `steps` optimizer steps of `accumulate` micro-batches.
+    directory, meta = checkpoint_meta(tmp_path)
+    assert len(list(directory.glob("*.distcp"))) == world
+    assert meta["global_step"] == steps
+    progress = meta["loops"]["fit_loop"]["epoch_loop.batch_progress"]["total"]["completed"]
+    assert progress == steps * accumulate
+    # Loss was computed and synchronized: finite training losses and one finite validation loss.
+    losses = logged(tmp_path, "train_loss")
+    assert len(losses) >= steps and all(math.isfinite(v) for v in losses)
+    val = logged(tmp_path, "val_loss")
+    assert len(val) == 1 and math.isfinite(val[0]) and 3.0 < val[0] < 5.0  # ~ln(96) = 4.56 after 3 steps
+    # The sharding report shows the mesh the config asked for.
+    report = next(tmp_path.rglob("sharding.txt")).read_text()
+    mesh_shape = strategy_args(config)["mesh_shape"]
+    expected = f"replicate={mesh_shape[0]}, shard={mesh_shape[1]}" if len(mesh_shape) == 2 else f"shard={world}"
+    assert expected in report.splitlines()[0], report
+    if strategy_args(config).get("cpu_offload"):
+        assert "cpu" in report.splitlines()[3].split()  # the offload column of the first unit
+
+
+@pytest.mark.slow
+def test_strategy_name_on_the_command_line(tmp_path):
+    args = ["fit", "--trainer.strategy=hsdp", "--trainer.accelerator=cpu", "--trainer.devices=2",
+            "--trainer.max_steps=2", "--trainer.val_check_interval=2", "--trainer.default_root_dir=run", *TINY]
+    run_script(TRAIN, args, cwd=tmp_path)
+    saved = yaml.safe_load(next(tmp_path.rglob("config.yaml")).read_text())
+    assert saved["trainer"]["strategy"] == "hsdp"
+    directory, meta = checkpoint_meta(tmp_path / "run")
+    assert len(list(directory.glob("*.distcp"))) == 2 and meta["global_step"] == 2
+
+
+def test_configuration_reference_covers_every_option_and_callback():
+    text = (REPO / "docs" / "configuration.md").read_text()
+    options = [n for n, p in inspect.signature(HSDPStrategy.__init__).parameters.items() if p.kind is p.KEYWORD_ONLY]
+    callbacks = [c["class_path"].rpartition(".")[2] for c in load_config("full_options")["trainer"]["callbacks"] if c["class_path"].startswith("hp_lightning")]
+    missing = [name for name in [*options, *callbacks, *CONFIG_NAMES] if f"`{name}" not in text]
+    assert not missing, f"docs/configuration.md does not document {missing}"
