@@ -28,7 +28,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import register_fsdp_forward_method
 from torch.distributed.tensor import DTensor, Shard
 from torch.utils.checkpoint import checkpoint
 
@@ -159,8 +158,39 @@ def register_forward_methods(root: nn.Module, extra: Sequence[str] | None) -> li
         if method not in names:
             names.append(method)
     for method in names:
-        register_fsdp_forward_method(root, method)
+        _register_forward_method(root, method)
     return names
+
+
+def _register_forward_method(root: nn.Module, method_name: str) -> None:
+    """``register_fsdp_forward_method`` that also survives a nested ``self(...)`` call.
+
+    A step method usually calls ``self(x)``, whose own FSDP hooks end the forward pass early:
+    the inner post-forward leaves the root's group idle, and the outer one then reshards it
+    although the root keeps its parameters after forward, so backward would all-gather the
+    root (embeddings, head) a second time every micro-batch. Re-entering the forward state
+    before the outer post-forward keeps one all-gather per micro-batch.
+    """
+    original = getattr(root, method_name)
+
+    @functools.wraps(original)
+    def wrapped(self: nn.Module, *args, **kwargs):
+        state = self._get_fsdp_state()
+        args, kwargs = state._pre_forward(self, args, kwargs)
+        output = original(*args, **kwargs)
+        _resume_forward_state(state)
+        return state._post_forward(self, args, output)
+
+    setattr(root, method_name, wrapped.__get__(root, type(root)))
+
+
+def _resume_forward_state(state) -> None:
+    """Mark gathered, idle groups as in forward again (FSDP2 internals; torch 2.13)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+    for group in getattr(state, "_fsdp_param_groups", ()):
+        if getattr(group, "_training_state", None) == TrainingState.IDLE and getattr(group, "is_unsharded", False):
+            group._training_state = TrainingState.FORWARD
 
 
 def wire_prefetch(units: list[HSDPModule], depth: int) -> None:

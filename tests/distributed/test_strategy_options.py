@@ -14,6 +14,19 @@ GLOBAL_BATCH = 16
 STEPS = 2
 
 
+class ForwardCalling(RegressionModule):
+    """training_step goes through ``self(x)``: a forward nested in the registered step method."""
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self(x), y)
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+
 class DtypeProbe(RegressionModule):
     """Records the dtype the blocks compute in and the dtype of the sharded weights."""
 
@@ -93,6 +106,12 @@ def options_worker() -> dict:
     out["fc1_placement"] = tuple(fc1.placements)
     out["head_all_reduces"] = comms.count("all_reduce", (0, 1))
     out["numerics"] = numerics
+    # A step that calls self(x): the root is still gathered once per step (forward only), the
+    # two blocks twice (forward + backward, reshard_after_forward=True).
+    seed_everything(0)
+    model, comms, _ = fit(HSDPStrategy(mesh_shape=[2]), ForwardCalling())
+    numerics["forward_calling"] = full_params(model)
+    out["forward_calling_gathers"] = comms.count("all_gather")
     # Clipping by value works elementwise on the local shards and whole tensors alike.
     model, comms, _ = fit(HSDPStrategy(mesh_shape=[2], replicate_params=["net.head.*"]), gradient_clip_val=0.01, gradient_clip_algorithm="value")
     out["clip_value"] = full_params(model)
@@ -142,6 +161,7 @@ def test_strategy_options():
         for name, params in res["numerics"].items():
             assert max_rel_diff(params, ref) <= 1e-5, name
         assert res["ignored_whole"]
+        assert res["forward_calling_gathers"] == (1 + 2 * 2) * STEPS
     assert results[0]["report_lines"], "rank 0 logs the sharding report"
     clipped = reference(gradient_clip_val=0.01, gradient_clip_algorithm="value")
     assert max_rel_diff(clipped, ref) > 1e-3, "the clip value must change the result"
