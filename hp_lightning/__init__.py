@@ -9,6 +9,7 @@ through ``torch_npu``, which is not imported here) in its ``AcceleratorRegistry`
 from lightning.pytorch.strategies import StrategyRegistry
 
 from hp_lightning.accelerators import NPUAccelerator, install_auto_selection, register_accelerators
+from hp_lightning.checkpoint import ResumableLoader, load_weights
 from hp_lightning.fully_shard import (
     CPUOffloadPolicy,
     HSDPModule,
@@ -39,7 +40,9 @@ __all__ = [
     "MixedPrecisionPolicy",
     "NPUAccelerator",
     "OffloadPolicy",
+    "ResumableLoader",
     "__version__",
     "fully_shard",
     "init_device_mesh",
+    "load_weights",
 ]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import pickle
 import socket
+import sys
 import tempfile
 import time
 import traceback
@@ -50,8 +51,11 @@ def _child(fn: Callable[..., Any], rank: int, world: int, env: dict[str, str], o
         result = ("error", f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
     with open(out, "wb") as f:
         pickle.dump(result, f)
-    if result[0] == "error":
-        os._exit(1)
+    # Leave without interpreter finalization: gloo worker threads can abort it (SIGABRT, "terminate
+    # called without an active exception") after the result is already written.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1 if result[0] == "error" else 0)
 
 
 def run_distributed(

@@ -1,21 +1,33 @@
-"""Checkpoint IO: sharded (DCP directory) and full (one file) state, atomic saves, any-mesh resume."""
+"""Checkpoint IO: sharded (DCP directory) and full (one file) state, atomic saves, any-mesh resume.
 
-from hp_lightning.checkpoint.io import (
-    FORMAT_VERSION,
-    is_sharded_checkpoint,
-    load_checkpoint,
-    model_state_dict,
-    optimizer_state_dict,
-    remove_checkpoint,
-    save_checkpoint,
-)
+* :func:`save_checkpoint` / :func:`load_checkpoint`: what ``HSDPStrategy`` calls, on every rank
+  (:mod:`.save`, :mod:`.load`; the on-disk layout and its guarantees are in :mod:`.layout`).
+* :func:`load_weights`: pretrained weights into a sharded module, for fine-tuning.
+* :class:`ResumableLoader`: a training loader that continues its epoch on resume.
+* ``python -m hp_lightning.checkpoint consolidate | shard | verify``: offline conversion and checks.
+"""
+
+from hp_lightning.checkpoint.data import ResumableLoader
+from hp_lightning.checkpoint.layout import FORMAT_VERSION, CheckpointKind, CorruptCheckpointError, classify, recover
+from hp_lightning.checkpoint.load import load_checkpoint, load_weights, read_full_file
+from hp_lightning.checkpoint.save import is_sharded_checkpoint, remove_checkpoint, save_checkpoint
+from hp_lightning.checkpoint.state import GatherStats, full_gather_stats, model_state_dict, optimizer_state_dict
 
 __all__ = [
     "FORMAT_VERSION",
+    "CheckpointKind",
+    "CorruptCheckpointError",
+    "GatherStats",
+    "ResumableLoader",
+    "classify",
+    "full_gather_stats",
     "is_sharded_checkpoint",
     "load_checkpoint",
+    "load_weights",
     "model_state_dict",
     "optimizer_state_dict",
+    "read_full_file",
+    "recover",
     "remove_checkpoint",
     "save_checkpoint",
 ]

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.data import has_len
 from lightning.fabric.utilities.distributed import _distributed_is_initialized, _init_dist_connection, _sync_ddp_if_available
 from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.seed import reset_seed
@@ -22,7 +23,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
@@ -508,7 +509,27 @@ class HSDPStrategy(ParallelStrategy):
         assert self.model is not None
         assert self.lightning_module is not None
         path = Path(self.broadcast(str(checkpoint_path)))
-        return load_checkpoint(path, self.model, self.optimizers, strict=self.lightning_module.strict_loading)
+        return load_checkpoint(
+            path, self.model, self.optimizers, strict=self.lightning_module.strict_loading, weights_only=weights_only
+        )
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """Make sized training loaders resumable: a run resumed mid-epoch continues the epoch.
+
+        Lightning restarts a plain ``DataLoader`` at the start of its epoch on resume; the wrapper
+        records the batches served and skips them at the sampler on resume (nothing is reloaded).
+        Evaluation loaders are left as they are: they always start from their beginning.
+        """
+        from torch.utils.data import DataLoader
+
+        from hp_lightning.checkpoint import ResumableLoader
+
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        training = trainer is not None and trainer.state.stage == RunningStage.TRAINING
+        if training and isinstance(dataloader, DataLoader) and has_len(dataloader):
+            return ResumableLoader(dataloader)
+        return dataloader
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:

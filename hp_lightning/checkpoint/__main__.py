@@ -1,0 +1,66 @@
+"""``python -m hp_lightning.checkpoint`` (also ``hp-lightning-checkpoint``): convert and check checkpoints offline.
+
+Subcommands::
+
+    consolidate SRC_DIR OUT.ckpt [--weights-only] [--format torch|safetensors]
+        sharded directory (hp_lightning, Lightning ModelParallelStrategy or FSDPStrategy) -> one file
+    shard SRC.ckpt OUT_DIR
+        one file -> hp_lightning sharded directory (loads into any world size)
+    verify PATH
+        check sizes and checksums recorded at save; exit status 1 on any problem
+
+No process group and no accelerator are needed. Exit status: 0 done, 1 bad checkpoint or path,
+2 bad command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Optional
+
+PROG = "hp-lightning-checkpoint"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=PROG, description="Convert and check hp_lightning / Lightning checkpoints offline.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{consolidate,shard,verify}")
+
+    merge = commands.add_parser("consolidate", help="sharded directory -> one checkpoint file")
+    merge.add_argument("src", type=Path, metavar="SRC_DIR", help="sharded checkpoint directory")
+    merge.add_argument("out", type=Path, metavar="OUT", help="output file (.ckpt, or .safetensors with --format safetensors)")
+    merge.add_argument("--weights-only", action="store_true", help="model weights and hyper-parameters only (no optimizer or trainer state)")
+    merge.add_argument("--format", dest="fmt", choices=("torch", "safetensors"), default="torch", help="output format (default: torch)")
+
+    split = commands.add_parser("shard", help="one checkpoint file -> sharded directory")
+    split.add_argument("src", type=Path, metavar="SRC", help="single-file checkpoint (.ckpt)")
+    split.add_argument("out", type=Path, metavar="OUT_DIR", help="output directory")
+
+    check = commands.add_parser("verify", help="check a checkpoint against the sizes and checksums recorded at save")
+    check.add_argument("path", type=Path, metavar="PATH", help="checkpoint directory or file")
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run the command line; return the exit status."""
+    args = build_parser().parse_args(argv)
+    from hp_lightning.checkpoint import convert
+
+    try:
+        if args.command == "consolidate":
+            summary = convert.consolidate(args.src, args.out, weights_only=args.weights_only, fmt=args.fmt)
+        elif args.command == "shard":
+            summary = convert.shard(args.src, args.out)
+        else:
+            summary = convert.verify(args.path)
+    except (FileNotFoundError, ValueError, TypeError, KeyError) as exc:
+        print(f"{PROG} {args.command}: error: {exc}", file=sys.stderr)
+        return 1
+    print(summary)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

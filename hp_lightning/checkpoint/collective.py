@@ -1,0 +1,103 @@
+"""Ranks agreeing on the outcome of a step, so that a failure on one rank never leaves the others waiting.
+
+Checkpoint code checks paths, formats, integrity, keys and shapes before moving any tensor. Each
+check runs where it can (on rank 0 for a file only rank 0 needs, on every rank otherwise), and its
+outcome goes through one collective: every rank then raises the same error, or none does.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from typing import Any, Callable, Optional, TypeVar
+
+import torch.distributed as dist
+
+from hp_lightning.checkpoint.layout import CorruptCheckpointError
+
+T = TypeVar("T")
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+_ERROR_TYPES: dict[str, type[Exception]] = {
+    "FileNotFoundError": FileNotFoundError,
+    "CorruptCheckpointError": CorruptCheckpointError,
+    "ValueError": ValueError,
+    "TypeError": TypeError,
+    "KeyError": KeyError,
+}
+
+
+def _as_wire(error: Optional[BaseException]) -> Optional[tuple[str, str]]:
+    if error is None:
+        return None
+    name = type(error).__name__ if type(error).__name__ in _ERROR_TYPES else "RuntimeError"
+    return name, str(error) if name != "RuntimeError" else f"{type(error).__name__}: {error}"
+
+
+def _raise_first(errors: Sequence[Optional[tuple[str, str]]], mine: Optional[BaseException]) -> None:
+    for source, wire in enumerate(errors):
+        if wire is None:
+            continue
+        if source == rank() and mine is not None:
+            raise mine
+        cls = _ERROR_TYPES.get(wire[0], RuntimeError)
+        raise cls(f"{wire[1]} (on rank {source})")
+
+
+def agree(error: Optional[BaseException]) -> None:
+    """Raise on every rank if any rank failed (the lowest rank's error), else return everywhere.
+
+    One ``all_gather_object``: every rank must reach it, which is why callers catch their own
+    failures and pass them here instead of raising on the spot.
+    """
+    if not dist.is_initialized():
+        if error is not None:
+            raise error
+        return
+    errors: list[Any] = [None] * world_size()
+    dist.all_gather_object(errors, _as_wire(error))
+    _raise_first(errors, error)
+
+
+def on_rank0(fn: Callable[[], T]) -> T:
+    """Run ``fn`` on rank 0 only and hand its result (or its error) to every rank."""
+    result: Any = None
+    error: Optional[BaseException] = None
+    if rank() == 0:
+        try:
+            result = fn()
+        except Exception as exc:  # noqa: BLE001 - shared with every rank, then re-raised
+            error = exc
+    if not dist.is_initialized():
+        if error is not None:
+            raise error
+        return result
+    box = [(_as_wire(error), result)]
+    dist.broadcast_object_list(box, src=0)
+    wire, result = box[0]
+    _raise_first([wire], error)
+    return result
+
+
+def on_every_rank(fn: Callable[[], T]) -> T:
+    """Run ``fn`` on every rank; if it fails anywhere, raise everywhere."""
+    try:
+        result, error = fn(), None
+    except Exception as exc:  # noqa: BLE001 - shared with every rank, then re-raised
+        result, error = None, exc
+    agree(error)
+    return result  # type: ignore[return-value]
+
+
+def warn_rank0(message: str) -> None:
+    """A warning printed once (by rank 0), not once per rank."""
+    if rank() == 0:
+        warnings.warn(message, UserWarning, stacklevel=3)

@@ -1,0 +1,189 @@
+"""Offline conversion between the formats, in one process with no process group.
+
+* :func:`consolidate`: a sharded directory (hp_lightning's, or Lightning's ``ModelParallelStrategy``
+  / ``FSDPStrategy`` layout) -> one Lightning ``.ckpt`` file, or model weights only, or
+  ``.safetensors``. The whole state passes through this process's memory, so the machine needs
+  host RAM for the model (plus optimizer state, unless ``weights_only``).
+* :func:`shard`: a single-file checkpoint -> an hp_lightning sharded directory (one shard file,
+  which DCP splits across however many ranks later load it).
+
+Outputs are written like training saves: staged under a temporary name, renamed into place.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+from hp_lightning import devices
+from hp_lightning.checkpoint import layout
+from hp_lightning.checkpoint.layout import (
+    FSDP_MODEL_KEY,
+    FULL_INFO_KEY,
+    META_FILE,
+    MODEL_KEY,
+    OPTIMIZER_KEY,
+    CheckpointKind,
+    CorruptCheckpointError,
+)
+from hp_lightning.checkpoint.load import dcp_index, read_full_file
+from hp_lightning.checkpoint.save import producer_record, save_checkpoint
+
+#: What a weights-only export keeps: enough for ``LightningModule.load_from_checkpoint``.
+WEIGHTS_ONLY_KEYS = (
+    "epoch",
+    "global_step",
+    "pytorch-lightning_version",
+    MODEL_KEY,
+    "hyper_parameters",
+    "hparams_name",
+    "hparams_type",
+    "datamodule_hyper_parameters",
+    "datamodule_hparams_name",
+    "datamodule_hparams_type",
+    FULL_INFO_KEY,
+)
+FORMATS = ("torch", "safetensors")
+
+
+def verify(path: Path) -> str:
+    """Check a checkpoint against its integrity records; return a one-line summary.
+
+    Raises:
+        CorruptCheckpointError: a missing, truncated or altered file.
+        ValueError: not a checkpoint, or one written by a newer format version.
+    """
+    path = Path(path)
+    kind = layout.classify(path)
+    if kind is CheckpointKind.FULL_FILE:
+        if problem := layout.verify_zip(path):
+            raise CorruptCheckpointError(layout.corruption_message([problem], path))
+        return f"OK: {path} (single file, {path.stat().st_size} bytes, every zip entry matches its CRC-32)"
+    if kind is CheckpointKind.LIGHTNING_SHARDED:
+        dcp_index(path)
+        return f"OK: {path} is readable, but Lightning's sharded layout records no checksums to verify"
+    manifest = layout.read_manifest(path)
+    records = manifest["files"]
+    problems = layout.verify_records(path, records, sorted(records))
+    if problems:
+        raise CorruptCheckpointError(layout.corruption_message(problems, path))
+    total = sum(r["size"] for r in records.values())
+    return f"OK: {path} (sharded, {len(records)} files, {total} bytes match their recorded sizes and SHA-256)"
+
+
+def read_sharded(path: Path, *, weights_only: bool = False, verify_files: bool = True) -> dict[str, Any]:
+    """A sharded directory as one Lightning checkpoint dict of whole CPU tensors (no process group).
+
+    Raises:
+        ValueError: ``path`` is a single file, or not a checkpoint.
+        CorruptCheckpointError: a file does not match its integrity record.
+    """
+    path = Path(path)
+    kind = layout.classify(path)
+    if kind is CheckpointKind.FULL_FILE:
+        raise ValueError(f"{str(path)!r} is already a single-file checkpoint; consolidate reads sharded directories.")
+    if kind is CheckpointKind.HP_SHARDED and verify_files:
+        verify(path)
+    roots = {k[0] for k in dcp_index(path)}
+    model_key = MODEL_KEY if MODEL_KEY in roots else FSDP_MODEL_KEY
+    if model_key not in roots:
+        raise ValueError(f"{str(path)!r} holds no model state (no {MODEL_KEY!r} or {FSDP_MODEL_KEY!r} entries; found {sorted(map(str, roots))}).")
+    state: dict[str, Any] = {}
+    keys = {model_key} if weights_only else None
+    # torch's own DCP -> torch.save converter reads with this planner and call: every entry is
+    # rebuilt whole from the index, no model needed, no process group.
+    _load_state_dict(state, storage_reader=dcp.FileSystemReader(str(path)), planner=_EmptyStateDictLoadPlanner(keys=keys), no_dist=True)
+    checkpoint = torch.load(path / META_FILE, map_location=devices.cpu_device(), weights_only=False)
+    checkpoint[MODEL_KEY] = state.pop(model_key)
+    optimizers = sorted((k for k in state if str(k).startswith("optimizer_")), key=lambda k: int(str(k).split("_")[1]))
+    if optimizers:
+        checkpoint[OPTIMIZER_KEY] = [state[k] for k in optimizers]
+    return checkpoint
+
+
+def _weights_only(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in checkpoint.items() if k in WEIGHTS_ONLY_KEYS}
+
+
+def _write_atomically(out: Path, write: Any) -> None:
+    layout.recover(out)
+    layout.clean_stale(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = layout.staging_path(out, layout.new_token())
+    write(staging)
+    layout.fsync_file(staging)
+    layout.publish(staging, out)
+
+
+def _safetensors_ready(weights: dict[str, Any]) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """Contiguous tensors, none sharing memory (safetensors refuses both); non-tensor entries left out."""
+    tensors, skipped, seen = {}, [], set()
+    for key, value in weights.items():
+        if not isinstance(value, torch.Tensor):
+            skipped.append(key)
+            continue
+        tensor = value.detach().cpu().contiguous()
+        pointer = tensor.untyped_storage().data_ptr() if tensor.numel() else None
+        if pointer is not None and pointer in seen:
+            tensor = tensor.clone()  # tied weights: stored twice, as safetensors requires
+        elif pointer is not None:
+            seen.add(pointer)
+        tensors[key] = tensor
+    return tensors, skipped
+
+
+def consolidate(src: Path, out: Path, *, weights_only: bool = False, fmt: str = "torch") -> str:
+    """Write sharded checkpoint ``src`` as one file ``out``; return a one-line summary.
+
+    Args:
+        weights_only: keep the model weights and what ``load_from_checkpoint`` needs; drop
+            optimizer, scheduler, loop-internal and callback state (smaller; cannot resume training).
+        fmt: ``"torch"`` (a Lightning ``.ckpt``) or ``"safetensors"`` (model tensors only).
+
+    Raises:
+        ValueError: a bad format name, ``out`` equal to ``src``, or ``src`` not a sharded checkpoint.
+    """
+    src, out = Path(src), Path(out)
+    if fmt not in FORMATS:
+        raise ValueError(f"--format expects one of {list(FORMATS)}; got {fmt!r}.")
+    if out.resolve() == src.resolve():
+        raise ValueError(f"The output {str(out)!r} is the source checkpoint itself; choose another output path.")
+    checkpoint = read_sharded(src, weights_only=weights_only or fmt == "safetensors")
+    checkpoint[FULL_INFO_KEY] = {**producer_record(), "format": "full", "consolidated_from": str(src)}
+    if fmt == "safetensors":
+        from safetensors.torch import save_file
+
+        tensors, skipped = _safetensors_ready(checkpoint[MODEL_KEY])
+        metadata = {"format": "pt", "source": str(src), "hp_lightning_version": str(checkpoint[FULL_INFO_KEY]["hp_lightning_version"])}
+        _write_atomically(out, lambda staging: save_file(tensors, str(staging), metadata=metadata))
+        note = f"; left out non-tensor entries {skipped}" if skipped else ""
+        return f"wrote {out} (safetensors, {len(tensors)} tensors{note}) from {src}"
+    if weights_only:
+        checkpoint = _weights_only(checkpoint)
+    _write_atomically(out, lambda staging: torch.save(checkpoint, staging))
+    optimizers = len(checkpoint.get(OPTIMIZER_KEY, []))
+    return f"wrote {out} ({'weights only' if weights_only else 'full'}, {len(checkpoint[MODEL_KEY])} model entries, {optimizers} optimizer state(s)) from {src}"
+
+
+def shard(src: Path, out: Path, *, weights_only: Optional[bool] = None) -> str:
+    """Write single-file checkpoint ``src`` as an hp_lightning sharded directory ``out``; return a summary.
+
+    Raises:
+        ValueError: ``src`` is not a single-file checkpoint, or ``out`` is ``src``.
+        CorruptCheckpointError: ``src`` fails its CRC-32 check.
+    """
+    src, out = Path(src), Path(out)
+    if layout.classify(src) is not CheckpointKind.FULL_FILE:
+        raise ValueError(f"{str(src)!r} is a directory; shard reads single-file checkpoints (consolidate goes the other way).")
+    if out.resolve() == src.resolve():
+        raise ValueError(f"The output {str(out)!r} is the source checkpoint itself; choose another output path.")
+    checkpoint = read_full_file(src, weights_only=weights_only)
+    checkpoint.pop(FULL_INFO_KEY, None)
+    save_checkpoint(checkpoint, out, sharded=True)
+    optimizers = len(checkpoint.get(OPTIMIZER_KEY) or [])
+    return f"wrote {out} (sharded, {len(checkpoint[MODEL_KEY])} model entries, {optimizers} optimizer state(s)) from {src}"

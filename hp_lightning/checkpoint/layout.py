@@ -1,0 +1,431 @@
+"""What a checkpoint looks like on disk, how its integrity is recorded, and how a save is published.
+
+A sharded checkpoint is a directory::
+
+    epoch=0-step=40.ckpt/
+        .metadata            DCP's index: every tensor, its global shape, which file holds which chunk
+        __0_0.distcp ...     DCP's shard files, one or more per rank
+        meta.pt              everything else Lightning saves (loops, callbacks, hyper-parameters, ...)
+        hp_lightning.json    the manifest: format version, and the size and SHA-256 of every file
+
+The manifest is written last, so its presence marks a complete save. ``meta.pt`` and the DCP files
+use the names Lightning's own ``ModelParallelStrategy`` uses, so Lightning's tools can read the
+directory too.
+
+A full checkpoint is one file: an ordinary Lightning checkpoint (a ``torch.save`` zip archive)
+with an extra ``"hp_lightning"`` entry holding the format version. Its integrity record is the
+CRC-32 the zip format keeps for every entry, checked on load.
+
+Publishing: a save is written under a staging name (``<name>.hp-partial-<token>``) next to its
+target, then moved into place in one step. An existing target is swapped with the staging entry
+by ``renameat2(RENAME_EXCHANGE)`` where the filesystem has it (Linux: ext4, xfs, btrfs, tmpfs),
+so the target name always holds a complete checkpoint. Elsewhere the old entry is first renamed
+to ``<stem>.hp-prev-<token><suffix>`` (``last.hp-prev-1a2b.ckpt``: still a complete checkpoint that
+Lightning's ``ckpt_path="last"`` finds), then the staging entry takes its place; :func:`recover`
+finishes a swap a kill interrupted. Staging names never end in ``.ckpt``, so neither Lightning's
+``ckpt_path="last"`` nor a scan for ``*.ckpt`` ever picks up an unfinished save.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+import errno
+import hashlib
+import json
+import os
+import shutil
+import sys
+import uuid
+import zipfile
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+#: Version of the layout above. Loaders refuse newer versions instead of misreading them.
+FORMAT_VERSION = 1
+#: Lightning's name for the non-tensor part of a sharded checkpoint.
+META_FILE = "meta.pt"
+#: hp_lightning's manifest; written last, so it also marks a finished save.
+MANIFEST_FILE = "hp_lightning.json"
+#: DCP's index file.
+DCP_METADATA_FILE = ".metadata"
+#: Key of hp_lightning's record inside a full (single-file) checkpoint.
+FULL_INFO_KEY = "hp_lightning"
+#: Where the model's state sits in a checkpoint (hp_lightning, Lightning, ModelParallelStrategy).
+MODEL_KEY = "state_dict"
+#: Where Lightning's FSDPStrategy puts it in its sharded checkpoints.
+FSDP_MODEL_KEY = "model"
+#: Lightning's list of optimizer states; in a sharded checkpoint they are ``optimizer_0``, ``optimizer_1`` ...
+OPTIMIZER_KEY = "optimizer_states"
+#: Marks a save in progress (or one a kill interrupted); loaders refuse these names.
+STAGING_MARKER = ".hp-partial-"
+#: Marks an entry being deleted; it disappears from its real name in one rename first.
+TRASH_MARKER = ".hp-trash-"
+#: Marks the previous checkpoint set aside while its replacement is renamed in (no atomic exchange).
+PREVIOUS_MARKER = ".hp-prev-"
+#: Read size when hashing files.
+_CHUNK = 8 << 20
+
+
+class CheckpointKind(enum.Enum):
+    """The formats :func:`classify` recognizes."""
+
+    HP_SHARDED = "hp_lightning sharded directory"
+    LIGHTNING_SHARDED = "Lightning sharded directory (ModelParallelStrategy / FSDPStrategy)"
+    FULL_FILE = "single-file checkpoint"
+
+
+class CorruptCheckpointError(ValueError):
+    """A checkpoint whose files do not match what was recorded when it was saved."""
+
+
+# ---------------------------------------------------------------- recognizing a checkpoint
+
+
+def classify(path: Path) -> CheckpointKind:
+    """Say which format ``path`` holds, or raise saying why it is not a loadable checkpoint.
+
+    Raises:
+        FileNotFoundError: nothing at ``path``.
+        ValueError: a staging entry of an unfinished save, a directory that is not a checkpoint,
+            an incomplete DCP directory, or a checkpoint written by a newer format version.
+    """
+    path = Path(path)
+    if STAGING_MARKER in path.name:
+        target = path.name.split(STAGING_MARKER, 1)[0]
+        raise ValueError(
+            f"{str(path)!r} is the staging entry of a save that did not finish (a kill or a crash "
+            f"interrupted it); it may be incomplete and is never loaded. Load the checkpoint it was "
+            f"meant to replace, {str(path.with_name(target))!r}, or an earlier one."
+        )
+    if not path.exists():
+        raise FileNotFoundError(f"Checkpoint {str(path)!r} does not exist.{_nearby_hint(path)}")
+    if path.is_file():
+        return CheckpointKind.FULL_FILE
+    if not path.is_dir():
+        raise ValueError(f"Checkpoint {str(path)!r} is neither a file nor a directory.")
+    if (path / MANIFEST_FILE).is_file():
+        check_version(read_manifest(path), path / MANIFEST_FILE)
+        return CheckpointKind.HP_SHARDED
+    has_index = (path / DCP_METADATA_FILE).is_file()
+    if has_index and (path / META_FILE).is_file():
+        return CheckpointKind.LIGHTNING_SHARDED
+    entries = sorted(p.name for p in path.iterdir())
+    if has_index:
+        raise ValueError(
+            f"{str(path)!r} holds a DCP index but neither {MANIFEST_FILE!r} (hp_lightning) nor "
+            f"{META_FILE!r} (Lightning): the trainer state is missing, so it is an incomplete copy "
+            f"or a bare torch.distributed.checkpoint directory. Copy the whole checkpoint directory again."
+        )
+    raise ValueError(
+        f"{str(path)!r} is a directory but not a checkpoint: expected {MANIFEST_FILE!r} (hp_lightning "
+        f"sharded) or {DCP_METADATA_FILE!r} + {META_FILE!r} (Lightning sharded); it holds "
+        f"{entries[:8]}{' ...' if len(entries) > 8 else ''}. Pass the checkpoint directory itself "
+        f"(e.g. '.../checkpoints/epoch=0-step=100.ckpt'), not its parent."
+    )
+
+
+def _nearby_hint(path: Path) -> str:
+    parent = path.parent
+    if not parent.is_dir():
+        return f" Its folder {str(parent)!r} does not exist either."
+    names = sorted(p.name for p in parent.iterdir() if p.name.endswith(".ckpt") and STAGING_MARKER not in p.name)
+    if not names:
+        return f" Its folder {str(parent)!r} holds no '*.ckpt' checkpoint."
+    return f" Checkpoints in {str(parent)!r}: {names[:10]}{' ...' if len(names) > 10 else ''}."
+
+
+def check_version(record: Mapping[str, Any], where: Path) -> None:
+    """Refuse a layout newer than this hp_lightning reads (it could be misread silently).
+
+    Raises:
+        ValueError: for a missing, malformed or newer ``format_version``.
+    """
+    version = record.get("format_version")
+    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+        raise CorruptCheckpointError(
+            f"{str(where)!r} has no valid 'format_version' (got {version!r}); the file was altered or not written by hp_lightning."
+        )
+    if version > FORMAT_VERSION:
+        from hp_lightning import __version__
+
+        raise ValueError(
+            f"{str(where)!r} was written in checkpoint format {version} by hp_lightning "
+            f"{record.get('hp_lightning_version', '?')}; this hp_lightning ({__version__}) reads formats up "
+            f"to {FORMAT_VERSION}. Upgrade hp_lightning (pip install -U hp-lightning) to load it."
+        )
+
+
+# ---------------------------------------------------------------- integrity records
+
+
+def file_record(path: Path) -> dict[str, Any]:
+    """Size and SHA-256 of one file (read back right after writing, so usually from the page cache)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    return {"size": path.stat().st_size, "sha256": digest.hexdigest()}
+
+
+def verify_file(path: Path, record: Mapping[str, Any]) -> str | None:
+    """Check one file against its record; return a sentence naming the file if it does not match.
+
+    The size is checked first (a truncated file is caught without reading it), then the checksum.
+    """
+    if not path.is_file():
+        return f"{str(path)!r} is missing (recorded at save: {record['size']} bytes)"
+    size = path.stat().st_size
+    if size != record["size"]:
+        kind = "truncated" if size < record["size"] else "altered (it grew)"
+        return f"{str(path)!r} is {kind}: {size} bytes on disk, {record['size']} recorded at save"
+    actual = file_record(path)["sha256"]
+    if actual != record["sha256"]:
+        return (
+            f"{str(path)!r} was altered after the save: SHA-256 {actual[:16]}... differs from "
+            f"{record['sha256'][:16]}... recorded at save"
+        )
+    return None
+
+
+def verify_records(root: Path, records: Mapping[str, Mapping[str, Any]], names: Iterable[str]) -> list[str]:
+    """Check the named files of a sharded checkpoint; return one sentence per problem (empty: all good)."""
+    problems = []
+    for name in names:
+        problem = verify_file(root / name, records[name])
+        if problem:
+            problems.append(problem)
+    return problems
+
+
+def verify_zip(path: Path) -> str | None:
+    """Check every entry of a ``torch.save`` archive against its CRC-32; return a problem or None.
+
+    Files written by the legacy (non-zip) ``torch.save`` format have no checksums and pass.
+    """
+    if not zipfile.is_zipfile(path):
+        with open(path, "rb") as f:
+            head = f.read(4)
+        if head[:2] == b"PK":
+            return f"{str(path)!r} is truncated or damaged: its zip directory is missing or unreadable"
+        return None
+    try:
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()
+    except (zipfile.BadZipFile, OSError, EOFError) as exc:
+        return f"{str(path)!r} is truncated or damaged: {exc}"
+    if bad is not None:
+        return f"{str(path)!r} was altered or damaged after the save: entry {bad!r} fails its CRC-32 check"
+    return None
+
+
+def corruption_message(problems: list[str], checkpoint: Path) -> str:
+    """One error message for every problem found, with what to do next."""
+    listed = "; ".join(problems[:6]) + (f"; and {len(problems) - 6} more" if len(problems) > 6 else "")
+    return (
+        f"Checkpoint {str(checkpoint)!r} failed its integrity check: {listed}. It was damaged after it "
+        f"was written (partial copy, disk or network fault, manual edit); restore it from a good copy "
+        f"or resume from an earlier checkpoint."
+    )
+
+
+def write_manifest(root: Path, manifest: Mapping[str, Any]) -> None:
+    """Write the manifest durably (temp file, fsync, rename): its appearance marks the save complete."""
+    tmp = root / f".{MANIFEST_FILE}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(manifest, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, root / MANIFEST_FILE)
+    fsync_dir(root)
+
+
+def read_manifest(root: Path) -> dict[str, Any]:
+    """The manifest of a sharded checkpoint.
+
+    Raises:
+        CorruptCheckpointError: when it is not valid JSON or lacks its file records.
+    """
+    where = root / MANIFEST_FILE
+    try:
+        manifest = json.loads(where.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CorruptCheckpointError(f"{str(where)!r} is damaged (not valid JSON: {exc}); restore the checkpoint from a good copy.") from None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+        raise CorruptCheckpointError(f"{str(where)!r} is damaged: it has no 'files' table; restore the checkpoint from a good copy.")
+    return manifest
+
+
+def data_files(root: Path) -> list[str]:
+    """Every file of a sharded checkpoint that the manifest records (all but the manifest itself)."""
+    return sorted(p.name for p in root.iterdir() if p.is_file() and p.name != MANIFEST_FILE and not p.name.endswith(".tmp"))
+
+
+# ---------------------------------------------------------------- publishing and removing
+
+
+def staging_path(path: Path, token: str) -> Path:
+    return path.with_name(f"{path.name}{STAGING_MARKER}{token}")
+
+
+def new_token() -> str:
+    return uuid.uuid4().hex[:12]
+
+
+def fsync_dir(path: Path) -> None:
+    """Make renames and new entries in ``path`` durable (a no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def fsync_file(path: Path) -> None:
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two existing entries with ``renameat2(RENAME_EXCHANGE)``.
+
+    Returns False where the platform or filesystem cannot (the caller then falls back to two renames).
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    renameat2.restype = ctypes.c_int
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV):
+        return False
+    raise OSError(err, f"renameat2(RENAME_EXCHANGE) failed: {os.strerror(err)}", str(a), None, str(b))
+
+
+def previous_path(path: Path, token: str) -> Path:
+    """Where the previous checkpoint waits while its replacement is renamed in; keeps the ``.ckpt`` suffix."""
+    if path.suffix:
+        return path.with_name(f"{path.stem}{PREVIOUS_MARKER}{token}{path.suffix}")
+    return path.with_name(f"{path.name}{PREVIOUS_MARKER}{token}")
+
+
+def publish(staging: Path, path: Path) -> None:
+    """Move a finished save into place; the target name never holds a half-written checkpoint."""
+    if not (path.exists() or path.is_symlink()):
+        os.rename(staging, path)
+    elif path.is_symlink() or not exchange(staging, path):
+        swap_by_renames(staging, path)
+        return
+    else:
+        _delete(staging)  # after the exchange it holds the previous checkpoint
+    fsync_dir(path.parent)
+
+
+def set_aside(path: Path) -> Path:
+    """Rename the current checkpoint to its ``.hp-prev-`` name; return that name."""
+    previous = previous_path(path, new_token())
+    os.rename(path, previous)
+    return previous
+
+
+def swap_by_renames(staging: Path, path: Path) -> None:
+    """Replace ``path`` without atomic exchange: set the old entry aside, rename the new one in, delete the old.
+
+    A kill between the two renames leaves no entry at ``path``, a complete staging entry and the
+    complete previous checkpoint; :func:`recover` (run by the next load or save of ``path``) moves
+    the staging entry into place.
+    """
+    previous = set_aside(path)
+    os.rename(staging, path)
+    fsync_dir(path.parent)
+    _delete(previous)
+
+
+def remove(path: Path) -> None:
+    """Delete a checkpoint of either format; it leaves its real name in one rename before deletion."""
+    path = Path(path)
+    if not (path.exists() or path.is_symlink()):
+        return
+    if path.is_symlink():
+        path.unlink()
+        return
+    trash = path.with_name(f"{path.name}{TRASH_MARKER}{new_token()}")
+    os.rename(path, trash)
+    _delete(trash)
+
+
+def _delete(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            pass
+
+
+def _siblings(path: Path, marker: str) -> list[Path]:
+    if not path.parent.is_dir():
+        return []
+    if marker == PREVIOUS_MARKER and path.suffix:
+        prefix, suffix = f"{path.stem}{marker}", path.suffix
+    else:
+        prefix, suffix = f"{path.name}{marker}", ""
+    return [p for p in path.parent.iterdir() if p.name.startswith(prefix) and p.name.endswith(suffix)]
+
+
+def is_complete(entry: Path) -> bool:
+    """Whether a staging entry holds a whole save (used only to finish an interrupted swap)."""
+    try:
+        if entry.is_dir():
+            manifest = read_manifest(entry)
+            return not verify_records(entry, manifest["files"], manifest["files"])
+        return entry.is_file() and zipfile.is_zipfile(entry) and verify_zip(entry) is None
+    except (OSError, ValueError):
+        return False
+
+
+def recover(path: Path) -> Path | None:
+    """Finish a swap a kill interrupted: if ``path`` is gone, move the newest complete save of it there.
+
+    Only a publish without atomic exchange can leave that state. Returns the entry moved, if any.
+    """
+    path = Path(path)
+    if path.exists() or path.is_symlink():
+        return None
+    # The newest complete save first: it finished writing and only its publish was cut short.
+    for marker in (STAGING_MARKER, PREVIOUS_MARKER):
+        complete = [p for p in _siblings(path, marker) if is_complete(p)]
+        if complete:
+            newest = max(complete, key=lambda p: p.stat().st_mtime)
+            os.rename(newest, path)
+            fsync_dir(path.parent)
+            return newest
+    return None
+
+
+def clean_stale(path: Path) -> list[Path]:
+    """Delete the staging, set-aside and trash entries killed saves or deletes of ``path`` left behind.
+
+    Run :func:`recover` first: when ``path`` is missing, one of them may be the only complete copy.
+    """
+    stale = _siblings(path, STAGING_MARKER) + _siblings(path, PREVIOUS_MARKER) + _siblings(path, TRASH_MARKER)
+    for entry in stale:
+        _delete(entry)
+    return stale

@@ -1,0 +1,436 @@
+"""Loading any supported checkpoint into a sharded model and its optimizers, from every rank.
+
+Formats: hp_lightning sharded directories and full files, Lightning's ModelParallelStrategy and
+FSDPStrategy sharded directories, plain Lightning ``.ckpt`` files (optimizer state keyed by
+position), bare ``state_dict`` files and ``.safetensors`` weights.
+
+Order of work: recognize the format (rank 0), verify integrity (the ranks share the reading of a
+sharded checkpoint; rank 0 checks a single file), compare keys and shapes with the model, and
+only then move tensors: DCP reads each rank's part of a sharded checkpoint (resharding to this
+mesh), or rank 0 reads a single file and broadcasts it tensor by tensor, so only rank 0 needs to
+see that file.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from hp_lightning import devices
+from hp_lightning.checkpoint import layout
+from hp_lightning.checkpoint.collective import on_every_rank, on_rank0, rank, warn_rank0, world_size
+from hp_lightning.checkpoint.layout import (
+    DCP_METADATA_FILE,
+    FSDP_MODEL_KEY,
+    FULL_INFO_KEY,
+    META_FILE,
+    MODEL_KEY,
+    OPTIMIZER_KEY,
+    CheckpointKind,
+    CorruptCheckpointError,
+)
+from hp_lightning.checkpoint.state import (
+    Shape,
+    check_model_keys,
+    check_optimizer_state,
+    is_keyed_by_position,
+    model_shapes,
+    names_to_positions,
+    optimizer_param_names,
+    positions_to_names,
+    state_shapes,
+    unwrap_optimizer,
+)
+
+
+def load_checkpoint(
+    path: Path,
+    model: nn.Module,
+    optimizers: Sequence[Any],
+    *,
+    strict: bool = True,
+    weights_only: Optional[bool] = None,
+    verify: bool = True,
+) -> dict[str, Any]:
+    """Load a checkpoint of any supported format into the sharded ``model`` and ``optimizers``.
+
+    Formats: hp_lightning sharded directories and full files, Lightning's ModelParallelStrategy
+    and FSDPStrategy sharded directories, plain Lightning ``.ckpt`` files (optimizer state keyed by
+    position is matched to this run's parameters by order), bare ``state_dict`` files and
+    ``.safetensors`` weights. Optimizer state is loaded for each optimizer passed (pass none to
+    load the weights only).
+
+    Args:
+        strict: missing or unexpected model keys are an error (else they are reported and skipped).
+        weights_only: passed to ``torch.load`` for the pickled parts (None: False, as Lightning).
+        verify: check sizes and checksums recorded at save before reading (one extra read of
+            every file, spread over the ranks for sharded checkpoints).
+
+    Returns:
+        The rest of the checkpoint (loops, callbacks, schedulers, ...) for Lightning to restore.
+
+    Raises:
+        FileNotFoundError: nothing at ``path``.
+        CorruptCheckpointError: a missing, truncated or altered file (named in the message).
+        ValueError: not a checkpoint, a newer format, keys or shapes that do not fit the model.
+    """
+    path = Path(path)
+    optimizers = [unwrap_optimizer(o) for o in optimizers]
+
+    def find() -> CheckpointKind:
+        if not path.exists():
+            layout.recover(path)
+        return layout.classify(path)
+
+    kind = on_rank0(find)
+    if kind is CheckpointKind.FULL_FILE:
+        return _load_full(path, model, optimizers, strict=strict, weights_only=weights_only, verify=verify)
+    return _load_sharded(path, kind, model, optimizers, strict=strict, weights_only=weights_only, verify=verify)
+
+
+# ------------------------------------------------ sharded
+
+
+def _verify_sharded(path: Path, manifest: Mapping[str, Any]) -> None:
+    """Each rank checks a slice of the recorded files; any problem raises on every rank, naming the files."""
+    names = sorted(manifest["files"])
+    try:
+        problems = layout.verify_records(path, manifest["files"], names[rank() :: world_size()])
+    except OSError as exc:  # e.g. unreadable: still reach the collective below
+        problems = [f"{str(path)!r} cannot be read on rank {rank()}: {exc}"]
+    listed: list[Any] = [problems]
+    if dist.is_initialized():
+        listed = [None] * world_size()
+        dist.all_gather_object(listed, problems)
+    everything = [p for part in listed for p in part]
+    if everything:
+        raise CorruptCheckpointError(layout.corruption_message(everything, path))
+
+
+def dcp_index(path: Path) -> dict[tuple[Any, ...], Shape]:
+    """Every entry DCP stored, as its nested path (``('state_dict', 'net.w')``) -> global shape."""
+    try:
+        metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    except Exception as exc:  # noqa: BLE001 - re-raised with the file named
+        raise CorruptCheckpointError(
+            f"{str(path / DCP_METADATA_FILE)!r} cannot be read ({type(exc).__name__}: {exc}); the checkpoint is damaged."
+        ) from None
+    planner_data = metadata.planner_data or {}
+    index: dict[tuple[Any, ...], Shape] = {}
+    for flat_key, entry in metadata.state_dict_metadata.items():
+        nested = tuple(planner_data.get(flat_key, tuple(flat_key.split(".", 1))))
+        index[nested] = tuple(entry.size) if isinstance(entry, TensorStorageMetadata) else None
+    return index
+
+
+def _stored_model(index: Mapping[tuple[Any, ...], Shape]) -> tuple[str, dict[str, Shape]]:
+    roots = {k[0] for k in index}
+    model_key = MODEL_KEY if MODEL_KEY in roots else FSDP_MODEL_KEY
+    return model_key, {k[1]: shape for k, shape in index.items() if k[0] == model_key and len(k) == 2}
+
+
+def _stored_optimizer(index: Mapping[tuple[Any, ...], Shape], i: int) -> tuple[dict[Any, list[str]], int]:
+    """Per parameter, the state entries stored for optimizer ``i``; and its number of param groups."""
+    root = f"optimizer_{i}"
+    entries: dict[Any, list[str]] = {}
+    groups = set()
+    for k in index:
+        if k[0] != root or len(k) < 3:
+            continue
+        if k[1] == "state" and len(k) >= 4:
+            entries.setdefault(k[2], []).append(k[3])
+        elif k[1] == "param_groups":
+            groups.add(k[2])
+    return entries, len(groups)
+
+
+def _count_optimizers(index: Mapping[tuple[Any, ...], Shape]) -> int:
+    roots = {k[0] for k in index if isinstance(k[0], str) and k[0].startswith("optimizer_")}
+    return len(roots)
+
+
+def _plan_optimizers(
+    model: nn.Module, optimizers: list[Any], stored_count: int, *, strict: bool, source: str
+) -> list[Any]:
+    """Which optimizers to restore; a missing or different optimizer state is an error when strict."""
+    if not optimizers:
+        return []
+    if stored_count == 0:
+        message = (
+            f"Checkpoint {source} holds no optimizer state (saved weights-only?), but this run has "
+            f"{len(optimizers)} optimizer(s) to restore."
+        )
+        if strict:
+            raise KeyError(message + " Resume from a full training checkpoint, or load the weights only with hp_lightning.checkpoint.load_weights.")
+        warn_rank0(message + " Optimizers start fresh.")
+        return []
+    if stored_count != len(optimizers):
+        raise ValueError(
+            f"Checkpoint {source} holds state for {stored_count} optimizer(s); configure_optimizers returns "
+            f"{len(optimizers)}. Configure the same optimizers as the run that saved it."
+        )
+    return optimizers
+
+
+def _load_sharded(
+    path: Path,
+    kind: CheckpointKind,
+    model: nn.Module,
+    optimizers: list[Any],
+    *,
+    strict: bool,
+    weights_only: Optional[bool],
+    verify: bool,
+    prefix: str = "",
+) -> dict[str, Any]:
+    source = repr(str(path))
+
+    manifest = on_every_rank(lambda: layout.read_manifest(path)) if kind is CheckpointKind.HP_SHARDED else None
+    if manifest is None:
+        warn_rank0(f"{source} is in Lightning's sharded layout, which records no checksums; it is loaded unverified.")
+    elif verify:
+        _verify_sharded(path, manifest)  # before anything else in the directory is read
+    index = on_every_rank(lambda: dcp_index(path))
+
+    model_key, stored = _stored_model(index)
+    stored = {k[len(prefix) :]: shape for k, shape in stored.items() if k.startswith(prefix)}
+    expected = model_shapes(model)
+    missing, unexpected = on_every_rank(lambda: check_model_keys(expected, stored, strict=strict, source=source))
+    _report_skipped(missing, unexpected, source)
+
+    restoring = on_every_rank(lambda: _plan_optimizers(model, optimizers, _count_optimizers(index), strict=strict, source=source))
+    sharded_model = get_model_state_dict(model)
+    request: dict[str, Any] = {model_key: {prefix + k: v for k, v in sharded_model.items() if k in stored}}
+    plans = []
+    for i, optimizer in enumerate(restoring):
+        plans.append(on_every_rank(lambda i=i, optimizer=optimizer: _optimizer_request(model, optimizer, index, i, set(missing), source)))
+        request[f"optimizer_{i}"] = plans[-1][0]
+
+    dcp.load(request, checkpoint_id=str(path), planner=dcp.DefaultLoadPlanner(allow_partial_load=True), no_dist=not dist.is_initialized())
+    loaded_model = {k[len(prefix) :]: v for k, v in request[model_key].items()}
+    set_model_state_dict(model, loaded_model, options=StateDictOptions(strict=False))
+    for optimizer, (loaded, names, by_position, skipped) in zip(restoring, plans):
+        named = positions_to_names(loaded, names, source) if by_position else loaded
+        set_optimizer_state_dict(model, optimizer, named)
+        _forget_state(model, optimizer, skipped)
+
+    return on_every_rank(lambda: _read_meta(path, weights_only))
+
+
+def _optimizer_request(
+    model: nn.Module, optimizer: Any, index: Mapping[tuple[Any, ...], Shape], i: int, skipped: set[str], source: str
+) -> tuple[dict[str, Any], list[list[str]], bool, set[str]]:
+    """This run's optimizer state shaped like what checkpoint entry ``optimizer_i`` stores (to load into)."""
+    current = get_optimizer_state_dict(model, optimizer)  # initializes empty state, so it has every entry
+    current["state"] = {k: v for k, v in current["state"].items() if k not in skipped}
+    names = optimizer_param_names(model, optimizer)
+    stored_entries, stored_groups = _stored_optimizer(index, i)
+    flat = [n for group in names for n in group]
+    # DCP stores dict keys as strings: native torch state (integer ids) comes back as "0", "1", ...
+    by_position = bool(stored_entries) and all(str(k).isdigit() and str(k) not in flat for k in stored_entries)
+    if by_position:
+        stored_entries = {flat[int(k)]: v for k, v in stored_entries.items() if int(k) < len(flat)}
+    check_optimizer_state(current, stored_entries, stored_groups, index=i, source=source)
+    current["state"] = {k: v for k, v in current["state"].items() if k in stored_entries}
+    request = names_to_positions(current, names) if by_position else current
+    return request, names, by_position, skipped | (set(flat) - set(stored_entries))
+
+
+def _forget_state(model: nn.Module, optimizer: Any, names: set[str]) -> None:
+    """Drop optimizer state of parameters the checkpoint had none for, so they start fresh at the next step."""
+    if not names:
+        return
+    params = dict(model.named_parameters())
+    for name in names:
+        if name in params:
+            optimizer.state.pop(params[name], None)
+
+
+def _read_meta(path: Path, weights_only: Optional[bool]) -> dict[str, Any]:
+    meta = _torch_load(path / META_FILE, weights_only=weights_only)
+    if not isinstance(meta, dict):
+        raise CorruptCheckpointError(f"{str(path / META_FILE)!r} does not hold a dict (got {type(meta).__name__}); the checkpoint is damaged.")
+    return meta
+
+
+# ------------------------------------------------ full file
+
+
+def _torch_load(path: Path, *, weights_only: Optional[bool]) -> Any:
+    try:
+        return torch.load(path, map_location=devices.cpu_device(), mmap=True, weights_only=bool(weights_only))
+    except RuntimeError as exc:
+        if "mmap" not in str(exc):
+            raise ValueError(f"Could not read checkpoint {str(path)!r}: {exc}") from None
+    return torch.load(path, map_location=devices.cpu_device(), weights_only=bool(weights_only))  # legacy (non-zip) format
+
+
+def read_full_file(path: Path, *, weights_only: Optional[bool] = None, verify: bool = True) -> dict[str, Any]:
+    """Read a single-file checkpoint into a dict on this process (tensors memory-mapped, not copied).
+
+    Bare state dicts and ``.safetensors`` files come back as ``{"state_dict": ...}``.
+
+    Raises:
+        CorruptCheckpointError: a truncated or altered file (zip CRC-32 check).
+        ValueError: not a checkpoint, or written by a newer format version.
+    """
+    path = Path(path)
+    if path.suffix == ".safetensors":
+        return {MODEL_KEY: _read_safetensors(path)}
+    if verify and (problem := layout.verify_zip(path)):
+        raise CorruptCheckpointError(layout.corruption_message([problem], path))
+    checkpoint = _torch_load(path, weights_only=weights_only)
+    if not isinstance(checkpoint, dict):
+        raise ValueError(f"{str(path)!r} holds a {type(checkpoint).__name__}, not a checkpoint dict or a state dict.")
+    if isinstance(checkpoint.get(FULL_INFO_KEY), Mapping):
+        layout.check_version(checkpoint[FULL_INFO_KEY], path)
+    if MODEL_KEY in checkpoint and isinstance(checkpoint[MODEL_KEY], Mapping):
+        return checkpoint
+    if checkpoint and all(isinstance(v, torch.Tensor) for v in checkpoint.values()):
+        return {MODEL_KEY: checkpoint}  # a bare model.state_dict()
+    raise ValueError(
+        f"{str(path)!r} is neither a Lightning checkpoint (no {MODEL_KEY!r} entry) nor a state dict of tensors; "
+        f"its top-level keys are {sorted(map(str, checkpoint))[:8]}."
+    )
+
+
+def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        from safetensors.torch import load_file
+    except ImportError:
+        raise ValueError(f"Reading {str(path)!r} needs the safetensors package: pip install 'hp-lightning[safetensors]'.") from None
+    try:
+        return load_file(str(path), device=devices.CPU)
+    except Exception as exc:  # noqa: BLE001 - re-raised with the file named
+        raise CorruptCheckpointError(f"{str(path)!r} is not a readable safetensors file ({exc}); it is truncated or damaged.") from None
+
+
+def _load_full(
+    path: Path,
+    model: nn.Module,
+    optimizers: list[Any],
+    *,
+    strict: bool,
+    weights_only: Optional[bool],
+    verify: bool,
+    prefix: str = "",
+) -> dict[str, Any]:
+    """Rank 0 reads the file; the others receive its tensors by broadcast, so only rank 0 needs the file."""
+    source = repr(str(path))
+    loaded: dict[str, Any] = {}
+
+    def summarize() -> dict[str, Any]:
+        loaded.update(read_full_file(path, weights_only=weights_only, verify=verify))
+        if prefix:
+            loaded[MODEL_KEY] = {k[len(prefix) :]: v for k, v in loaded[MODEL_KEY].items() if k.startswith(prefix)}
+        optimizer_states = loaded.get(OPTIMIZER_KEY) or []
+        rest = {k: v for k, v in loaded.items() if k not in (MODEL_KEY, OPTIMIZER_KEY)}
+        return {
+            "shapes": state_shapes(loaded[MODEL_KEY]),
+            "optimizers": [_summarize_optimizer(state) for state in optimizer_states],
+            "rest": rest,
+        }
+
+    summary = on_rank0(summarize)
+    missing, unexpected = on_every_rank(lambda: check_model_keys(model_shapes(model), summary["shapes"], strict=strict, source=source))
+    _report_skipped(missing, unexpected, source)
+    weights = {k: v for k, v in loaded.get(MODEL_KEY, {}).items() if k not in unexpected}
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=dist.is_initialized(), strict=False)
+    set_model_state_dict(model, weights if rank() == 0 else {}, options=options)
+    del weights
+
+    rest = summary["rest"]
+    # A bare state dict or safetensors file holds weights and nothing to resume: training starts
+    # fresh from them (a Lightning checkpoint saved weights-only is different: resuming it is an error).
+    weights_file = "pytorch-lightning_version" not in rest
+    if weights_file and optimizers:
+        warn_rank0(f"{source} holds model weights only: they are loaded, and training starts at step 0 with fresh optimizer state.")
+    restoring = [] if weights_file else on_every_rank(lambda: _plan_optimizers(model, optimizers, len(summary["optimizers"]), strict=strict, source=source))
+    for i, optimizer in enumerate(restoring):
+        names, skipped = on_every_rank(lambda i=i, optimizer=optimizer: _check_full_optimizer(model, optimizer, summary["optimizers"][i], i, set(missing), source))
+        state: dict[str, Any] = {}
+        if rank() == 0:
+            stored = loaded[OPTIMIZER_KEY][i]
+            state = positions_to_names(stored, names, source) if is_keyed_by_position(stored) else dict(stored)
+            state["state"] = {k: v for k, v in state["state"].items() if k not in skipped}
+        set_optimizer_state_dict(model, optimizer, state, options=options)
+        _forget_state(model, optimizer, skipped)
+    if weights_file:
+        import lightning
+
+        # What Lightning needs to accept the dict; no loops, callbacks or scheduler state to restore.
+        return {"pytorch-lightning_version": lightning.__version__, "lr_schedulers": []}
+    return rest
+
+
+def _summarize_optimizer(state: Mapping[str, Any]) -> dict[str, Any]:
+    return {
+        "by_position": is_keyed_by_position(state),
+        "entries": {k: sorted(v) for k, v in state.get("state", {}).items()},
+        "groups": len(state.get("param_groups", [])),
+    }
+
+
+def _check_full_optimizer(
+    model: nn.Module, optimizer: Any, summary: Mapping[str, Any], i: int, missing: set[str], source: str
+) -> tuple[list[list[str]], set[str]]:
+    names = optimizer_param_names(model, optimizer)
+    entries = dict(summary["entries"])
+    if summary["by_position"]:
+        flat = [n for group in names for n in group]
+        entries = {flat[k]: v for k, v in entries.items() if isinstance(k, int) and k < len(flat)}
+    current = get_optimizer_state_dict(model, optimizer)
+    current["state"] = {k: v for k, v in current["state"].items() if k not in missing}
+    check_optimizer_state(current, entries, summary["groups"], index=i, source=source)
+    return names, missing | (set(sum(names, [])) - set(entries))
+
+
+def _report_skipped(missing: list[str], unexpected: list[str], source: str) -> None:
+    if missing:
+        warn_rank0(f"Checkpoint {source}: {len(missing)} model key(s) missing, kept as initialized: {missing[:8]}")
+    if unexpected:
+        warn_rank0(f"Checkpoint {source}: {len(unexpected)} unexpected key(s) ignored: {unexpected[:8]}")
+
+
+# ---------------------------------------------------------------- weights for fine-tuning
+
+
+def load_weights(module: nn.Module, path: Path, *, prefix: str = "", strict: bool = True, weights_only: Optional[bool] = None) -> None:
+    """Load pretrained weights into a (sharded) module: fine-tuning from whole tensors or another run.
+
+    Reads a bare ``state_dict`` file, a Lightning ``.ckpt`` (its ``state_dict``), a
+    ``.safetensors`` file or a sharded checkpoint directory; for a single file only rank 0 reads
+    it and the others receive each tensor by broadcast. Call it on every rank once the model is
+    sharded, e.g. in ``LightningModule.on_fit_start``. Optimizer and trainer state are not touched.
+
+    Args:
+        module: the module to fill, e.g. ``self`` or ``self.backbone``.
+        path: the weights.
+        prefix: use only the checkpoint's keys starting with it, with it stripped (``"net."`` loads
+            a LightningModule checkpoint's ``net.*`` weights into ``self.net``).
+        strict: missing or unexpected keys (among those with ``prefix``) are an error.
+        weights_only: passed to ``torch.load``.
+
+    Raises:
+        FileNotFoundError, CorruptCheckpointError, ValueError: as :func:`load_checkpoint`.
+    """
+    path = Path(path)
+    kind = on_rank0(lambda: layout.classify(path))
+    if kind is CheckpointKind.FULL_FILE:
+        _load_full(path, module, [], strict=strict, weights_only=weights_only, verify=True, prefix=prefix)
+    else:
+        _load_sharded(path, kind, module, [], strict=strict, weights_only=weights_only, verify=True, prefix=prefix)
