@@ -7,10 +7,12 @@
   inside accumulation windows.
 * :class:`ShardingReport`: per-unit table of what was sharded, with warnings.
 * :class:`GradientMemoryMonitor`: gradient bytes held after each backward.
+* :class:`NonFiniteGradients`: stop at the first NaN/inf gradient, naming the step, unit and parameter.
 """
 
 from hp_lightning.callbacks.accumulation import GradientAccumulationSync, micro_batch_sync
 from hp_lightning.callbacks.memory import GradientMemoryMonitor, live_gradient_bytes
+from hp_lightning.callbacks.nonfinite import NonFiniteGradientError, NonFiniteGradients
 from hp_lightning.callbacks.report import ShardingReport, ShardingSummary, UnitReport, sharding_summary
 from hp_lightning.callbacks.resharding import ReshardSchedule
 from hp_lightning.callbacks.scaling import GradientScaling
@@ -19,6 +21,8 @@ __all__ = [
     "GradientAccumulationSync",
     "GradientMemoryMonitor",
     "GradientScaling",
+    "NonFiniteGradientError",
+    "NonFiniteGradients",
     "ReshardSchedule",
     "ShardingReport",
     "ShardingSummary",

@@ -31,7 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from hp_lightning import devices
+from hp_lightning import devices, faults
 from hp_lightning.fully_shard import (
     REDUCE_OPS,
     CPUOffloadPolicy,
@@ -117,6 +117,17 @@ class HSDPStrategy(ParallelStrategy):
         process_group_backend: None → gloo for CPU, nccl for CUDA, hccl for NPU (with gloo added
             for host tensors under ``cpu_offload``: ``"cpu:gloo,cuda:nccl"``).
         timeout: collective timeout, in seconds or as a timedelta.
+        fault_watchdog: when one rank fails (an exception, SIGKILL, the OOM killer, a frozen
+            process), stop every rank within seconds, with the first failure named once and the
+            others exiting with code 3 (see :mod:`hp_lightning.faults`). Costs a thread and
+            three small store operations per rank and second. Off: a failure surfaces on the
+            other ranks as a gloo/NCCL error, or as a hang until ``timeout``.
+        heartbeat_timeout: seconds without a heartbeat before a rank counts as lost (frozen,
+            deadlocked, host down). Dead processes on the same host are found within a second
+            regardless; the heartbeat thread runs beside the training loop, so long steps are fine.
+        failure_exit_grace: seconds a failed rank gets to print its traceback and exit; the
+            other ranks wait that long at most, and a failed process still alive after it
+            (a non-daemon thread) is ended.
     """
 
     strategy_name = "hsdp"
@@ -148,6 +159,9 @@ class HSDPStrategy(ParallelStrategy):
         sharding_report: bool = False,
         process_group_backend: Optional[str] = None,
         timeout: Union[float, timedelta] = default_pg_timeout,
+        fault_watchdog: bool = True,
+        heartbeat_timeout: float = 120.0,
+        failure_exit_grace: float = 30.0,
     ) -> None:
         # Validate everything here: this runs in Trainer(...) before any process or group exists.
         self._mesh_shape = validate_mesh_shape(mesh_shape)
@@ -173,6 +187,9 @@ class HSDPStrategy(ParallelStrategy):
             raise TypeError(f"HSDPStrategy(process_group_backend=...) expects a string like 'gloo' or None; got {process_group_backend!r}.")
         self._process_group_backend = process_group_backend
         self._timeout = _check_timeout(timeout)
+        self._fault_watchdog = _check_bool(fault_watchdog, "fault_watchdog")
+        self._heartbeat_timeout = faults.check_seconds(heartbeat_timeout, "heartbeat_timeout", "HSDPStrategy")
+        self._failure_exit_grace = faults.check_seconds(failure_exit_grace, "failure_exit_grace", "HSDPStrategy")
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -183,6 +200,7 @@ class HSDPStrategy(ParallelStrategy):
         self.num_nodes = 1
         self._device_mesh: Optional[DeviceMesh] = None
         self._sharded: Optional[ShardedModel] = None
+        self._watchdog: Optional[faults.FaultWatchdog] = None
         #: How the next accumulation window communicates; set by GradientAccumulationSync.
         self.accumulation_mode: str = "skip"
 
@@ -282,9 +300,18 @@ class HSDPStrategy(ParallelStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()
         self._setup_distributed()
+        if self._fault_watchdog:
+            # First thing once the process group exists: from here on, a failure anywhere stops every rank.
+            self._watchdog = self._watchdog or faults.FaultWatchdog(
+                heartbeat_timeout=self._heartbeat_timeout, exit_grace=self._failure_exit_grace
+            )
+            self._watchdog.start(self.global_rank, self.world_size, faults.local_ranks(self.node_rank, self.num_processes))
         shape = resolve_mesh_shape(
             self._mesh_shape, world_size=self.world_size, num_nodes=self.num_nodes, devices_per_node=self.num_processes
         )
+        # Before the mesh's groups exist: ranks that disagree would build different groups and hang.
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        faults.check_rank_agreement(faults.setup_settings(self, trainer, shape), stage="setup")
         self._device_mesh = build_device_mesh(self.root_device.type, shape)
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
@@ -348,6 +375,8 @@ class HSDPStrategy(ParallelStrategy):
         if not isinstance(self.model, HSDPModule):
             self.model = self.precision_plugin.convert_module(self.model)
             self._sharded = parallelize(self.model, self.device_mesh, self.sharding_plan())
+            # fully_shard does not communicate; materialize does: compare the models and units first.
+            faults.check_rank_agreement(faults.sharding_settings(self.model, self._sharded), stage="sharding")
             init_device = devices.cpu_device() if self._cpu_offload else self.root_device
             materialize(self.model, self.device_mesh, init_device)
             move_unsharded_states(self.model, self.root_device)
@@ -541,7 +570,15 @@ class HSDPStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ teardown
 
     @override
+    def on_exception(self, exception: BaseException) -> None:
+        # Post this rank's failure for the others, or (a consequence of another rank's) exit quietly.
+        if self._watchdog is not None:
+            self._watchdog.report(exception)
+
+    @override
     def teardown(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.stop()
         assert self.cluster_environment is not None
         assert self.accelerator is not None
         self.cluster_environment.teardown()

@@ -1,0 +1,955 @@
+"""When one rank fails, every rank stops within seconds, and the first cause is reported once.
+
+Without help, a failure on one rank shows up on the others as whatever they were doing at the
+time. Either they get a gloo ``Connection closed by peer`` traceback that hides the real error
+and gives no rank, or they hang until the collective timeout (30 minutes by default). That
+happens when the failed process stays alive (a non-daemon thread keeps it running), is frozen,
+or runs on NCCL, which does not notice dead peers. This module gives :class:`HSDPStrategy` two
+tools:
+
+* :class:`FaultWatchdog`: one daemon thread per rank. It talks through the job's TCPStore (the
+  rendezvous store) on a connection of its own, never through the process group, because the
+  process group may be what is stuck.
+
+  - A rank that raises posts a :class:`FailureReport` from ``Strategy.on_exception``. The
+    first post wins (compare-and-set), so the reported cause is the first failure, not the
+    ``Connection closed`` errors it causes on other ranks a moment later. The exception then
+    goes on as usual: Lightning's handling, the user's ``except``, or a traceback. An error
+    raised on every rank together is printed once; each other rank prints one line.
+  - Every other rank checks for a post at each poll. When one appears, the rank waits until
+    the failed rank has printed its traceback (at most ``exit_grace``). Then it prints one line
+    and exits with :data:`PEER_FAILED_EXIT_CODE`. So do ranks whose own error is a
+    consequence of the failure.
+  - A rank that ends without a post (SIGKILL, the out-of-memory killer) is found by the ranks
+    on its host at their next poll. A frozen rank, or one on an unreachable host, is found by
+    its heartbeat.
+  - A failed process that does not end after its main thread has finished (a non-daemon
+    thread keeps it alive) is ended ``exit_grace`` seconds later.
+
+* :func:`check_rank_agreement`: one small all-gather at setup, before training communicates.
+  Settings that must be the same on every rank (mesh, units, precision, checkpoint path,
+  versions, loop lengths) are compared. If they differ, every rank raises
+  :class:`RankDisagreementError` naming each differing setting and the ranks behind each value.
+  Otherwise those ranks would run different collectives and hang, or train a model that is
+  silently wrong.
+
+The watchdog costs three small store operations per rank and poll (one second by default): a
+heartbeat, a look for a posted failure, and a look at one neighbour's heartbeat. Each rank
+watches the next rank's heartbeat (a ring), so the store's load grows linearly with the
+world size.
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import inspect
+import json
+import math
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    from torch import nn
+
+    from hp_lightning.parallelize import ShardedModel
+
+#: Exit code of a rank the watchdog stops because another rank failed first.
+PEER_FAILED_EXIT_CODE = 3
+#: Exit code of a failed rank whose process was still alive ``exit_grace`` seconds after its failure.
+FAILED_EXIT_CODE = 1
+
+_PREFIX = "[hp_lightning]"
+#: Messages that mark an error as a consequence of losing a peer rather than a cause of its own.
+_COMMUNICATION_MARKERS = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "Read error",
+    "Write error",
+    "NCCL communicator was aborted",
+    "Timed out waiting",
+    "timed out",
+)
+#: How often a rank checks on a peer it is waiting for (seconds).
+_FINE_POLL = 0.1
+#: Sequence number of watchdog sessions in this process (fit, then test, ...).
+_generation = 0
+
+
+def _first_line(text: str, limit: int = 300) -> str:
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    line = lines[0] if lines else ""
+    if "Original Traceback" in text and len(lines) > 1:
+        # Re-raised from another process (a DataLoader worker): its own last line is the cause.
+        line = f"{line.rstrip('.')}: {lines[-1].strip()}"
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def is_communication_error(exc: BaseException) -> bool:
+    """Whether ``exc`` looks like a lost peer (a gloo/NCCL/store error) rather than a cause of its own."""
+    if isinstance(exc, dist.DistError):
+        return True
+    return isinstance(exc, RuntimeError) and any(marker in str(exc) for marker in _COMMUNICATION_MARKERS)
+
+
+@dataclass(frozen=True)
+class FailureReport:
+    """The first failure of the job, as every rank reads it from the store.
+
+    Attributes:
+        rank: the rank that failed.
+        kind: ``"error"`` (it raised), ``"gone"`` (its process ended without a report),
+            ``"silent"`` (its heartbeat stopped) or ``"store"`` (the job's store stopped answering).
+        summary: one line: the exception's type and message, or what was observed.
+        host: host name of the failed rank.
+        pid: its process id.
+        reporter: the rank that posted the report (the failed rank itself for ``"error"``).
+        time: wall-clock time of the report (seconds since the epoch).
+    """
+
+    rank: int
+    kind: str
+    summary: str
+    host: str
+    pid: int
+    reporter: int
+    time: float = 0.0
+
+    def describe(self) -> str:
+        """``rank 1 failed: ValueError: ...`` as printed by the ranks it stops."""
+        if self.kind == "error":
+            return f"rank {self.rank} failed first with {self.summary} (its traceback is in rank {self.rank}'s output)"
+        where = f" (pid {self.pid} on {self.host})" if self.pid > 0 else ""
+        return f"rank {self.rank}{where} {self.summary}"
+
+    def to_wire(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_wire(cls, data: bytes | str) -> FailureReport:
+        return cls(**json.loads(data))
+
+
+@dataclass(frozen=True)
+class _ProcessInfo:
+    """Where a rank runs: enough to check on it locally when it shares our host and pid namespace."""
+
+    host: str
+    machine: str
+    pid: int
+    start_ticks: int
+
+    def to_wire(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_wire(cls, data: bytes | str) -> _ProcessInfo:
+        return cls(**json.loads(data))
+
+
+def _machine_key() -> str:
+    """Host, boot and pid namespace: two ranks with the same key can see each other's pids.
+
+    Empty where ``/proc`` is missing (not Linux): pids are then never checked, heartbeats only.
+    """
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        namespace = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return ""
+    return f"{socket.gethostname()}|{boot}|{namespace}"
+
+
+def _start_ticks(pid: int) -> Optional[int]:
+    """The process's start time in clock ticks (tells a recycled pid apart), or None when it is gone.
+
+    A zombie (ended, not yet reaped by its parent, as Lightning's launcher leaves its children for
+    a while) counts as gone.
+    """
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    fields = stat[stat.rfind(")") + 2 :].split()
+    if not fields or fields[0] in ("Z", "X"):
+        return None
+    return int(fields[19])
+
+
+def _is_running(info: _ProcessInfo) -> bool:
+    return _start_ticks(info.pid) == info.start_ticks
+
+
+def _connect_store(timeout: float) -> dist.Store:
+    """A store client of our own, so the watchdog never waits behind the main thread's store calls.
+
+    The default process group's store is a chain of prefix stores over a TCPStore (Lightning's
+    launcher, torchrun's agent store, ``env://``); a new client connects to the same server. Any
+    other store (``file://``) is used directly.
+    """
+    from torch.distributed import distributed_c10d
+
+    store = distributed_c10d._get_default_store()
+    base = store
+    while hasattr(base, "underlying_store"):
+        base = base.underlying_store
+    if isinstance(base, dist.TCPStore):
+        return dist.TCPStore(
+            base.host, base.port, is_master=False, timeout=timedelta(seconds=timeout), wait_for_workers=False
+        )
+    return store
+
+
+class _StoreUnreachable(Exception):
+    """The store refused or dropped the connection; ``timed_out`` when it stopped answering instead."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(str(cause))
+        message = str(cause).lower()
+        self.timed_out = "timeout" in message or "timed out" in message
+
+
+class FaultWatchdog:
+    """Stops every rank promptly when one fails, and names the first failure once.
+
+    The strategy calls :meth:`start` once the process group exists, :meth:`report` from
+    ``on_exception`` and :meth:`stop` from ``teardown``. Three kinds of rank result:
+
+    * A rank that raises an error of its own (anything but a lost-peer communication error)
+      is a *failed* rank. Its exception goes on as usual: Lightning's handling, the user's
+      ``except``, or a traceback. If another rank posted the same error first (errors raised on
+      every rank together, such as :class:`RankDisagreementError`), an uncaught duplicate is
+      printed as one line instead of another traceback.
+    * A rank whose error is a consequence of another rank's failure (``Connection closed by
+      peer``), or that was still working when the failure was posted, is *stopped*. It prints
+      one line naming the failure and exits with :data:`PEER_FAILED_EXIT_CODE`.
+    * A rank found dead (gone, or silent past ``heartbeat_timeout``) is reported by a peer.
+
+    Args:
+        heartbeat_timeout: seconds without a heartbeat before a rank is declared lost: a frozen
+            or deadlocked process, or a host that went down. It must be long enough that a busy
+            main thread never trips it (the heartbeat runs on its own thread), and short enough
+            to beat the collective timeout. Dead processes on the same host are found at the
+            next poll without waiting for this.
+        exit_grace: seconds the other ranks wait, at most, for the failed rank to print its
+            traceback before they exit anyway. It is also how long a failed process may
+            linger after its main thread has finished (a non-daemon thread keeps it alive)
+            before it is ended with :data:`FAILED_EXIT_CODE`.
+        poll_interval: seconds between checks. None → ``min(1, heartbeat_timeout / 10)``.
+
+    Raises:
+        TypeError / ValueError: for a setting that is not a positive, finite number of seconds.
+    """
+
+    def __init__(
+        self, *, heartbeat_timeout: float = 120.0, exit_grace: float = 30.0, poll_interval: Optional[float] = None
+    ) -> None:
+        self.heartbeat_timeout = check_seconds(heartbeat_timeout, "heartbeat_timeout")
+        self.exit_grace = check_seconds(exit_grace, "exit_grace")
+        self.poll_interval = (
+            min(1.0, self.heartbeat_timeout / 10) if poll_interval is None else check_seconds(poll_interval, "poll_interval")
+        )
+        self.rank = 0
+        self.world_size = 1
+        self._store: Optional[dist.Store] = None
+        self._thread: Optional[threading.Thread] = None
+        self._stopping = threading.Event()
+        self._exit_lock = threading.RLock()
+        self._me: Optional[_ProcessInfo] = None
+        self._local_candidates: list[int] = []
+        self._local: dict[int, _ProcessInfo] = {}
+        self._watched: Optional[int] = None
+        self._watched_beat = (-1, 0.0)
+        #: When this rank raised an error of its own (None: it has not).
+        self._failed_at: Optional[float] = None
+        #: When the main thread was first seen finished after that failure.
+        self._main_done_at: Optional[float] = None
+        #: The posted failure, once this rank has read it (kept for when the store is gone).
+        self._known: Optional[FailureReport] = None
+        self._store_lost = False
+        self._store_host_rank: Optional[int] = 0
+        self._active = False
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def running(self) -> bool:
+        """Started and not stopped (after a failure it keeps running until the process ends)."""
+        return self._active
+
+    def start(self, rank: int, world_size: int, local_ranks: Iterable[int] = ()) -> None:
+        """Begin watching. Needs an initialized default process group; every rank calls it.
+
+        Args:
+            rank: this process's global rank.
+            world_size: number of ranks.
+            local_ranks: ranks expected on this host; their processes are checked directly
+                (each is confirmed to share this host and pid namespace first).
+        """
+        global _generation
+        if world_size < 2 or not (dist.is_available() and dist.is_initialized()):
+            return
+        if self._active:
+            self._end_session()  # a failure the user caught: this is a new Trainer call
+        _generation += 1
+        self.rank, self.world_size = rank, world_size
+        run = f"{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}.{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+        ticks = _start_ticks(os.getpid())
+        self._me = _ProcessInfo(socket.gethostname(), _machine_key(), os.getpid(), ticks if ticks is not None else -1)
+        self._local_candidates = [r for r in local_ranks if r != rank and 0 <= r < world_size]
+        self._local.clear()
+        self._watched, self._watched_beat = (rank + 1) % world_size, (-1, time.monotonic())
+        self._failed_at = self._main_done_at = None
+        self._known = None
+        self._store_lost = False
+        self._stopping.clear()
+        # Under torchrun the store lives in the agent; otherwise rank 0's process serves it.
+        self._store_host_rank = None if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" else 0
+        try:
+            store = dist.PrefixStore(f"hp_lightning/watchdog/{run}/{_generation}", _connect_store(self.heartbeat_timeout))
+            store.set(f"proc/{rank}", self._me.to_wire())
+            store.add(f"hb/{rank}", 1)
+            self._store = store
+            if self._local_candidates and self._me.machine:
+                # Every rank gets here right after the process group's rendezvous: a short wait.
+                # A rank not here by then is learned at a later poll.
+                try:
+                    store.wait([f"proc/{r}" for r in self._local_candidates], timedelta(seconds=10))
+                except dist.DistStoreError:
+                    pass
+            self._learn_local_peers()
+        except Exception as exc:  # noqa: BLE001 - training goes on without the watchdog, loudly
+            self._store = None
+            _say(f"rank {rank}: fault watchdog not started ({type(exc).__name__}: {exc}); a failed rank may leave the others waiting.")
+            return
+        self._active = True
+        self._thread = threading.Thread(target=self._run, name="hp_lightning-fault-watchdog", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """End watching after a normal finish; the other ranks no longer expect this one's heartbeat.
+
+        After a failure of this rank, this does nothing. The thread keeps running so that a
+        process that lingers after its main thread has finished is still ended.
+        """
+        if not self._active or self._failed_at is not None:
+            return
+        try:
+            assert self._store is not None
+            self._store.set(f"left/{self.rank}", "1")
+        except Exception:  # noqa: BLE001 - the store may be gone at the very end of a job
+            pass
+        self._end_session()
+
+    def _end_session(self) -> None:
+        self._active = False
+        self._stopping.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5 * self.poll_interval + 1)
+        self._thread = None
+
+    # ------------------------------------------------------------------ reporting (main thread)
+
+    def report(self, exc: BaseException) -> None:
+        """Called from ``Strategy.on_exception`` with the exception that is ending this Trainer call.
+
+        If the error is this rank's own, post it (the first post stands) and let it go on to
+        Lightning's handling. If it is a lost-peer communication error, the rank looks for the
+        cause. That can be a failure another rank posted, a dead peer on this host, or, after a
+        few polls, its own error as the best cause known. A rank stopped for another's
+        failure prints one line and exits with :data:`PEER_FAILED_EXIT_CODE`, with no second,
+        misleading traceback.
+
+        SIGTERM is ignored from here until Lightning's teardown restores its handler. torchrun
+        sends it to every worker once one has exited, and Lightning's handler would answer it
+        with a collective on the broken process group.
+        """
+        if not self._active:
+            return
+        try:
+            self._report(exc)
+        except Exception as internal:  # noqa: BLE001 - never hide the user's exception behind ours
+            _say(f"rank {self.rank}: fault watchdog could not report the failure ({internal!r}).")
+
+    def _report(self, exc: BaseException) -> None:
+        _quiet_signals()
+        if not is_communication_error(exc):
+            self._fail_on_own_error(exc)
+            return
+        # A peer killed a moment ago closes its sockets before its process shows as ended: look
+        # again before asking a store that may have died with it.
+        self._await_local_death(0.5)
+        try:
+            if self._store_lost or self._store_host_gone() is not None:
+                raise _StoreUnreachable(RuntimeError("the store's process has ended"))
+            posted = self._read_failure()
+            if posted is None:
+                lost = self._find_dead_local_peer()
+                posted = self._post(lost) if lost is not None else self._wait_for_post(max(3 * self.poll_interval, 2.0))
+            if posted is None:
+                posted = self._post(self._report_for(exc))
+        except _StoreUnreachable as unreachable:
+            self._on_store_lost_in_report(exc, unreachable)
+            return
+        if posted.rank == self.rank:
+            self._mark_failed(f"rank {self.rank}: {posted.summary}", posted.time)  # the best cause known
+        elif isinstance(exc, Exception):
+            self._stop_for(posted)
+
+    def _fail_on_own_error(self, exc: BaseException) -> None:
+        mine = self._report_for(exc)
+        try:
+            standing = mine if self._store_lost else self._post(mine)
+        except _StoreUnreachable:
+            standing = mine
+        if standing.rank != self.rank and standing.summary == mine.summary:
+            # The same error, raised on every rank together: rank `standing.rank` speaks for all.
+            _print_uncaught_duplicate_as_one_line(exc, self.rank, standing)
+            self._mark_failed(f"rank {self.rank}: the same error as rank {standing.rank}: {mine.summary}", _after(standing))
+        else:
+            self._mark_failed(f"rank {self.rank}: {mine.summary}", mine.time)
+
+    def _report_for(self, exc: BaseException) -> FailureReport:
+        assert self._me is not None
+        summary = f"{type(exc).__name__}: {_first_line(str(exc))}".rstrip(": ")
+        return FailureReport(self.rank, "error", summary, self._me.host, self._me.pid, self.rank, time.time())
+
+    def _mark_failed(self, message: str, stamp: float) -> None:
+        """This rank failed: leave a trail for torchrun (``message`` dated ``stamp``) and for the waiting ranks."""
+        if self._failed_at is not None:
+            return
+        self._failed_at = time.monotonic()
+        _write_torchelastic_error_file(message, stamp)
+        atexit.register(self._mark_exited)
+
+    def _mark_exited(self) -> None:
+        """At exit, after the traceback: tell the waiting ranks, then go quiet.
+
+        SIGTERM is ignored again here, because Lightning's teardown restored its handler. The
+        thread stops, because the store may close once the other ranks have gone.
+        """
+        _quiet_signals()
+        self._stopping.set()
+        try:
+            assert self._store is not None
+            self._store.set(f"exited/{self.rank}", "1")
+        except Exception:  # noqa: BLE001 - best effort at interpreter exit
+            pass
+
+    def _on_store_lost_in_report(self, exc: BaseException, unreachable: _StoreUnreachable) -> None:
+        """No store: the failure read before it went, else a dead peer on this host, else the store's host."""
+        if self._known is not None and self._known.rank != self.rank:
+            self._stop_for(self._known)
+        for rank, info in sorted(self._local.items()):
+            if not _is_running(info):
+                self._exit_peer_failed(
+                    f"rank {rank} (pid {info.pid} on {info.host}) is gone: its process ended without "
+                    f"reporting an error (killed by a signal such as SIGKILL, or by the out-of-memory killer)"
+                )
+        self._exit_peer_failed(
+            "the job's store stopped answering (it lives in rank 0's launcher or torchrun's agent), "
+            f"so that process has probably failed; this rank's last error was {type(exc).__name__}: {_first_line(str(exc))}"
+        )
+
+    # ------------------------------------------------------------------ the watchdog thread
+
+    def _run(self) -> None:
+        while not self._stopping.wait(self.poll_interval):
+            try:
+                self._tick()
+            except _StoreUnreachable as unreachable:
+                if unreachable.timed_out and self._failed_at is None:
+                    self._exit_peer_failed(
+                        f"the job's store at {self._store_address()} stopped answering for "
+                        f"{self.heartbeat_timeout:g} s: the process hosting it (rank 0's launcher or torchrun's agent) "
+                        "is frozen or its host is down"
+                    )
+                # Refused or dropped: the store's process has ended, at a normal finish too. Only the
+                # main thread, when it fails, can tell which (see report()); stop polling.
+                self._store_lost = True
+                if self._failed_at is None:
+                    return
+            except Exception as unexpected:  # noqa: BLE001 - a watchdog bug must never end training
+                _say(f"rank {self.rank}: fault watchdog stopped after an internal error: {unexpected!r}")
+                return
+
+    def _store_host_gone(self) -> Optional[_ProcessInfo]:
+        """The store's process, if it runs on this host and has ended (then every store call would fail)."""
+        info = self._local.get(self._store_host_rank) if self._store_host_rank is not None else None
+        return info if info is not None and not _is_running(info) else None
+
+    def _tick(self) -> None:
+        if self._failed_at is not None:
+            self._end_if_lingering()
+            return
+        if self._known is not None and self._known.rank != self.rank:
+            self._stop_for(self._known)  # known already (the main thread may be waiting): no more store calls
+        if self._store_host_gone() is not None:
+            # At a normal finish too: only the main thread, if it fails, can tell (see report()).
+            raise _StoreUnreachable(RuntimeError("the store's process has ended"))
+        self._store_op(lambda s: s.add(f"hb/{self.rank}", 1))
+        posted = self._read_failure()
+        if posted is not None and posted.rank != self.rank:
+            self._stop_for(posted)
+            return
+        self._learn_local_peers()
+        lost = self._find_dead_local_peer() or self._find_silent_neighbour()
+        if lost is not None:
+            self._stop_for(self._post(lost))
+
+    def _end_if_lingering(self) -> None:
+        """End a failed process whose main thread has finished but which other threads keep alive."""
+        if threading.main_thread().is_alive():
+            return  # still reporting, or the user caught the error and carries on
+        now = time.monotonic()
+        self._main_done_at = self._main_done_at or now
+        if now - self._main_done_at < self.exit_grace:
+            return
+        others = [t.name for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]
+        alive = f" (threads still running: {others})" if others else ""
+        _say(
+            f"rank {self.rank}: this rank failed, and its process was still running {self.exit_grace:g} s after its "
+            f"main thread ended{alive}; ending it (exit code {FAILED_EXIT_CODE}) so that no rank is left behind."
+        )
+        os._exit(FAILED_EXIT_CODE)
+
+    # ------------------------------------------------------------------ detection
+
+    def _learn_local_peers(self) -> None:
+        if not self._local_candidates or self._me is None or not self._me.machine:
+            return
+        for rank in list(self._local_candidates):
+            key = f"proc/{rank}"
+            if self._store_op(lambda s: s.check([key])):
+                info = _ProcessInfo.from_wire(self._store_op(lambda s: s.get(key)))
+                self._local_candidates.remove(rank)
+                if info.machine == self._me.machine:
+                    self._local[rank] = info
+
+    def _has_left(self, rank: int) -> bool:
+        return bool(self._store_op(lambda s: s.check([f"left/{rank}"])))
+
+    def _find_dead_local_peer(self) -> Optional[FailureReport]:
+        for rank, info in sorted(self._local.items()):
+            if _is_running(info):
+                continue
+            if self._has_left(rank):
+                del self._local[rank]  # finished normally
+                continue
+            return FailureReport(
+                rank,
+                "gone",
+                "is gone: its process ended without reporting an error (killed by a signal such as "
+                "SIGKILL, or by the out-of-memory killer)",
+                info.host,
+                info.pid,
+                self.rank,
+                time.time(),
+            )
+        return None
+
+    def _find_silent_neighbour(self) -> Optional[FailureReport]:
+        """The next rank in the ring (skipping ranks that finished) if its heartbeat stopped."""
+        watched, now = self._watched, time.monotonic()
+        if watched is None:
+            return None  # every other rank has finished
+        if self._has_left(watched):
+            following = (watched + 1) % self.world_size
+            self._watched = None if following == self.rank else following
+            self._watched_beat = (-1, now)
+            return None
+        beat = int(self._store_op(lambda s: s.add(f"hb/{watched}", 0)))
+        last_beat, since = self._watched_beat
+        if beat != last_beat:
+            self._watched_beat = (beat, now)
+            return None
+        if now - since < self.heartbeat_timeout:
+            return None
+        info = self._local.get(watched)
+        summary = f"stopped responding: no heartbeat for {now - since:.0f} s (frozen, deadlocked, or its host is down)"
+        if info is not None and _is_running(info):
+            # A frozen process on this host would outlive the job (a SIGTERM waits while it is stopped).
+            try:
+                os.kill(info.pid, signal.SIGKILL)
+                summary += "; hp_lightning ended it with SIGKILL"
+            except OSError:
+                pass
+        host, pid = (info.host, info.pid) if info is not None else ("?", -1)
+        return FailureReport(watched, "silent", summary, host, pid, self.rank, time.time())
+
+    # ------------------------------------------------------------------ store
+
+    def _store_address(self) -> str:
+        return f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+
+    def _store_op(self, op: Any) -> Any:
+        try:
+            assert self._store is not None
+            return op(self._store)
+        except (RuntimeError, OSError, ValueError) as exc:
+            raise _StoreUnreachable(exc) from exc
+
+    def _read_failure(self) -> Optional[FailureReport]:
+        if self._known is not None:
+            return self._known
+        if self._store_lost or not self._store_op(lambda s: s.check(["failure"])):
+            return None
+        self._known = FailureReport.from_wire(self._store_op(lambda s: s.get("failure")))
+        return self._known
+
+    def _post(self, report: FailureReport) -> FailureReport:
+        """Post ``report`` unless a failure is already posted; return the one that stands."""
+        wire = report.to_wire()
+        self._known = FailureReport.from_wire(self._store_op(lambda s: s.compare_set("failure", "", wire)))
+        return self._known
+
+    def _await_local_death(self, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline and all(_is_running(info) for info in self._local.values()):
+            time.sleep(_FINE_POLL / 2)
+
+    def _wait_for_post(self, seconds: float) -> Optional[FailureReport]:
+        """Up to ``seconds``: a failure another rank posts, or a peer on this host found dead (then posted)."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            posted = self._read_failure()
+            if posted is not None:
+                return posted
+            lost = self._find_dead_local_peer()
+            if lost is not None:
+                return self._post(lost)
+            time.sleep(_FINE_POLL)
+        return None
+
+    # ------------------------------------------------------------------ exiting
+
+    def _stop_for(self, failure: FailureReport) -> None:
+        """Leave with one line naming ``failure`` (returns only if this rank fails on its own meanwhile).
+
+        First wait, at most ``exit_grace`` seconds, until the failed rank has printed its
+        traceback. Its exit marker is set from ``atexit``, which runs right after the traceback
+        and before its sockets close. Leaving earlier has two costs. Under Lightning's launcher,
+        the shell would get its prompt back before the cause is printed. Under torchrun, the
+        agent would SIGTERM the failed rank in the middle of its report. Leaving later means
+        this rank's own collective fails when the failed rank's sockets close. Under torchrun,
+        this rank's error-file record is dated after the failure's, so the agent names the
+        failed rank as the root cause.
+        """
+        with self._exit_lock:
+            if failure.kind == "error" and not self._wait_for_end_of(failure.rank):
+                return
+            cause = failure.describe()
+            _write_torchelastic_error_file(f"rank {self.rank}: stopped because {cause}", _after(failure))
+            self._exit_peer_failed(cause)
+
+    def _wait_for_end_of(self, rank: int) -> bool:
+        """Until ``rank`` has printed its report (its exit marker), at most ``exit_grace`` seconds.
+
+        If ``rank`` is this process's parent (rank 0 under Lightning's launcher), wait until its
+        process has ended instead. That parent's child observer SIGKILLs every process, itself
+        included, as soon as a child exits with an error. Returns False if this rank raised an
+        error of its own meanwhile (errors raised on every rank together), so that its own
+        exception runs its course instead.
+        """
+        deadline = time.monotonic() + self.exit_grace
+        info = self._local.get(rank)
+        parent = info is not None and info.pid == os.getppid()
+        while time.monotonic() < deadline:
+            if self._failed_at is not None:
+                return False
+            if info is not None and not _is_running(info):
+                return True
+            if not parent:
+                try:
+                    if self._store_op(lambda s: s.check([f"exited/{rank}"])):
+                        return True
+                except _StoreUnreachable:
+                    return True
+            time.sleep(_FINE_POLL)
+        return self._failed_at is None
+
+    def _exit_peer_failed(self, cause: str) -> None:
+        with self._exit_lock:  # one exit per process: the watchdog thread or the main thread
+            _say(f"rank {self.rank}: stopping (exit code {PEER_FAILED_EXIT_CODE}) because {cause}.")
+            os._exit(PEER_FAILED_EXIT_CODE)
+
+
+def _after(failure: FailureReport) -> float:
+    """A time to date a consequence of ``failure`` by in torchrun's error file.
+
+    torchrun names the record with the smallest whole-second timestamp as the root cause, so a
+    consequence is dated at least one second after its cause, never tied with it.
+    """
+    return max(time.time(), math.floor(failure.time) + 1)
+
+
+def _print_uncaught_duplicate_as_one_line(exc: BaseException, rank: int, first: FailureReport) -> None:
+    """If ``exc`` ends the process uncaught, print one line instead of a second copy of ``first``'s traceback.
+
+    Errors raised on every rank together (a rank disagreement, NaN gradients) would otherwise
+    print the same traceback once per rank. A caught ``exc`` is not affected.
+    """
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+        if value is exc:
+            _say(
+                f"rank {rank}: exiting with the same error as rank {first.rank}, which reported it first: "
+                f"{first.summary} (traceback in rank {first.rank}'s output)."
+            )
+            return
+        previous(kind, value, tb)
+
+    sys.excepthook = hook
+
+
+def _say(message: str) -> None:
+    sys.stdout.flush()
+    sys.stderr.write(f"{_PREFIX} {message}\n")
+    sys.stderr.flush()
+
+
+def _quiet_signals() -> None:
+    """Ignore SIGTERM and drop Python-level SIGCHLD handlers: this process is ending.
+
+    SIGCHLD: torchrun's SIGTERM also reaches this rank's DataLoader workers, and the
+    DataLoader's handler would raise about their deaths in the middle of the traceback. Only
+    the main thread may change handlers; elsewhere this does nothing.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    sigchld = getattr(signal, "SIGCHLD", None)
+    if sigchld is not None and callable(signal.getsignal(sigchld)):
+        signal.signal(sigchld, signal.SIG_DFL)
+
+
+def _write_torchelastic_error_file(message: str, stamp: float) -> None:
+    """Under torchrun, give the agent's summary the cause instead of "To enable traceback see ...".
+
+    Written in the format torchrun's ``@record`` uses, with the one-line cause as the "traceback"
+    (the full traceback is in the rank's own output already). torchrun names the record with
+    the smallest timestamp as the root cause. An existing file (from ``@record``) is left alone.
+    """
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path or os.path.exists(path):
+        return
+    data = {"message": {"message": message, "extraInfo": {"py_callstack": message, "timestamp": str(int(stamp))}}}
+    try:
+        with open(path, "w") as f:
+            json.dump(data, f)
+    except OSError:
+        pass
+
+
+def check_seconds(value: Any, name: str, owner: str = "FaultWatchdog") -> float:
+    """``value`` as a positive, finite number of seconds, or a TypeError/ValueError naming ``owner(name=...)``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(
+            f"{owner}({name}=...) expects a number of seconds; got {type(value).__name__} {value!r}. Example: {owner}({name}=60)."
+        )
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{owner}({name}=...) must be a finite number of seconds > 0; got {value!r}. Example: {owner}({name}=60).")
+    return float(value)
+
+
+# ====================================================================== ranks agreeing at setup
+
+
+class RankDisagreementError(ValueError):
+    """Ranks that must run the same configuration do not; the message names each setting and its ranks."""
+
+
+def _plain(value: Any) -> str:
+    if isinstance(value, type):
+        return f"{value.__module__}.{value.__qualname__}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_plain(v) for v in value) + "]"
+    if isinstance(value, Mapping):
+        return "{" + ", ".join(f"{k!r}: {_plain(v)}" for k, v in value.items()) + "}"
+    return repr(value) if isinstance(value, str) else str(value)
+
+
+def _rank_ranges(ranks: Sequence[int]) -> str:
+    """``[0, 1, 2, 5]`` → ``"ranks 0-2, 5"``."""
+    parts, start = [], None
+    ranks = sorted(ranks)
+    for i, r in enumerate(ranks):
+        if start is None:
+            start = r
+        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
+            parts.append(str(start) if start == r else f"{start}-{r}")
+            start = None
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(parts)
+
+
+def disagreement_message(settings_per_rank: Sequence[Mapping[str, str]], stage: str) -> Optional[str]:
+    """The error text for settings that differ between ranks, or None when all agree."""
+    names: list[str] = []
+    for settings in settings_per_rank:
+        names += [n for n in settings if n not in names]
+    lines = []
+    differing = []
+    for name in names:
+        by_value: dict[str, list[int]] = {}
+        for rank, settings in enumerate(settings_per_rank):
+            by_value.setdefault(settings.get(name, "<not set>"), []).append(rank)
+        if len(by_value) < 2:
+            continue
+        differing.append(name)
+        shown = sorted(by_value.items(), key=lambda kv: kv[1][0])
+        values = "; ".join(f"{value} on {_rank_ranges(ranks)}" for value, ranks in shown[:4])
+        more = f"; and {len(shown) - 4} more values" if len(shown) > 4 else ""
+        lines.append(f"  - {name}: {values}{more}")
+    if not differing:
+        return None
+    return (
+        f"Ranks disagree about {', '.join(differing)} (checked at {stage}, before training communicates):\n"
+        + "\n".join(lines)
+        + "\nEvery rank must run the same code with the same configuration: look for values computed per rank or per "
+        "node (environment variables, timestamps or host names in paths, config files or installed versions that "
+        "differ between nodes, checkpoints only some nodes can see)."
+    )
+
+
+def check_rank_agreement(settings: Mapping[str, Any], *, stage: str) -> None:
+    """Raise :class:`RankDisagreementError` on every rank if ``settings`` differ between ranks.
+
+    One all-gather of a 16-byte digest per rank; only when the digests differ are the full
+    settings gathered to name what differs. Every rank must call it (it is a collective), at
+    the same point. Without a process group, or with one rank, it does nothing.
+
+    Args:
+        settings: setting name → value; values are compared as their text.
+        stage: where the check runs, for the message (``"setup"``, ``"sharding"``).
+
+    Raises:
+        RankDisagreementError: naming each differing setting with its values and ranks.
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return
+    mine = {str(k): _plain(v) for k, v in settings.items()}
+    digest = hashlib.sha256(json.dumps(mine, sort_keys=True).encode()).hexdigest()[:16]
+    digests: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(digests, digest)
+    if len(set(digests)) == 1:
+        return
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    message = disagreement_message(everyone, stage)
+    if message is not None:
+        raise RankDisagreementError(message)
+
+
+#: Trainer attributes that change which collectives run when (a difference hangs or desyncs ranks).
+TRAINER_LOOP_SETTINGS = (
+    "max_epochs",
+    "max_steps",
+    "min_steps",
+    "accumulate_grad_batches",
+    "gradient_clip_val",
+    "gradient_clip_algorithm",
+    "limit_train_batches",
+    "limit_val_batches",
+    "val_check_interval",
+    "check_val_every_n_epoch",
+    "num_sanity_val_steps",
+)
+
+
+def strategy_options(strategy: Any) -> dict[str, Any]:
+    """Every keyword-only option of the strategy's constructor, read from ``self._<name>``.
+
+    Reading the constructor's signature means that a new option is compared without anyone
+    having to remember to add it here.
+    """
+    options: dict[str, Any] = {}
+    seen: set[str] = set()
+    for cls in type(strategy).__mro__:
+        if "__init__" not in vars(cls):
+            continue
+        for name, parameter in inspect.signature(vars(cls)["__init__"]).parameters.items():
+            if parameter.kind is inspect.Parameter.KEYWORD_ONLY and hasattr(strategy, f"_{name}") and name not in seen:
+                seen.add(name)
+                options[f"{cls.__name__}({name}=...)"] = getattr(strategy, f"_{name}")
+    return options
+
+
+def setup_settings(strategy: Any, trainer: Optional[pl.Trainer], mesh_shape: Sequence[int]) -> dict[str, Any]:
+    """What must agree before the device mesh is built: versions, mesh, options, precision, paths, loops.
+
+    Args:
+        strategy: the :class:`~hp_lightning.HSDPStrategy` (any strategy with ``_<option>`` attributes).
+        trainer: its trainer, for the checkpoint paths and loop lengths (None: left out).
+        mesh_shape: the mesh shape this rank resolved.
+    """
+    import lightning
+
+    import hp_lightning
+
+    settings: dict[str, Any] = {
+        "hp_lightning version": hp_lightning.__version__,
+        "torch version": str(torch.__version__),
+        "lightning version": lightning.__version__,
+        "mesh shape": tuple(mesh_shape),
+    }
+    settings.update(strategy_options(strategy))
+    precision = getattr(strategy, "precision_plugin", None)
+    settings["precision"] = getattr(precision, "precision", None)
+    if trainer is not None:
+        settings["checkpoint to resume (ckpt_path)"] = trainer.ckpt_path
+        from lightning.pytorch.callbacks import ModelCheckpoint
+
+        dirpaths = [cb.dirpath for cb in trainer.callbacks if isinstance(cb, ModelCheckpoint)]  # type: ignore[attr-defined]
+        if dirpaths:
+            settings["ModelCheckpoint(dirpath=...)"] = dirpaths
+        for name in TRAINER_LOOP_SETTINGS:
+            settings[f"Trainer({name}=...)"] = getattr(trainer, name, None)
+    return settings
+
+
+def sharding_settings(model: nn.Module, sharded: Optional[ShardedModel]) -> dict[str, Any]:
+    """What must agree before sharded parameters are materialized: the model's parameters and the units.
+
+    Parameter names, shapes and dtypes are summarized as a count, an element total and a digest;
+    the units as their qualified names.
+    """
+    params = [(name, tuple(p.shape), str(p.dtype)) for name, p in model.named_parameters()]
+    digest = hashlib.sha256(repr(params).encode()).hexdigest()[:12]
+    settings: dict[str, Any] = {
+        "model parameters": f"{len(params)} tensors, {sum(math.prod(s) for _, s, _ in params):,} elements (digest {digest})"
+    }
+    if sharded is not None:
+        names = {id(m): (n or "<root>") for n, m in model.named_modules()}
+        units = [names.get(id(u), "?") for u in sharded.units]
+        settings["sharding units"] = _short_list(units)
+        settings["ignored parameters"] = _short_list(sharded.ignored)
+        settings["replicated parameters"] = _short_list(sharded.replicated)
+    return settings
+
+
+def _short_list(items: Sequence[str], limit: int = 8) -> str:
+    if len(items) <= limit:
+        return f"{len(items)}: [{', '.join(items)}]"
+    digest = hashlib.sha256(repr(list(items)).encode()).hexdigest()[:8]
+    return f"{len(items)}: [{', '.join(items[:limit])}, ...] (digest {digest})"
+
+
+def local_ranks(node_rank: int, processes_per_node: int) -> range:
+    """Global ranks Lightning and torchrun place on node ``node_rank`` (consecutive blocks)."""
+    return range(node_rank * processes_per_node, (node_rank + 1) * processes_per_node)

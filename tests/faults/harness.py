@@ -1,0 +1,171 @@
+"""Launch ``tests/scripts/fault_train.py`` like a user would, and watch every rank until it is gone.
+
+:func:`launch` starts the script with Lightning's subprocess launcher (``python script.py``) or
+with ``torchrun``. It then follows every process: the launcher or main process, and each rank,
+found through the ``pid.<rank>`` files the script writes. It records when each one ended. A
+zombie (ended, not yet reaped) counts as ended. Output goes to a file, not a pipe, so an orphaned
+rank cannot keep the test waiting for end-of-file. Whatever is still running at the timeout is
+killed, so that a hang fails the test instead of stalling the suite.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from tests.helpers import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+#: (test, bound s, measured s, exit code) of every bounded case, printed at the end of the session.
+MEASURED: list[tuple[str, float, float, Optional[int]]] = []
+SCRIPT = ROOT / "tests" / "scripts" / "fault_train.py"
+WORLD = 2
+
+
+def _env() -> dict[str, str]:
+    drop = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_PORT", "MASTER_ADDR", "LOCAL_WORLD_SIZE")
+    env = {k: v for k, v in os.environ.items() if k not in drop and not k.startswith("TORCHELASTIC")}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    return stat[stat.rfind(")") + 2 :].split()[0] not in ("Z", "X")
+
+
+@dataclass
+class FaultRun:
+    """What one launch did: exit code, output, the injected fault, and when each process ended."""
+
+    returncode: Optional[int]
+    output: str
+    out: Path
+    fault: Optional[dict]
+    ended: dict[str, float] = field(default_factory=dict)
+    timed_out: bool = False
+    #: Processes of the launch's session still running 10 s after every rank ended (then killed).
+    leftovers: list[str] = field(default_factory=list)
+
+    @property
+    def seconds_to_exit(self) -> float:
+        """From the fault to the end of the last process (launcher and every rank)."""
+        assert self.fault is not None, f"the fault was never injected; output:\n{self.tail()}"
+        return max(self.ended.values()) - self.fault["time"]
+
+    def count(self, pattern: str) -> int:
+        return len(re.findall(pattern, self.output, flags=re.MULTILINE))
+
+    def tracebacks(self) -> list[str]:
+        """Ranks that printed an uncaught traceback (torch prefixes each line with ``[rankN]:``)."""
+        return re.findall(r"^\[(rank\d+)\]: Traceback \(most recent call last\)", self.output, flags=re.MULTILINE)
+
+    def watchdog_lines(self) -> list[str]:
+        return re.findall(r"^\[hp_lightning\] .*$", self.output, flags=re.MULTILINE)
+
+    def tail(self, chars: int = 6000) -> str:
+        return self.output[-chars:]
+
+
+def launch(out: Path, *script_args: str, launcher: str = "lightning", timeout: float = 150) -> FaultRun:
+    """Run the fault script on 2 ranks; return once every process has ended (or ``timeout`` passed)."""
+    out.mkdir(parents=True, exist_ok=True)
+    env = _env()
+    port = str(free_port())
+    if launcher == "lightning":
+        env["MASTER_ADDR"], env["MASTER_PORT"] = "127.0.0.1", port
+        cmd = [sys.executable, str(SCRIPT), str(out), *script_args]
+    elif launcher == "torchrun":
+        torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which("torchrun")
+        assert torchrun is not None, "torchrun ships with torch and must be on PATH next to the interpreter"
+        cmd = [torchrun, "--nproc-per-node", str(WORLD), "--master-port", port, str(SCRIPT), str(out), *script_args]
+    else:
+        raise ValueError(f"launcher must be 'lightning' or 'torchrun'; got {launcher!r}")
+    log = out / "output.txt"
+    with open(log, "wb") as sink:
+        proc = subprocess.Popen(cmd, env=env, cwd=out, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
+    started, ended, pids = time.monotonic(), {}, {}
+    timed_out = False
+    while True:
+        now_wall = time.time()
+        if "main" not in ended and proc.poll() is not None:
+            ended["main"] = now_wall
+        for rank in range(WORLD):
+            pid_file = out / f"pid.{rank}"
+            if rank not in pids and pid_file.exists() and pid_file.read_text().strip():
+                pids[rank] = int(pid_file.read_text())
+        for rank, pid in pids.items():
+            if f"rank{rank}" not in ended and not _running(pid):
+                ended[f"rank{rank}"] = now_wall
+        if "main" in ended and all(f"rank{r}" in ended for r in pids):
+            break
+        if time.monotonic() - started > timeout:
+            timed_out = True
+            break
+        time.sleep(0.05)
+    leftovers = [] if timed_out else _wait_for_session(proc.pid, 10.0)
+    _kill_everything(proc, pids.values())
+    proc.wait()
+    fault_file = out / "fault.json"
+    fault = json.loads(fault_file.read_text()) if fault_file.exists() else None
+    return FaultRun(proc.returncode, log.read_text(errors="replace"), out, fault, ended, timed_out, leftovers)
+
+
+def _session_members(session: int) -> list[str]:
+    members = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2 :].split()
+        if int(fields[3]) == session and fields[0] not in ("Z", "X"):
+            members.append(f"{entry.name}: {cmdline[:200]}")
+    return members
+
+
+def _wait_for_session(session: int, seconds: float) -> list[str]:
+    """Processes still running in the launch's session after up to ``seconds`` (e.g. orphaned workers)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        members = _session_members(session)
+        if not members or time.monotonic() > deadline:
+            return members
+        time.sleep(0.2)
+
+
+def _kill_everything(proc: subprocess.Popen, pids) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except OSError:
+        pass
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+
+
+def record(run: FaultRun, bound: float) -> None:
+    """Keep this case's measurement for the summary table (see ``tests/faults/conftest.py``)."""
+    test = os.environ.get("PYTEST_CURRENT_TEST", "?").split("::")[-1].split(" ")[0]
+    seconds = run.seconds_to_exit if run.fault is not None and run.ended else float("nan")
+    MEASURED.append((test, bound, seconds, run.returncode))

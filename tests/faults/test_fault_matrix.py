@@ -1,0 +1,214 @@
+"""The fault matrix: one real fault per case, injected into a real 2-rank training run.
+
+Every case launches ``tests/scripts/fault_train.py`` with Lightning's subprocess launcher or with
+torchrun. It then asserts four things. The time from the fault to the end of the last process
+stays under its bound. The bounds are correctness limits (seconds instead of the 30-minute
+collective timeout), generous because the test machine is shared. The exit codes are right.
+The original cause appears once, with its rank, and no rank prints a misleading traceback of
+its own. Where a checkpoint is involved, the checkpoint survives.
+
+Exit codes: the rank that failed exits with 1 (Python's code for an uncaught exception); the
+ranks it stops exit with ``PEER_FAILED_EXIT_CODE`` (3). Under Lightning's launcher the shell sees
+rank 0's code; torchrun exits with 1 and names the root cause in its summary.
+"""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+import torch
+
+from hp_lightning.faults import PEER_FAILED_EXIT_CODE
+from tests.faults.harness import FaultRun, launch, record
+
+#: Seconds from a fault to the end of every process (launcher included). The watchdog polls once a
+#: second; the rest is a loaded 2-core machine tearing down two Python processes.
+BOUND = 45.0
+PEER_LOST = ("Connection closed by peer", "Connection reset by peer")
+
+
+def expect_bounded(run: FaultRun, bound: float = BOUND) -> None:
+    record(run, bound)
+    assert not run.timed_out, f"hang: still running at the test's timeout\n{run.tail()}"
+    assert run.fault is not None, f"the fault was never injected\n{run.tail()}"
+    assert run.seconds_to_exit < bound, f"{run.seconds_to_exit:.1f} s to exit (bound {bound} s)\n{run.tail()}"
+    assert not run.leftovers, f"processes left running: {run.leftovers}"
+
+
+def expect_one_cause(run: FaultRun, failed_rank: int, cause: str) -> None:
+    """The cause is printed once: the failed rank's traceback, and one watchdog line naming it."""
+    assert run.tracebacks() == [f"rank{failed_rank}"], f"tracebacks from {run.tracebacks()}\n{run.tail()}"
+    assert run.count(cause) >= 1, run.tail()
+    lines = run.watchdog_lines()
+    assert len(lines) == 1, lines
+    assert f"because rank {failed_rank} failed first with" in lines[0] and cause in lines[0], lines
+    for symptom in PEER_LOST:
+        assert symptom not in run.output, f"a peer's misleading error was printed:\n{run.tail()}"
+
+
+def expect_torchrun_root_cause(run: FaultRun, failed_rank: int, text: str) -> None:
+    assert run.returncode == 1, run.tail()
+    root = run.output.split("Root Cause (first observed failure):", 1)
+    assert len(root) == 2, run.tail()
+    assert f"rank      : {failed_rank} " in root[1], root[1]
+    assert text in root[1], root[1]
+
+
+# ====================================================================== exceptions
+
+
+def test_training_step_error_on_rank1_lightning_launcher(tmp_path):
+    run = launch(tmp_path, "--fault", "training_step", "--rank", "1", "--step", "2")
+    expect_bounded(run)
+    expect_one_cause(run, 1, "ValueError: injected fault in training_step on rank 1 at step 2")
+    assert run.returncode == PEER_FAILED_EXIT_CODE, run.tail()  # the shell sees rank 0, stopped for rank 1
+
+
+def test_training_step_error_on_rank0_torchrun(tmp_path):
+    run = launch(tmp_path, "--fault", "training_step", "--rank", "0", "--step", "2", launcher="torchrun")
+    expect_bounded(run)
+    expect_one_cause(run, 0, "ValueError: injected fault in training_step on rank 0 at step 2")
+    expect_torchrun_root_cause(run, 0, "rank 0: ValueError: injected fault in training_step")
+
+
+def test_callback_error_on_rank0_lightning_launcher(tmp_path):
+    run = launch(tmp_path, "--fault", "callback", "--rank", "0", "--step", "1")
+    expect_bounded(run)
+    expect_one_cause(run, 0, "RuntimeError: injected fault in a callback on rank 0 at step 1")
+    assert run.returncode == 1, run.tail()  # rank 0 failed itself: Python's exit code
+
+
+def test_data_loading_error_in_worker_on_rank1_torchrun(tmp_path):
+    run = launch(tmp_path, "--fault", "data", "--rank", "1", "--step", "2", launcher="torchrun")
+    expect_bounded(run)
+    expect_one_cause(run, 1, "injected fault in data loading on rank 1")
+    expect_torchrun_root_cause(run, 1, "rank 1: ValueError: Caught ValueError in DataLoader worker process 0")
+
+
+# ====================================================================== killed ranks
+
+
+def expect_lost(run: FaultRun, lost_rank: int) -> None:
+    lines = run.watchdog_lines()
+    assert len(lines) == 1, f"{lines}\n{run.tail()}"
+    assert f"because rank {lost_rank} (pid" in lines[0] and "ended without reporting an error" in lines[0], lines
+    assert run.tracebacks() == [], f"tracebacks from {run.tracebacks()}\n{run.tail()}"
+
+
+def test_sigkill_rank1_lightning_launcher(tmp_path):
+    run = launch(tmp_path, "--fault", "sigkill", "--rank", "1", "--step", "2")
+    expect_bounded(run)
+    expect_lost(run, 1)
+    assert run.returncode == PEER_FAILED_EXIT_CODE, run.tail()
+
+
+def test_sigkill_rank0_torchrun(tmp_path):
+    run = launch(tmp_path, "--fault", "sigkill", "--rank", "0", "--step", "2", launcher="torchrun")
+    expect_bounded(run)
+    expect_lost(run, 0)
+    expect_torchrun_root_cause(run, 0, "Signal 9 (SIGKILL)")
+
+
+def test_sigkill_rank0_that_hosts_the_store_lightning_launcher(tmp_path):
+    # Rank 0 is the launcher's main process and serves the job's store: rank 1 loses both.
+    run = launch(tmp_path, "--fault", "sigkill", "--rank", "0", "--step", "2")
+    expect_bounded(run)
+    assert run.returncode == -signal.SIGKILL, run.tail()
+    lines = run.watchdog_lines()
+    assert len(lines) == 1 and "rank 1: stopping (exit code 3) because rank 0" in lines[0], f"{lines}\n{run.tail()}"
+    assert run.tracebacks() == [], run.tail()
+
+
+# ====================================================================== ranks that do not end
+
+
+def test_failed_rank_kept_alive_by_a_thread_is_ended_after_the_grace(tmp_path):
+    # A non-daemon thread (an uploader, a profiler) keeps rank 1 alive after its error: without the
+    # watchdog, rank 0 would wait in its collective for the 30-minute timeout.
+    grace = 5.0
+    run = launch(tmp_path, "--fault", "stuck", "--rank", "1", "--step", "2", "--exit-grace", str(grace))
+    expect_bounded(run, grace + BOUND)
+    assert run.seconds_to_exit > grace - 1, "rank 0 should have waited for rank 1 to print its error"
+    lines = run.watchdog_lines()
+    expected = f"rank 1: this rank failed, and its process was still running {grace:g} s after its main thread ended (threads still running: ['uploader'])"
+    assert any(expected in line for line in lines), lines
+    assert any("rank 0: stopping (exit code 3) because rank 1 failed first with ValueError" in l for l in lines), lines
+    assert run.tracebacks() == ["rank1"], run.tail()
+    assert run.returncode == PEER_FAILED_EXIT_CODE, run.tail()
+
+
+def test_frozen_rank_is_found_by_its_heartbeat_and_ended(tmp_path):
+    # SIGSTOP: the process is alive but does nothing, its sockets stay open (gloo never notices).
+    heartbeat = 6.0
+    run = launch(tmp_path, "--fault", "sigstop", "--rank", "1", "--step", "2", "--heartbeat-timeout", str(heartbeat))
+    expect_bounded(run, heartbeat + BOUND)
+    assert run.seconds_to_exit > heartbeat - 1
+    lines = run.watchdog_lines()
+    assert len(lines) == 1, lines
+    assert "because rank 1 (pid" in lines[0] and "stopped responding: no heartbeat for" in lines[0], lines
+    assert "hp_lightning ended it with SIGKILL" in lines[0], lines
+    assert run.returncode == PEER_FAILED_EXIT_CODE and run.tracebacks() == [], run.tail()
+
+
+# ====================================================================== non-finite gradients
+
+
+def test_nan_gradient_on_one_shard_stops_every_rank_naming_step_unit_and_parameter(tmp_path):
+    # Only rank 1's shard of one weight holds the NaN; rank 0 must stop at the same step.
+    run = launch(tmp_path, "--fault", "nan", "--rank", "1", "--step", "2", "--param", "net.blocks.1.fc2.weight")
+    expect_bounded(run)
+    assert run.returncode in (1, PEER_FAILED_EXIT_CODE), run.tail()
+    assert len(run.tracebacks()) == 1, run.tail()
+    assert (
+        "NonFiniteGradientError: Non-finite gradients at global step 2 (epoch 0, batch 2), found before the optimizer "
+        "step, so the weights were not updated. First: parameter 'net.blocks.1.fc2.weight' in sharding unit "
+        "'net.blocks.1', NaN on rank 1." in run.output
+    ), run.tail()
+    assert len(run.watchdog_lines()) == 1 and "NonFiniteGradientError" in run.watchdog_lines()[0]
+
+
+def test_clip_error_if_nonfinite_is_honoured_on_every_rank_torchrun(tmp_path):
+    # configure_gradient_clipping calls clip_grad_norm_(..., error_if_nonfinite=True); the NaN is
+    # in rank 0's shard only, yet the norm is global, so both ranks refuse to step.
+    run = launch(tmp_path, "--fault", "nan_clip", "--rank", "0", "--step", "2", launcher="torchrun")
+    expect_bounded(run)
+    assert len(run.tracebacks()) == 1, run.tail()
+    message = "RuntimeError: The total norm of order 2.0 of the gradients is non-finite (nan), so they cannot be clipped."
+    assert message in run.output, run.tail()
+    expect_torchrun_root_cause(run, int(run.tracebacks()[0][-1]), message)
+
+
+# ====================================================================== checkpoints and clean runs
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_kill_during_a_sharded_save_keeps_the_previous_checkpoint(tmp_path):
+    from hp_lightning.checkpoint import load_checkpoint
+    from tests.helpers import RegressionModule
+
+    # Saves at steps 2 and 4; rank 1 dies right after writing its shards of step 4 (no manifest yet).
+    run = launch(tmp_path, "--fault", "save_kill", "--rank", "1", "--step", "4")
+    expect_bounded(run)
+    expect_lost(run, 1)
+    checkpoints = tmp_path / "ckpts"
+    assert sorted(p.name for p in checkpoints.glob("*.ckpt")) == ["epoch=0-step=2.ckpt"]
+    partial = [p for p in checkpoints.iterdir() if "step=4" in p.name]
+    assert len(partial) == 1 and ".hp-partial-" in partial[0].name, partial
+    model = RegressionModule()
+    rest = load_checkpoint(checkpoints / "epoch=0-step=2.ckpt", model, [])  # verifies sizes and checksums
+    assert rest["global_step"] == 2
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    with pytest.raises(ValueError, match="staging entry of a save that did not finish"):
+        load_checkpoint(partial[0], RegressionModule(), [])
+
+
+@pytest.mark.parametrize("launcher", ["lightning", "torchrun"])
+def test_clean_run_is_left_alone(tmp_path, launcher):
+    # No false alarm: ranks finishing (and rank 0's store going away first) are not failures.
+    run = launch(tmp_path, "--fault", "none", launcher=launcher)
+    assert not run.timed_out and run.returncode == 0, run.tail()
+    assert run.watchdog_lines() == [] and run.tracebacks() == [], run.tail()
+    assert (tmp_path / "finished.0").read_text() == (tmp_path / "finished.1").read_text() == "6"
+    assert (tmp_path / "validated.0").exists() and (tmp_path / "validated.1").exists(), run.tail()
+    assert not run.leftovers, run.leftovers

@@ -1,0 +1,101 @@
+"""hp_lightning.faults without a process group: option checks, reports, messages, what gets compared."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch.distributed as dist
+
+from hp_lightning.faults import (
+    FailureReport,
+    FaultWatchdog,
+    check_rank_agreement,
+    is_communication_error,
+    strategy_options,
+)
+from hp_lightning.strategies.hsdp import HSDPStrategy
+from tests.faults.guarded import GuardedHSDPStrategy
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, text",
+    [
+        ({"heartbeat_timeout": 0}, ValueError, "FaultWatchdog(heartbeat_timeout=...) must be a finite number of seconds > 0; got 0"),
+        ({"exit_grace": float("inf")}, ValueError, "FaultWatchdog(exit_grace=...) must be a finite"),
+        ({"heartbeat_timeout": "60"}, TypeError, "FaultWatchdog(heartbeat_timeout=...) expects a number of seconds; got str '60'"),
+        ({"poll_interval": True}, TypeError, "expects a number of seconds; got bool"),
+    ],
+)
+def test_watchdog_refuses_bad_seconds(kwargs, error, text):
+    with pytest.raises(error) as info:
+        FaultWatchdog(**kwargs)
+    assert text in str(info.value)
+
+
+def test_strategy_refuses_bad_watchdog_options():
+    with pytest.raises(ValueError, match=r"HSDPStrategy\(heartbeat_timeout=...\) must be a finite number of seconds > 0; got -1"):
+        GuardedHSDPStrategy(heartbeat_timeout=-1)
+    with pytest.raises(TypeError, match=r"HSDPStrategy\(fault_watchdog=...\) expects True or False"):
+        GuardedHSDPStrategy(fault_watchdog="yes")
+
+
+def test_poll_interval_follows_the_heartbeat():
+    assert FaultWatchdog(heartbeat_timeout=120).poll_interval == 1.0
+    assert FaultWatchdog(heartbeat_timeout=5).poll_interval == 0.5
+
+
+def test_without_a_process_group_everything_is_a_no_op():
+    assert not dist.is_initialized()
+    watchdog = FaultWatchdog()
+    watchdog.start(0, 2, range(2))
+    assert not watchdog.running
+    watchdog.report(ValueError("x"))  # nothing to report to: Lightning raises as usual
+    watchdog.stop()
+    check_rank_agreement({"anything": 1}, stage="setup")
+
+
+def test_failure_report_round_trip_and_wording():
+    error = FailureReport(1, "error", "ValueError: boom", "node-3", 4242, 1, 1700000000.5)
+    assert FailureReport.from_wire(error.to_wire()) == error
+    assert error.describe() == "rank 1 failed first with ValueError: boom (its traceback is in rank 1's output)"
+    gone = FailureReport(2, "gone", "is gone: its process ended", "node-3", 4242, 0)
+    assert gone.describe() == "rank 2 (pid 4242 on node-3) is gone: its process ended"
+    silent = FailureReport(5, "silent", "stopped responding", "?", -1, 4)
+    assert silent.describe() == "rank 5 stopped responding"
+
+
+def test_watchdog_summary_reaches_into_dataloader_worker_errors():
+    from hp_lightning.faults import _first_line
+
+    wrapped = "Caught ValueError in DataLoader worker process 0.\nOriginal Traceback (most recent call last):\n  File x\nValueError: bad sample 7\n"
+    assert _first_line(wrapped) == "Caught ValueError in DataLoader worker process 0: ValueError: bad sample 7"
+    assert _first_line("Ranks disagree about x:\n  - x: 1 on rank 0") == "Ranks disagree about x:"
+
+
+@pytest.mark.parametrize(
+    "exc, expected",
+    [
+        (RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:1234"), True),
+        (RuntimeError("[pair.cc:537] Read error [127.0.0.1]:9105: Connection reset by peer"), True),
+        (dist.DistNetworkError("anything"), True),
+        (RuntimeError("The total norm of order 2.0 of the gradients is non-finite"), False),
+        (ValueError("Connection closed by peer"), False),
+    ],
+)
+def test_communication_errors_are_told_apart_from_causes(exc, expected):
+    assert is_communication_error(exc) is expected
+
+
+def test_every_strategy_option_is_compared_across_ranks():
+    # The agreement check reads each keyword-only constructor option from self._<name>: a new
+    # option must follow that convention, or ranks could disagree about it unnoticed.
+    options = strategy_options(GuardedHSDPStrategy())
+    names = [
+        name
+        for cls in (HSDPStrategy, GuardedHSDPStrategy)
+        for name, p in inspect.signature(cls.__init__).parameters.items()
+        if p.kind is inspect.Parameter.KEYWORD_ONLY
+    ]
+    compared = {key.split("(", 1)[1].split("=", 1)[0] for key in options}
+    assert set(names) <= compared, set(names) - compared

@@ -1,0 +1,207 @@
+"""Train the test model on 2 ranks and inject one fault; the fault matrix launches this script.
+
+Run as ``python fault_train.py OUT --fault KIND --rank R --step S`` (Lightning's subprocess
+launcher starts the other rank) or under ``torchrun --nproc-per-node 2 fault_train.py ...``.
+Each rank writes ``OUT/pid.<rank>`` first thing; the faulty rank writes
+``OUT/fault.json`` (its rank and the wall time) just before the fault, so the test can measure
+how long every rank takes to exit after it.
+
+Faults (on rank R at global step S):
+
+* ``training_step`` / ``callback`` / ``data``: an exception in ``training_step``, in a
+  callback's ``on_train_batch_end``, or in the dataset, read by a DataLoader worker process;
+* ``sigkill`` / ``sigstop``: the process kills (or freezes) itself;
+* ``stuck``: an exception, with a non-daemon thread that keeps the process alive afterwards;
+* ``nan`` / ``nan_clip``: a NaN written into rank R's gradient shard of ``--param``, caught by
+  ``NonFiniteGradients`` or by clipping with ``error_if_nonfinite=True``;
+* ``save_kill``: SIGKILL right after rank R wrote its shards of the step-S checkpoint;
+* ``disagree``: rank R runs with a different ``--mesh`` (the others use ``[2]``);
+* ``none``: a clean run, then ``validate`` in the same processes (exit code 0 expected).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import Callback, Trainer, seed_everything
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+import hp_lightning  # noqa: F401 - registers the strategy names
+from hp_lightning.callbacks.nonfinite import NonFiniteGradients
+from hp_lightning.gradients import clip_grad_norm_
+from tests.faults.guarded import GuardedHSDPStrategy
+from tests.helpers import RegressionModule, make_dataset, rank_loader, trainer_kwargs
+
+FAULTS = ("none", "training_step", "callback", "data", "sigkill", "sigstop", "stuck", "nan", "nan_clip", "save_kill", "disagree")
+GLOBAL_BATCH = 16
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", 0)))
+
+
+def mark_fault(out: Path, kind: str) -> None:
+    """Record who fails and when, just before failing."""
+    (out / "fault.json").write_text(json.dumps({"rank": _rank(), "kind": kind, "time": time.time()}))
+
+
+class FaultyModule(RegressionModule):
+    def __init__(self, args: argparse.Namespace) -> None:
+        super().__init__()
+        self.args = args
+
+    def training_step(self, batch, batch_idx):
+        a = self.args
+        if self.global_rank == a.rank and self.global_step == a.step and a.fault in ("training_step", "stuck"):
+            mark_fault(a.out, a.fault)
+            if a.fault == "stuck":
+                # Like a metrics uploader or profiler thread: keeps the failed process alive.
+                threading.Thread(target=time.sleep, args=(3600,), name="uploader", daemon=False).start()
+            raise ValueError(f"injected fault in training_step on rank {a.rank} at step {a.step}")
+        return super().training_step(batch, batch_idx)
+
+    def on_after_backward(self) -> None:
+        a = self.args
+        if a.fault in ("nan", "nan_clip") and self.global_rank == a.rank and self.global_step == a.step:
+            grad = dict(self.named_parameters())[a.param].grad
+            local = grad.to_local() if hasattr(grad, "to_local") else grad
+            mark_fault(a.out, a.fault)
+            local.view(-1)[0] = float("nan")  # only this rank's shard
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        if self.args.fault == "nan_clip":
+            clip_grad_norm_(self.parameters(), 1.0, error_if_nonfinite=True)
+
+
+class Injector(Callback):
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        a = self.args
+        if trainer.global_rank != a.rank or trainer.global_step != a.step:
+            return
+        if a.fault in ("sigkill", "sigstop"):
+            mark_fault(a.out, a.fault)
+            os.kill(os.getpid(), signal.SIGKILL if a.fault == "sigkill" else signal.SIGSTOP)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        a = self.args
+        if a.fault == "callback" and trainer.global_rank == a.rank and trainer.global_step == a.step:
+            mark_fault(a.out, a.fault)
+            raise RuntimeError(f"injected fault in a callback on rank {a.rank} at step {a.step}")
+
+    def on_train_end(self, trainer, pl_module):
+        (a := self.args).out.joinpath(f"finished.{trainer.global_rank}").write_text(str(trainer.global_step))
+
+
+class FaultyData(torch.utils.data.Dataset):
+    """The test data set; raises when rank R's loader reads a sample of global batch S."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.data = make_dataset(n=128)
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, index: int):
+        a = self.args
+        if a.fault == "data" and index // GLOBAL_BATCH == a.step and _rank() == a.rank:
+            mark_fault(a.out, a.fault)
+            raise ValueError(f"injected fault in data loading on rank {a.rank}: sample {index} of step {a.step}")
+        return self.data[index]
+
+
+def kill_after_shards_written(args: argparse.Namespace) -> None:
+    """Rank R dies right after DCP wrote its shards of the step-S save: no manifest, nothing published."""
+    import torch.distributed.checkpoint as dcp
+
+    original = dcp.save
+
+    def save_then_die(*pos, **kw):
+        result = original(*pos, **kw)
+        if _rank() == args.rank and args.saves_seen == args.step_save_index:
+            mark_fault(args.out, "save_kill")
+            os.kill(os.getpid(), signal.SIGKILL)
+        args.saves_seen += 1
+        return result
+
+    dcp.save = save_then_die
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--fault", choices=FAULTS, default="none")
+    parser.add_argument("--rank", type=int, default=1)
+    parser.add_argument("--step", type=int, default=2)
+    parser.add_argument("--param", default="net.blocks.1.fc2.weight")
+    parser.add_argument("--mesh", type=int, nargs="+", default=[2], help="mesh shape of the faulty rank (disagree)")
+    parser.add_argument("--max-steps", type=int, default=6)
+    parser.add_argument("--heartbeat-timeout", type=float, default=120.0)
+    parser.add_argument("--exit-grace", type=float, default=30.0)
+    parser.add_argument("--no-watchdog", action="store_true")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    # Lightning's launcher sets LOCAL_RANK in the ranks it starts; torchrun sets RANK (one node: the same).
+    launch_rank = int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", 0)))
+    (args.out / f"pid.{launch_rank}").write_text(str(os.getpid()))
+    torch.set_num_threads(1)
+    seed_everything(0)
+
+    mesh = [2]
+    disagreeing = args.fault == "disagree" and launch_rank == args.rank
+    if disagreeing:
+        mesh = args.mesh
+    strategy = GuardedHSDPStrategy(
+        mesh_shape=mesh,
+        fault_watchdog=not args.no_watchdog,
+        heartbeat_timeout=args.heartbeat_timeout,
+        failure_exit_grace=args.exit_grace,
+    )
+    callbacks: list[Callback] = [Injector(args)]
+    checkpointing = args.fault == "save_kill"
+    if checkpointing:
+        # Saves at steps 2, 4, ...: kill during the save of step S (the (S/2)-th, counting from 0).
+        callbacks.append(ModelCheckpoint(dirpath=args.out / "ckpts", every_n_train_steps=2, save_top_k=-1))
+        args.saves_seen, args.step_save_index = 0, args.step // 2 - 1
+        kill_after_shards_written(args)
+    if args.fault == "nan":
+        callbacks.append(NonFiniteGradients())
+    trainer = Trainer(
+        devices=2,
+        strategy=strategy,
+        max_steps=args.max_steps,
+        callbacks=callbacks,
+        gradient_clip_val=1.0 if args.fault == "nan_clip" else None,
+        **trainer_kwargs(enable_checkpointing=checkpointing),
+    )
+    workers = 1 if args.fault == "data" else 0
+    if disagreeing:
+        mark_fault(args.out, "disagree")  # the mismatch exists from here on; setup must catch it
+    model = FaultyModule(args)
+    trainer.fit(model, rank_loader(FaultyData(args), GLOBAL_BATCH, 2, num_workers=workers))
+    if args.fault == "none":
+        # A second Trainer call in the same processes: a second watchdog session.
+        trainer.validate(model, rank_loader(make_dataset(n=32), GLOBAL_BATCH, 2), verbose=False)
+        (args.out / f"validated.{trainer.global_rank}").write_text("ok")
+    # Leave without interpreter finalization, as tests/helpers.py does: under torchrun, gloo's
+    # worker threads sometimes abort it (SIGABRT, "terminate called without an active exception",
+    # with or without hp_lightning's watchdog), which is not what the fault matrix measures.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
