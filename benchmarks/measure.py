@@ -11,7 +11,7 @@ without them and an extra, untimed pass per configuration runs with them.
   phase note.
 * Model state: parameters + gradients + optimizer state actually held by this rank (local shards
   of DTensors), read from the tensors after the last step.
-* Collectives: :class:`hp_lightning.diagnostics.CollectiveCounter` around the steps."""
+* Collectives: :class:`hp_lightning.core.diagnostics.CollectiveCounter` around the steps."""
 
 from __future__ import annotations
 
@@ -27,8 +27,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from hp_lightning import devices
-from hp_lightning.diagnostics import CollectiveCounter
+from hp_lightning.core import devices
+from hp_lightning.core.diagnostics import CollectiveCounter
 
 
 

@@ -303,7 +303,7 @@ def markdown(summary: dict[str, Any]) -> str:
         "the configuration was built, sampled every 0.5 ms and at every phase of a step: model, optimizer state, "
         "activations and communication buffers (plus a near-constant share of Python objects); on CUDA/NPU the "
         "allocator's peak. **RSS Δ**: peak RSS minus the RSS before the configuration was built. Collectives counted "
-        "at the `torch.distributed` call (`hp_lightning.diagnostics.CollectiveCounter`; DDP's C++ all-reduces "
+        "at the `torch.distributed` call (`hp_lightning.core.diagnostics.CollectiveCounter`; DDP's C++ all-reduces "
         "routed through the default Python comm hook for this pass).",
         "- Ratios are to the raw FSDP2 loop on the same mesh and k (HSDP rows: the raw loop on the same 2-D mesh): "
         "median over median, both over the same interleaved rounds. **range over rounds** is the lowest and highest "

@@ -41,7 +41,7 @@ from benchmarks.report import (
 from benchmarks.settings import FULL, SMOKE, Settings, settings_from_dict
 from benchmarks.trainers import largest_unit_bytes
 from benchmarks.worker import rank_main
-from hp_lightning import devices
+from hp_lightning.core import devices
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 #: Seconds one world size's launch may take before it is killed (a hang fails the run, not the machine).

@@ -33,7 +33,7 @@ from benchmarks.measure import StepMarks
 from benchmarks.settings import DDP, HP, MPS, RAW, Configuration, ModelShape
 from examples.gpt import GPT, VOCAB_SIZE, GPTConfig, GPTLightningModule
 from hp_lightning import HSDPStrategy
-from hp_lightning.mesh import dim_names_for
+from hp_lightning.core.mesh import dim_names_for
 
 #: Optimizer hyper-parameters shared by every configuration (GPTLightningModule's defaults).
 LEARNING_RATE = 3e-3

@@ -29,8 +29,8 @@ from benchmarks.measure import (
 from benchmarks.settings import DDP, HP, RAW, Configuration, ModelShape, Settings
 from benchmarks.trainers import largest_unit_bytes, rank_loader, run_configuration
 from examples.gpt import CharWindows, encode, stdlib_corpus
-from hp_lightning import devices
-from hp_lightning.diagnostics import CollectiveCounter
+from hp_lightning.core import devices
+from hp_lightning.core.diagnostics import CollectiveCounter
 
 #: Steps of a measurement pass not measured (the first creates the optimizer state).
 MEASURE_SKIP = 1

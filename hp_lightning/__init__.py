@@ -1,14 +1,20 @@
 """hp_lightning: HyperParallel-style FSDP/HSDP (``fully_shard``) for the Lightning Trainer.
 
 Importing this package registers the strategy names ``"hsdp"``, ``"hp_fsdp"`` and
-``"hsdp_cpu_offload"`` in Lightning's ``StrategyRegistry``, the accelerator ``"npu"`` (Ascend,
-through ``torch_npu``, which is not imported here) in its ``AcceleratorRegistry``, and lets
-``accelerator="auto"`` choose NPUs where Lightning would fall back to the CPU.
+``"hsdp_cpu_offload"`` in Lightning's ``StrategyRegistry`` and the accelerator ``"npu"`` (Ascend,
+through ``torch_npu``, which is not imported here) in its ``AcceleratorRegistry``. It patches
+nothing: :func:`enable_npu_auto_selection` (an explicit call) makes ``accelerator="auto"`` choose
+NPUs where Lightning would fall back to the CPU.
+
+Layout: :mod:`hp_lightning.core` (no Lightning) and :mod:`hp_lightning.fully_shard` (the seed's API)
+are the engine; :mod:`hp_lightning.strategies` (Trainer) and :mod:`hp_lightning.fabric` (Fabric)
+are hooks over it; :mod:`hp_lightning.callbacks` and :mod:`hp_lightning.checkpoint` build on those.
 """
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from hp_lightning.accelerators import NPUAccelerator, install_auto_selection, register_accelerators
+from hp_lightning.accelerators import NPUAccelerator, register_accelerators
+from hp_lightning.accelerators import install_auto_selection as enable_npu_auto_selection
 from hp_lightning.checkpoint import ResumableLoader, load_weights
 from hp_lightning.fully_shard import (
     CPUOffloadPolicy,
@@ -17,7 +23,7 @@ from hp_lightning.fully_shard import (
     OffloadPolicy,
     fully_shard,
 )
-from hp_lightning.mesh import init_device_mesh
+from hp_lightning.core.mesh import init_device_mesh
 from hp_lightning.strategies import HSDPPrecision, HSDPStrategy
 
 __version__ = "0.1.0"
@@ -27,7 +33,6 @@ def _register() -> None:
     if "hsdp" not in StrategyRegistry:
         HSDPStrategy.register_strategies(StrategyRegistry)
     register_accelerators()
-    install_auto_selection()
 
 
 _register()
@@ -42,6 +47,7 @@ __all__ = [
     "OffloadPolicy",
     "ResumableLoader",
     "__version__",
+    "enable_npu_auto_selection",
     "fully_shard",
     "init_device_mesh",
     "load_weights",

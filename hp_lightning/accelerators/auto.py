@@ -16,9 +16,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
-from lightning.pytorch.trainer.connectors import accelerator_connector as _connector
 
-from hp_lightning import devices
+from hp_lightning._lightning_private import accelerator_connector_class
+from hp_lightning.core import devices
 
 _ATTRIBUTE = "_choose_auto_accelerator"
 _MARK = "_hp_lightning_wrapped"
@@ -33,7 +33,7 @@ def choose_auto_accelerator(lightning_choice: str) -> str:
 
 def auto_selection_installed() -> bool:
     """True when :func:`install_auto_selection` is in effect."""
-    current = _connector._AcceleratorConnector.__dict__.get(_ATTRIBUTE)
+    current = accelerator_connector_class().__dict__.get(_ATTRIBUTE)
     return isinstance(current, staticmethod) and getattr(current.__func__, _MARK, None) is not None
 
 
@@ -46,7 +46,7 @@ def install_auto_selection() -> bool:
     """
     if auto_selection_installed():
         return False
-    original = _connector._AcceleratorConnector.__dict__.get(_ATTRIBUTE)
+    original = accelerator_connector_class().__dict__.get(_ATTRIBUTE)
     if not isinstance(original, staticmethod):
         rank_zero_warn(
             f"hp_lightning could not extend Lightning's accelerator='auto' to NPUs: "
@@ -60,7 +60,7 @@ def install_auto_selection() -> bool:
         return choose_auto_accelerator(lightning_choose())
 
     setattr(_choose_auto_accelerator, _MARK, lightning_choose)
-    setattr(_connector._AcceleratorConnector, _ATTRIBUTE, staticmethod(_choose_auto_accelerator))
+    setattr(accelerator_connector_class(), _ATTRIBUTE, staticmethod(_choose_auto_accelerator))
     return True
 
 
@@ -68,6 +68,6 @@ def uninstall_auto_selection() -> bool:
     """Restore Lightning's own ``accelerator="auto"``; True when a wrapper was removed."""
     if not auto_selection_installed():
         return False
-    current = _connector._AcceleratorConnector.__dict__[_ATTRIBUTE]
-    setattr(_connector._AcceleratorConnector, _ATTRIBUTE, staticmethod(getattr(current.__func__, _MARK)))
+    current = accelerator_connector_class().__dict__[_ATTRIBUTE]
+    setattr(accelerator_connector_class(), _ATTRIBUTE, staticmethod(getattr(current.__func__, _MARK)))
     return True

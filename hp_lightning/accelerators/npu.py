@@ -2,7 +2,7 @@
 
 Lightning 2.6 ships no NPU accelerator. :class:`NPUAccelerator` fills the gap through
 ``torch_npu`` (Huawei's Ascend extension for PyTorch), whose ``torch.npu`` module mirrors
-``torch.cuda``: every device call goes through :mod:`hp_lightning.devices`, so the only
+``torch.cuda``: every device call goes through :mod:`hp_lightning.core.devices`, so the only
 NPU-specific facts here are the name and the device parsing.
 
 Registration (:func:`register_npu_accelerator`) never imports ``torch_npu``; the package is
@@ -19,11 +19,11 @@ from typing import TYPE_CHECKING, Any, Union
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.accelerators.registry import _AcceleratorRegistry
 from lightning.pytorch.accelerators import Accelerator, AcceleratorRegistry
 from typing_extensions import override
 
-from hp_lightning import devices
+from hp_lightning._lightning_private import AcceleratorRegistryType
+from hp_lightning.core import devices
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -36,7 +36,7 @@ NAME = devices.NPU
 class NPUAccelerator(Accelerator):
     """Accelerator for Huawei Ascend NPUs, through ``torch_npu``.
 
-    Collectives run on HCCL (``hp_lightning.devices.default_backend("npu")``); which NPUs a process
+    Collectives run on HCCL (``hp_lightning.core.devices.default_backend("npu")``); which NPUs a process
     sees is set by ``ASCEND_RT_VISIBLE_DEVICES``.
 
     Raises:
@@ -117,7 +117,7 @@ class NPUAccelerator(Accelerator):
 
     @classmethod
     @override
-    def register_accelerators(cls, accelerator_registry: _AcceleratorRegistry) -> None:
+    def register_accelerators(cls, accelerator_registry: AcceleratorRegistryType) -> None:
         accelerator_registry.register(cls.name(), cls, description="Huawei Ascend NPU (torch_npu)")
 
 
@@ -222,7 +222,7 @@ def _as_npu_device(device: Union[torch.device, str, int]) -> torch.device:
     return resolved
 
 
-def register_npu_accelerator(registry: _AcceleratorRegistry = AcceleratorRegistry) -> bool:
+def register_npu_accelerator(registry: AcceleratorRegistryType = AcceleratorRegistry) -> bool:
     """Register :class:`NPUAccelerator` as ``"npu"`` in Lightning's registry; True if this call added it.
 
     Registers whether or not ``torch_npu`` is installed, and imports nothing: without the package,

@@ -1,17 +1,16 @@
-"""What every hp_lightning callback shares: the strategy check, the units, the window position.
+"""What every hp_lightning callback shares: the strategy check, the root, the window position.
 
-Also the one place that reads FSDP2's private per-unit state (parameter groups, prefetch lists,
-held gradients): the report and the gradient-memory monitor need facts FSDP2 does not expose
-publicly. Keeping those reads here means a torch upgrade that renames them breaks one file.
+Facts about units come from :mod:`hp_lightning.core.introspection`; callbacks act only through
+the strategy's public methods.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from torch import nn
-
-from hp_lightning.fully_shard import HSDPModule, hsdp_modules
+from hp_lightning._lightning_private import should_accumulate
+from hp_lightning.core.introspection import units_in_order
+from hp_lightning.fully_shard import HSDPModule
 from hp_lightning.strategies.hsdp import HSDPStrategy
 
 if TYPE_CHECKING:
@@ -48,15 +47,8 @@ def root_module(strategy: HSDPStrategy) -> HSDPModule:
 
 def all_units(strategy: HSDPStrategy) -> list[HSDPModule]:
     """Every sharding unit, root first, then the others in forward order."""
-    root = root_module(strategy)
     sharded = strategy.sharded_model
-    inner = list(sharded.units) if sharded is not None else [m for m in hsdp_modules(root) if m is not root]
-    return [root, *[u for u in inner if u is not root]]
-
-
-def unit_names(root: nn.Module) -> dict[int, str]:
-    """``id(module) -> qualified name`` below the root (``"<root>"`` for the root itself)."""
-    return {id(m): (name or "<root>") for name, m in root.named_modules()}
+    return units_in_order(root_module(strategy), sharded.units if sharded is not None else None)
 
 
 def in_accumulation_window(trainer: pl.Trainer) -> bool:
@@ -69,31 +61,4 @@ def in_accumulation_window(trainer: pl.Trainer) -> bool:
     """
     if not trainer.lightning_module.automatic_optimization:
         return False
-    return bool(trainer.fit_loop._should_accumulate())
-
-
-# ---------------------------------------------------------------- FSDP2 internals (read only)
-
-
-def param_groups(unit: HSDPModule) -> list[Any]:
-    """FSDP2's parameter groups of one unit (usually one; several for a list-of-modules unit)."""
-    state = unit._get_fsdp_state()
-    groups = getattr(state, "_fsdp_param_groups", None)
-    if groups is None:  # torch < 2.13 kept a single group
-        group = getattr(state, "_fsdp_param_group", None)
-        groups = [group] if group is not None else []
-    return list(groups)
-
-
-def prefetch_targets(unit: HSDPModule, direction: str) -> list[nn.Module]:
-    """Units this one all-gathers ahead of time (explicit prefetch) in ``"forward"`` or ``"backward"``."""
-    state = unit._get_fsdp_state()
-    modules: list[nn.Module] = []
-    for target in getattr(state, f"_states_to_{direction}_prefetch", []):
-        modules.extend(getattr(target, "_modules", ()))
-    return modules
-
-
-def reshards_after_forward(unit: HSDPModule) -> bool:
-    """Whether the unit frees its gathered parameters after forward (its current setting)."""
-    return any(group.post_forward_mesh_info is not None for group in param_groups(unit))
+    return should_accumulate(trainer)

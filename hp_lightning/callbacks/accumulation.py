@@ -2,18 +2,10 @@
 
 With ``accumulate_grad_batches=k`` Lightning runs k-1 micro-batches inside
 ``strategy.block_backward_sync()`` and the k-th normally. :class:`HSDPStrategy` owns that
-mechanism and reads ``strategy.accumulation_mode`` to decide what "blocked" means;
-:class:`GradientAccumulationSync` is the policy that sets it. Per unit and optimizer step on an
-HSDP ``(R, S)`` mesh (reduce-scatters over the shard group / all-reduces over the replicate
-group / gradient memory held between micro-batches):
-
-* ``"skip"``: 1 / 1 / the full-size gradient of every unit;
-* ``"every"``: k / k / 1/S-size gradient shards;
-* ``"defer_all_reduce"``: k / 1 / 1/S-size partial sums.
-
-Pick ``"skip"`` when memory allows (least traffic), ``"every"`` when full-size gradients do not
-fit, and ``"defer_all_reduce"`` on HSDP across nodes: the reduce-scatter stays on the fast
-intra-node links every micro-batch while the slow inter-node all-reduce runs once per window.
+mechanism (:mod:`hp_lightning.core.accumulation` says what each mode costs); its
+``accumulation_mode`` argument sets the mode for the whole run, and
+:class:`GradientAccumulationSync` is the policy that switches it through
+``strategy.set_accumulation_mode()``.
 """
 
 from __future__ import annotations
@@ -28,7 +20,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from hp_lightning.callbacks._common import require_hsdp_strategy, root_module
-from hp_lightning.strategies.hsdp import ACCUMULATION_MODES, HSDPStrategy
+from hp_lightning.core.accumulation import check_mode as _check_mode
+from hp_lightning.strategies.hsdp import HSDPStrategy
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -38,15 +31,7 @@ AccumulationMode = Literal["skip", "every", "defer_all_reduce"]
 
 def check_mode(mode: Any, owner: str = "GradientAccumulationSync(mode=...)") -> str:
     """Validate an accumulation mode string (case-insensitive)."""
-    if not isinstance(mode, str):
-        raise TypeError(f"{owner} expects one of {list(ACCUMULATION_MODES)} as a string; got {type(mode).__name__} {mode!r}.")
-    if mode.lower() not in ACCUMULATION_MODES:
-        raise ValueError(
-            f"{owner} expects one of {list(ACCUMULATION_MODES)}; got {mode!r}. 'skip' syncs once per "
-            f"window, 'every' every micro-batch, 'defer_all_reduce' reduce-scatters every micro-batch "
-            f"and all-reduces once (HSDP)."
-        )
-    return mode.lower()
+    return _check_mode(mode, owner)
 
 
 class GradientAccumulationSync(Callback):
@@ -87,9 +72,9 @@ class GradientAccumulationSync(Callback):
                 f"mesh to defer the all-reduce; this mesh is 1-D {tuple(strategy.device_mesh.shape)}, so "
                 f"micro-batches reduce-scatter every time, as mode='every'. Use mesh_shape=[R, S] for HSDP."
             )
+        previous = strategy.set_accumulation_mode(self.mode)
         if self._previous_mode is None:
-            self._previous_mode = strategy.accumulation_mode
-        strategy.accumulation_mode = self.mode
+            self._previous_mode = previous
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -97,14 +82,14 @@ class GradientAccumulationSync(Callback):
         # decides per batch which micro-batches are blocked. Re-assert the mode in case another
         # component changed it, and record the window for inspection.
         strategy = require_hsdp_strategy(trainer, self)
-        strategy.accumulation_mode = self.mode
+        strategy.set_accumulation_mode(self.mode)
         self.window_sizes[trainer.current_epoch] = trainer.accumulate_grad_batches
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         strategy = trainer.strategy
         if isinstance(strategy, HSDPStrategy) and self._previous_mode is not None:
-            strategy.accumulation_mode = self._previous_mode
+            strategy.set_accumulation_mode(self._previous_mode)
         self._previous_mode = None
 
     def __repr__(self) -> str:

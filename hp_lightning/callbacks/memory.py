@@ -1,4 +1,5 @@
-"""Gradient bytes a rank holds between backward passes, measured on the live tensors.
+"""Gradient bytes a rank holds between backward passes, measured on the live tensors
+(:func:`hp_lightning.core.introspection.live_gradient_bytes`).
 
 Device allocator statistics mix gradients with activations and parameters, and do not exist on
 CPU. This counts the gradient storage itself, wherever FSDP keeps it after a backward:
@@ -14,46 +15,16 @@ Each storage is counted once, by its full size (views into one flat buffer share
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
-import torch
 from lightning.pytorch.callbacks import Callback
-from torch import nn
-from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
-from hp_lightning.callbacks._common import param_groups, require_hsdp_strategy
-from hp_lightning.fully_shard import hsdp_modules
+from hp_lightning.callbacks._common import require_hsdp_strategy
+from hp_lightning.core.introspection import live_gradient_bytes
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
-
-
-def live_gradient_bytes(model: nn.Module) -> int:
-    """Bytes of gradient storage ``model`` holds right now on this rank (see the module docstring)."""
-    seen: dict[tuple[str, int], int] = {}
-
-    def add(tensor: Optional[torch.Tensor]) -> None:
-        if tensor is None:
-            return
-        if isinstance(tensor, DTensor):
-            tensor = tensor.to_local()
-        storage = tensor.untyped_storage()
-        if storage.nbytes() == 0:
-            return
-        seen[(str(tensor.device), storage.data_ptr())] = storage.nbytes()
-
-    for param in model.parameters():
-        add(param.grad)
-    for unit in hsdp_modules(model):
-        for group in param_groups(unit):
-            add(getattr(group, "_partial_reduce_output", None))
-            for fsdp_param in group.fsdp_params:
-                add(getattr(fsdp_param, "unsharded_accumulated_grad", None))
-                unsharded = getattr(fsdp_param, "_unsharded_param", None)
-                if unsharded is not None:
-                    add(unsharded.grad)
-    return sum(seen.values())
 
 
 class GradientMemoryMonitor(Callback):

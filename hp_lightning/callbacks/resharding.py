@@ -112,7 +112,7 @@ class ReshardSchedule(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         strategy = require_hsdp_strategy(trainer, self)
         default = getattr(strategy, "reshard_after_forward", None)
-        self._strategy_default = bool(strategy._reshard_after_forward if default is None else default)
+        self._strategy_default = bool(strategy.reshard_after_forward if default is None else default)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

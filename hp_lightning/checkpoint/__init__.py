@@ -11,7 +11,7 @@ from hp_lightning.checkpoint.data import ResumableLoader
 from hp_lightning.checkpoint.layout import FORMAT_VERSION, CheckpointKind, CorruptCheckpointError, classify, recover
 from hp_lightning.checkpoint.load import load_checkpoint, load_weights, read_full_file
 from hp_lightning.checkpoint.save import is_sharded_checkpoint, remove_checkpoint, save_checkpoint
-from hp_lightning.checkpoint.state import GatherStats, full_gather_stats, model_state_dict, optimizer_state_dict
+from hp_lightning.core.state_dict import GatherStats, full_gather_stats, model_state_dict, optimizer_state_dict
 
 __all__ = [
     "FORMAT_VERSION",

@@ -16,11 +16,9 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-from hp_lightning import devices
+from hp_lightning.core import devices
+from hp_lightning.core._torch_private import load_dcp_untargeted
 from hp_lightning.checkpoint import layout
 from hp_lightning.checkpoint.layout import (
     FSDP_MODEL_KEY,
@@ -93,11 +91,8 @@ def read_sharded(path: Path, *, weights_only: bool = False, verify_files: bool =
     model_key = MODEL_KEY if MODEL_KEY in roots else FSDP_MODEL_KEY
     if model_key not in roots:
         raise ValueError(f"{str(path)!r} holds no model state (no {MODEL_KEY!r} or {FSDP_MODEL_KEY!r} entries; found {sorted(map(str, roots))}).")
-    state: dict[str, Any] = {}
-    keys = {model_key} if weights_only else None
-    # torch's own DCP -> torch.save converter reads with this planner and call: every entry is
-    # rebuilt whole from the index, no model needed, no process group.
-    _load_state_dict(state, storage_reader=dcp.FileSystemReader(str(path)), planner=_EmptyStateDictLoadPlanner(keys=keys), no_dist=True)
+    # Every entry is rebuilt whole from the index: no model needed, no process group.
+    state = load_dcp_untargeted(str(path), {model_key} if weights_only else None)
     checkpoint = torch.load(path / META_FILE, map_location=devices.cpu_device(), weights_only=False)
     checkpoint[MODEL_KEY] = state.pop(model_key)
     optimizers = sorted((k for k in state if str(k).startswith("optimizer_")), key=lambda k: int(str(k).split("_")[1]))

@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from hp_lightning import devices
+from hp_lightning.core import devices
 from hp_lightning.checkpoint import layout
 from hp_lightning.checkpoint.collective import on_every_rank, on_rank0, rank, warn_rank0, world_size
 from hp_lightning.checkpoint.layout import (
@@ -43,7 +43,7 @@ from hp_lightning.checkpoint.layout import (
     CheckpointKind,
     CorruptCheckpointError,
 )
-from hp_lightning.checkpoint.state import (
+from hp_lightning.core.state_dict import (
     Shape,
     check_model_keys,
     check_optimizer_state,

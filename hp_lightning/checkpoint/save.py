@@ -5,7 +5,7 @@
   then each rank checksums a slice of the files and rank 0 writes the manifest and publishes.
   Fast and light on memory; loads into any world size or mesh; needs a filesystem every rank sees.
 * **full**: the state arrives already gathered on rank 0 (tensor by tensor, see
-  :mod:`hp_lightning.checkpoint.state`), which writes one ``torch.save`` file. Portable, but rank 0
+  :mod:`hp_lightning.core.state_dict`), which writes one ``torch.save`` file. Portable, but rank 0
   holds the whole state in host memory and writes it alone.
 """
 

@@ -29,12 +29,12 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, UnshardHandle
 from torch.distributed.fsdp import fully_shard as _torch_fully_shard
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import DTensor, Shard
 
 from hp_lightning.fully_shard.policies import MixedPrecisionPolicy, OffloadPolicy
 from hp_lightning.fully_shard.replicate import ReplicatedParamSync
 
-__all__ = ["HSDPModule", "REDUCE_OPS", "fully_shard", "hsdp_modules", "validate_scaling_factor"]
+__all__ = ["HSDPModule", "REDUCE_OPS", "adopt_sharded", "fully_shard", "hsdp_modules", "validate_scaling_factor"]
 
 #: Gradient reduce ops: "avg" divides the summed gradients by the data-parallel size.
 REDUCE_OPS = ("avg", "sum")
@@ -226,7 +226,7 @@ def _extend_with_controls(module: nn.Module) -> None:
 
 
 def _default_mesh() -> DeviceMesh:
-    from hp_lightning.mesh import build_device_mesh, default_device_type
+    from hp_lightning.core.mesh import build_device_mesh, default_device_type
 
     if not dist.is_initialized():
         raise RuntimeError(
@@ -373,6 +373,31 @@ def fully_shard(
         m._hp_scaling_factor = None
         sync = None  # the unit's sync lives on its first module; the others share the FSDP state
     return module
+
+
+def adopt_sharded(module: nn.Module) -> HSDPModule:
+    """Give a module sharded by torch's own ``fully_shard`` the runtime controls of :class:`HSDPModule`.
+
+    Its sharding (mesh, reshard, precision, offload) is left exactly as the user chose; reduce op
+    and scaling start at their defaults ("avg", none). Modules sharded by :func:`fully_shard` are
+    returned as they are.
+
+    Raises:
+        TypeError: when ``module`` is not sharded at all.
+    """
+    if isinstance(module, HSDPModule):
+        return module
+    if not isinstance(module, FSDPModule):
+        raise TypeError(f"adopt_sharded expects a module sharded by fully_shard; got an unsharded {type(module).__name__}.")
+    mesh = next((p.device_mesh for p in module.parameters() if isinstance(p, DTensor)), None)
+    if mesh is None:
+        raise ValueError(f"adopt_sharded: {type(module).__name__} is sharded but holds no sharded parameter to read its mesh from.")
+    _extend_with_controls(module)
+    module._hp_mesh = mesh
+    module._hp_replicated = None
+    module._hp_reduce_op = "avg"
+    module._hp_scaling_factor = None
+    return module  # type: ignore[return-value]
 
 
 def hsdp_modules(module: nn.Module) -> list[HSDPModule]:

@@ -29,6 +29,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from hp_lightning.core._torch_private import queue_backward_callback
+
 
 class ReplicatedParamSync:
     """Reduces the gradients of one unit's replicate parameters across all data-parallel ranks.
@@ -72,7 +74,7 @@ class ReplicatedParamSync:
         if not self._syncing():
             return
         if not self._callback_queued:
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+            queue_backward_callback(self._finish)
             self._callback_queued = True
         if not self.bucketed:
             self._launch([param])

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Generator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
@@ -12,15 +11,12 @@ from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.data import has_len
-from lightning.fabric.utilities.distributed import _distributed_is_initialized, _init_dist_connection, _sync_ddp_if_available
 from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.fabric.utilities.types import _PATH, ReduceOp
+from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
@@ -29,53 +25,32 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
+from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from hp_lightning import devices, faults
-from hp_lightning.fully_shard import (
-    REDUCE_OPS,
-    CPUOffloadPolicy,
-    HSDPModule,
-    OffloadPolicy,
-    build_mp_policy,
-    parse_dtype,
-    validate_scaling_factor,
+from hp_lightning import checkpoint as checkpoint_io
+from hp_lightning._lightning_private import (
+    PathLike,
+    TrainerSubprocessScriptLauncher,
+    distributed_is_initialized,
+    init_dist_connection,
+    sync_ddp_if_available,
 )
-from hp_lightning.mesh import build_device_mesh, describe, resolve_mesh_shape, validate_mesh_shape
-from hp_lightning.parallelize import ShardedModel, ShardingPlan, materialize, move_unsharded_states, parallelize
+from hp_lightning.core import devices, faults
+from hp_lightning.core.accumulation import ACCUMULATION_MODES, check_mode, no_gradient_sync
+from hp_lightning.core.introspection import ShardingSummary, summarize, units_in_order
+from hp_lightning.core.mesh import build_device_mesh, describe, resolve_mesh_shape
+from hp_lightning.core.options import DEFAULT_TIMEOUT, STATE_DICT_TYPES, HSDPOptions
+from hp_lightning.core.parallelize import ShardedModel, ShardingPlan
+from hp_lightning.core.prepare import prepare_model
+from hp_lightning.core.materialize import move_unsharded_states
+from hp_lightning.fully_shard import HSDPModule
 from hp_lightning.strategies.precision import HSDPPrecision, precision_from_lightning
-from hp_lightning.wrapping import validate_unit_specs
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-#: How gradients are communicated inside an accumulation window (see callbacks.GradientAccumulationSync).
-ACCUMULATION_MODES = ("skip", "every", "defer_all_reduce")
-STATE_DICT_TYPES = ("sharded", "full")
-
-
-def _check_bool(value: Any, name: str) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"HSDPStrategy({name}=...) expects True or False; got {type(value).__name__} {value!r}.")
-    return value
-
-
-def _check_choice(value: Any, name: str, choices: Sequence[str]) -> str:
-    if not isinstance(value, str) or value.lower() not in choices:
-        raise ValueError(f"HSDPStrategy({name}=...) expects one of {list(choices)}; got {value!r}.")
-    return value.lower()
-
-
-def _check_timeout(timeout: Any) -> timedelta:
-    if isinstance(timeout, timedelta):
-        seconds = timeout.total_seconds()
-    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
-        seconds = float(timeout)
-    else:
-        raise TypeError(f"HSDPStrategy(timeout=...) expects seconds (a number) or a timedelta; got {type(timeout).__name__} {timeout!r}.")
-    if not math.isfinite(seconds) or seconds <= 0:
-        raise ValueError(f"HSDPStrategy(timeout=...) must be > 0 seconds; got {seconds}. Example: timeout=1800.")
-    return timedelta(seconds=seconds)
+__all__ = ["ACCUMULATION_MODES", "STATE_DICT_TYPES", "HSDPStrategy"]
 
 
 class HSDPStrategy(ParallelStrategy):
@@ -110,6 +85,10 @@ class HSDPStrategy(ParallelStrategy):
             backward; 0 leaves prefetching to FSDP2's defaults.
         forward_methods: extra LightningModule methods that run the model outside the step
             methods (``generate`` is registered automatically when present).
+        accumulation_mode: what the non-final micro-batches of an accumulation window
+            communicate: ``"skip"`` (nothing), ``"every"`` (reduce-scatter and all-reduce) or
+            ``"defer_all_reduce"`` (reduce-scatter only; HSDP). See
+            :mod:`hp_lightning.core.accumulation`; :meth:`set_accumulation_mode` changes it later.
         state_dict_type: ``"sharded"`` (a directory, one shard per rank) or ``"full"`` (one file
             rank 0 writes, loadable on a single CPU process).
         sharding_report: log the table of units, bytes per rank, placements and dtypes at setup
@@ -119,7 +98,7 @@ class HSDPStrategy(ParallelStrategy):
         timeout: collective timeout, in seconds or as a timedelta.
         fault_watchdog: when one rank fails (an exception, SIGKILL, the OOM killer, a frozen
             process), stop every rank within seconds, with the first failure named once and the
-            others exiting with code 3 (see :mod:`hp_lightning.faults`). Costs a thread and
+            others exiting with code 3 (see :mod:`hp_lightning.core.faults`). Costs a thread and
             three small store operations per rank and second. Off: a failure surfaces on the
             other ranks as a gloo/NCCL error, or as a hang until ``timeout``.
         heartbeat_timeout: seconds without a heartbeat before a rank counts as lost (frozen,
@@ -155,41 +134,43 @@ class HSDPStrategy(ParallelStrategy):
         shard_placement: Optional[Mapping[str, int]] = None,
         prefetch: int = 1,
         forward_methods: Optional[Sequence[str]] = None,
+        accumulation_mode: Literal["skip", "every", "defer_all_reduce"] = "skip",
         state_dict_type: Literal["sharded", "full"] = "sharded",
         sharding_report: bool = False,
         process_group_backend: Optional[str] = None,
-        timeout: Union[float, timedelta] = default_pg_timeout,
+        timeout: Union[float, timedelta] = DEFAULT_TIMEOUT,
         fault_watchdog: bool = True,
         heartbeat_timeout: float = 120.0,
         failure_exit_grace: float = 30.0,
     ) -> None:
         # Validate everything here: this runs in Trainer(...) before any process or group exists.
-        self._mesh_shape = validate_mesh_shape(mesh_shape)
-        self._shard_modules = validate_unit_specs(shard_modules, "shard_modules") or None
-        self._reshard_after_forward = _check_bool(reshard_after_forward, "reshard_after_forward")
-        self._param_dtype = parse_dtype(param_dtype, name="param_dtype")
-        self._reduce_dtype = parse_dtype(reduce_dtype, name="reduce_dtype")
-        self._cpu_offload = _check_bool(cpu_offload, "cpu_offload")
-        self._activation_checkpointing = validate_unit_specs(activation_checkpointing, "activation_checkpointing") or None
-        self._ignored_params = _check_patterns(ignored_params, "ignored_params")
-        self._replicate_params = _check_patterns(replicate_params, "replicate_params")
-        self._comm_fusion = _check_bool(comm_fusion, "comm_fusion")
-        self._reduce_op = _check_choice(reduce_op, "reduce_op", REDUCE_OPS)
-        self._gradient_scaling_factor = validate_scaling_factor(gradient_scaling_factor, "HSDPStrategy(gradient_scaling_factor=...)")
-        self._shard_placement = _check_placement(shard_placement)
-        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
-            raise ValueError(f"HSDPStrategy(prefetch=...) expects an int >= 0 (0 = off); got {prefetch!r}.")
-        self._prefetch = prefetch
-        self._forward_methods = _check_patterns(forward_methods, "forward_methods")
-        self._state_dict_type = _check_choice(state_dict_type, "state_dict_type", STATE_DICT_TYPES)
-        self._sharding_report = _check_bool(sharding_report, "sharding_report")
-        if process_group_backend is not None and not isinstance(process_group_backend, str):
-            raise TypeError(f"HSDPStrategy(process_group_backend=...) expects a string like 'gloo' or None; got {process_group_backend!r}.")
-        self._process_group_backend = process_group_backend
-        self._timeout = _check_timeout(timeout)
-        self._fault_watchdog = _check_bool(fault_watchdog, "fault_watchdog")
-        self._heartbeat_timeout = faults.check_seconds(heartbeat_timeout, "heartbeat_timeout", "HSDPStrategy")
-        self._failure_exit_grace = faults.check_seconds(failure_exit_grace, "failure_exit_grace", "HSDPStrategy")
+        self.options = HSDPOptions(
+            mesh_shape=mesh_shape,
+            shard_modules=shard_modules,
+            reshard_after_forward=reshard_after_forward,
+            param_dtype=param_dtype,
+            reduce_dtype=reduce_dtype,
+            cpu_offload=cpu_offload,
+            activation_checkpointing=activation_checkpointing,
+            ignored_params=ignored_params,
+            replicate_params=replicate_params,
+            comm_fusion=comm_fusion,
+            reduce_op=reduce_op,
+            gradient_scaling_factor=gradient_scaling_factor,
+            shard_placement=shard_placement,
+            prefetch=prefetch,
+            forward_methods=forward_methods,
+            accumulation_mode=accumulation_mode,
+            state_dict_type=state_dict_type,
+            sharding_report=sharding_report,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            fault_watchdog=fault_watchdog,
+            heartbeat_timeout=heartbeat_timeout,
+            failure_exit_grace=failure_exit_grace,
+        )
+        self._process_group_backend = self.options.process_group_backend
+        self._accumulation_mode = self.options.accumulation_mode
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -201,8 +182,6 @@ class HSDPStrategy(ParallelStrategy):
         self._device_mesh: Optional[DeviceMesh] = None
         self._sharded: Optional[ShardedModel] = None
         self._watchdog: Optional[faults.FaultWatchdog] = None
-        #: How the next accumulation window communicates; set by GradientAccumulationSync.
-        self.accumulation_mode: str = "skip"
 
     # ------------------------------------------------------------------ properties
 
@@ -219,16 +198,16 @@ class HSDPStrategy(ParallelStrategy):
 
     @property
     def state_dict_type(self) -> str:
-        return self._state_dict_type
+        return self.options.state_dict_type
 
     @property
     def cpu_offload(self) -> bool:
-        return self._cpu_offload
+        return self.options.cpu_offload
 
     @property
     def reshard_after_forward(self) -> bool:
         """The ``reshard_after_forward`` units were sharded with (the root always keeps its parameters)."""
-        return self._reshard_after_forward
+        return self.options.reshard_after_forward
 
     @property
     @override
@@ -287,31 +266,32 @@ class HSDPStrategy(ParallelStrategy):
         # Lightning calls this inside Trainer(...) once devices and nodes are known: the last
         # moment to refuse a mesh that cannot cover the world before any process starts.
         resolve_mesh_shape(
-            self._mesh_shape,
+            self.options.mesh_shape,
             world_size=self.num_nodes * self.num_processes,
             num_nodes=self.num_nodes,
             devices_per_node=self.num_processes,
         )
         assert self.cluster_environment is not None
         if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            self._launcher = TrainerSubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
         self._setup_distributed()
-        if self._fault_watchdog:
+        if self.options.fault_watchdog:
             # First thing once the process group exists: from here on, a failure anywhere stops every rank.
             self._watchdog = self._watchdog or faults.FaultWatchdog(
-                heartbeat_timeout=self._heartbeat_timeout, exit_grace=self._failure_exit_grace
+                heartbeat_timeout=self.options.heartbeat_timeout, exit_grace=self.options.failure_exit_grace
             )
             self._watchdog.start(self.global_rank, self.world_size, faults.local_ranks(self.node_rank, self.num_processes))
         shape = resolve_mesh_shape(
-            self._mesh_shape, world_size=self.world_size, num_nodes=self.num_nodes, devices_per_node=self.num_processes
+            self.options.mesh_shape, world_size=self.world_size, num_nodes=self.num_nodes, devices_per_node=self.num_processes
         )
         # Before the mesh's groups exist: ranks that disagree would build different groups and hang.
         trainer = getattr(self.lightning_module, "_trainer", None)
-        faults.check_rank_agreement(faults.setup_settings(self, trainer, shape), stage="setup")
+        settings = faults.setup_settings(self.options.settings(), self.precision_plugin.precision, trainer, shape)
+        faults.check_rank_agreement(settings, stage="setup")
         self._device_mesh = build_device_mesh(self.root_device.type, shape)
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
@@ -323,12 +303,12 @@ class HSDPStrategy(ParallelStrategy):
         # Under CPU offload whole parameters are initialized on the host and broadcast from there,
         # so accelerator ranks also get gloo ("cpu:gloo,cuda:nccl").
         self._process_group_backend = self._process_group_backend or devices.process_group_backend(
-            self.root_device.type, host_collectives=self._cpu_offload
+            self.root_device.type, host_collectives=self.options.cpu_offload
         )
         assert self.cluster_environment is not None
         device_id = self.root_device if devices.is_accelerator(self.root_device.type) else None
-        _init_dist_connection(
-            self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
+        init_dist_connection(
+            self.cluster_environment, self._process_group_backend, timeout=self.options.timeout, device_id=device_id
         )
 
     def set_world_ranks(self) -> None:
@@ -340,31 +320,11 @@ class HSDPStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ model setup
 
     def sharding_plan(self) -> ShardingPlan:
-        """The plan :func:`hp_lightning.parallelize.parallelize` applies, from this strategy's options."""
-        precision = self.precision_plugin
-        mp_policy = build_mp_policy(
-            param_dtype=self._param_dtype or precision.derived_param_dtype,
-            reduce_dtype=self._reduce_dtype or precision.derived_reduce_dtype,
-        )
-        return ShardingPlan(
-            shard_modules=self._shard_modules,
-            reshard_after_forward=self._reshard_after_forward,
-            mp_policy=mp_policy,
-            # Pinned host memory speeds up host<->device copies but needs an accelerator runtime.
-            offload_policy=(
-                CPUOffloadPolicy(pin_memory=devices.is_accelerator(self.root_device.type))
-                if self._cpu_offload
-                else OffloadPolicy()
-            ),
-            activation_checkpointing=self._activation_checkpointing,
-            ignored_params=self._ignored_params,
-            replicate_params=self._replicate_params,
-            shard_placement=self._shard_placement,
-            comm_fusion=self._comm_fusion,
-            prefetch=self._prefetch,
-            reduce_op=self._reduce_op,
-            gradient_scaling_factor=self._gradient_scaling_factor,
-            forward_methods=self._forward_methods,
+        """The plan :func:`hp_lightning.core.parallelize.parallelize` applies, from this strategy's options."""
+        return self.options.sharding_plan(
+            derived_param_dtype=self.precision_plugin.derived_param_dtype,
+            derived_reduce_dtype=self.precision_plugin.derived_reduce_dtype,
+            device_type=self.root_device.type,
         )
 
     @override
@@ -372,23 +332,35 @@ class HSDPStrategy(ParallelStrategy):
         assert self.model is not None
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
-        if not isinstance(self.model, HSDPModule):
-            self.model = self.precision_plugin.convert_module(self.model)
-            self._sharded = parallelize(self.model, self.device_mesh, self.sharding_plan())
-            # fully_shard does not communicate; materialize does: compare the models and units first.
-            faults.check_rank_agreement(faults.sharding_settings(self.model, self._sharded), stage="sharding")
-            init_device = devices.cpu_device() if self._cpu_offload else self.root_device
-            materialize(self.model, self.device_mesh, init_device)
-            move_unsharded_states(self.model, self.root_device)
+        self.model = self.precision_plugin.convert_module(self.model)
+        # Units the user sharded in configure_model are kept; everything else is sharded here,
+        # and whatever is still on the meta device is allocated and initialized.
+        self._sharded = prepare_model(
+            self.model,
+            self.device_mesh,
+            self.sharding_plan(),
+            init_device=devices.cpu_device() if self.options.cpu_offload else self.root_device,
+            device=self.root_device,
+        )
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
-        if self._sharding_report:
-            from hp_lightning.callbacks.report import sharding_summary  # lazy: callbacks import this module
+        if self.options.sharding_report:
+            rank_zero_info(self.sharding_summary().table())
 
-            table = sharding_summary(self).table()
-            rank_zero_info(table)
+    def sharding_summary(self) -> ShardingSummary:
+        """The per-unit table of what was sharded (a collective: every rank must call it)."""
+        if not isinstance(self.model, HSDPModule) or self._sharded is None:
+            raise RuntimeError("HSDPStrategy.sharding_summary() is available once setup() has sharded the model.")
+        sharded = self._sharded
+        return summarize(
+            self.model,
+            units_in_order(self.model, sharded.units),
+            self.device_mesh,
+            [*sharded.ignored, *sharded.replicated],
+            self.root_device,
+        )
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
@@ -414,34 +386,30 @@ class HSDPStrategy(ParallelStrategy):
 
     # ------------------------------------------------------------------ gradient accumulation
 
+    @property
+    def accumulation_mode(self) -> str:
+        """What non-final micro-batches communicate: ``"skip"``, ``"every"`` or ``"defer_all_reduce"``."""
+        return self._accumulation_mode
+
+    def set_accumulation_mode(self, mode: str) -> str:
+        """Change :attr:`accumulation_mode` from the next micro-batch on; returns the previous mode.
+
+        The API :class:`~hp_lightning.callbacks.GradientAccumulationSync` calls.
+
+        Raises:
+            TypeError / ValueError: for anything but one of the three mode strings.
+        """
+        previous = self._accumulation_mode
+        self._accumulation_mode = check_mode(mode, "HSDPStrategy.set_accumulation_mode(...)")
+        return previous
+
     @contextmanager
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
-        """Non-final micro-batches of an accumulation window, per :attr:`accumulation_mode`.
-
-        ``"skip"``: no gradient collective at all (full-size gradients kept locally).
-        ``"every"``: reduce-scatter (and all-reduce) every micro-batch (sharded gradients only).
-        ``"defer_all_reduce"``: reduce-scatter every micro-batch, all-reduce on the last (HSDP).
-        """
-        root = self.model
-        if not isinstance(root, HSDPModule) or self.accumulation_mode == "every":
-            yield None
-            return
-        if self.accumulation_mode == "defer_all_reduce":
-            if self.device_mesh.ndim == 2:
-                root.set_requires_all_reduce(False)
-                try:
-                    yield None
-                finally:
-                    root.set_requires_all_reduce(True)
-            else:
-                yield None
-            return
-        root.set_requires_gradient_sync(False)
-        try:
-            yield None
-        finally:
-            root.set_requires_gradient_sync(True)
+        """Non-final micro-batches of an accumulation window, per :attr:`accumulation_mode`."""
+        assert self.model is not None
+        with no_gradient_sync(self.model, self._accumulation_mode):
+            yield
 
     # ------------------------------------------------------------------ loop boundaries
 
@@ -476,13 +444,13 @@ class HSDPStrategy(ParallelStrategy):
 
     @override
     def barrier(self, name: Optional[str] = None) -> None:
-        if not _distributed_is_initialized():
+        if not distributed_is_initialized():
             return
         dist.barrier(device_ids=devices.barrier_device_ids(self.root_device))
 
     @override
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        if not _distributed_is_initialized():
+        if not distributed_is_initialized():
             return obj
         container = [obj]
         dist.broadcast_object_list(container, src, group=_group.WORLD)
@@ -493,17 +461,15 @@ class HSDPStrategy(ParallelStrategy):
         self, tensor: Union[Tensor, Any], group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean"
     ) -> Union[Tensor, Any]:
         if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+            return sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
     # ------------------------------------------------------------------ checkpoints
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        from hp_lightning.checkpoint import model_state_dict
-
         assert self.model is not None
-        return model_state_dict(self.model, full=self._state_dict_type == "full")
+        return checkpoint_io.model_state_dict(self.model, full=self.options.state_dict_type == "full")
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -512,10 +478,8 @@ class HSDPStrategy(ParallelStrategy):
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        from hp_lightning.checkpoint import optimizer_state_dict
-
         assert self.model is not None
-        return optimizer_state_dict(self.model, optimizer, full=self._state_dict_type == "full")
+        return checkpoint_io.optimizer_state_dict(self.model, optimizer, full=self.options.state_dict_type == "full")
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
@@ -523,22 +487,18 @@ class HSDPStrategy(ParallelStrategy):
         return None
 
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None) -> None:
-        from hp_lightning.checkpoint import save_checkpoint
-
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: PathLike, storage_options: Optional[Any] = None) -> None:
         if storage_options is not None:
             raise TypeError(f"HSDPStrategy.save_checkpoint does not take storage_options; got {storage_options!r}.")
         path = Path(self.broadcast(str(filepath)))
-        save_checkpoint(checkpoint, path, sharded=self._state_dict_type == "sharded")
+        checkpoint_io.save_checkpoint(checkpoint, path, sharded=self.options.state_dict_type == "sharded")
 
     @override
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        from hp_lightning.checkpoint import load_checkpoint
-
+    def load_checkpoint(self, checkpoint_path: PathLike, weights_only: Optional[bool] = None) -> dict[str, Any]:
         assert self.model is not None
         assert self.lightning_module is not None
         path = Path(self.broadcast(str(checkpoint_path)))
-        return load_checkpoint(
+        return checkpoint_io.load_checkpoint(
             path, self.model, self.optimizers, strict=self.lightning_module.strict_loading, weights_only=weights_only
         )
 
@@ -550,22 +510,16 @@ class HSDPStrategy(ParallelStrategy):
         records the batches served and skips them at the sampler on resume (nothing is reloaded).
         Evaluation loaders are left as they are: they always start from their beginning.
         """
-        from torch.utils.data import DataLoader
-
-        from hp_lightning.checkpoint import ResumableLoader
-
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         training = trainer is not None and trainer.state.stage == RunningStage.TRAINING
         if training and isinstance(dataloader, DataLoader) and has_len(dataloader):
-            return ResumableLoader(dataloader)
+            return checkpoint_io.ResumableLoader(dataloader)
         return dataloader
 
     @override
-    def remove_checkpoint(self, filepath: _PATH) -> None:
-        from hp_lightning.checkpoint import remove_checkpoint
-
+    def remove_checkpoint(self, filepath: PathLike) -> None:
         if self.is_global_zero:
-            remove_checkpoint(Path(filepath))
+            checkpoint_io.remove_checkpoint(Path(filepath))
 
     # ------------------------------------------------------------------ teardown
 
@@ -595,29 +549,7 @@ class HSDPStrategy(ParallelStrategy):
         )
 
     def __repr__(self) -> str:
-        mesh = describe(self._device_mesh) if self._device_mesh is not None else f"mesh_shape={self._mesh_shape}"
+        mesh = describe(self._device_mesh) if self._device_mesh is not None else f"mesh_shape={self.options.mesh_shape}"
         return f"{type(self).__name__}({mesh})"
 
 
-def _check_patterns(patterns: Any, name: str) -> Optional[list[str]]:
-    if patterns is None:
-        return None
-    if isinstance(patterns, str) or not isinstance(patterns, Sequence):
-        raise TypeError(f"HSDPStrategy({name}=...) expects a list of strings; got {type(patterns).__name__} {patterns!r}. Example: {name}=['head.*'].")
-    for p in patterns:
-        if not isinstance(p, str) or not p:
-            raise TypeError(f"HSDPStrategy({name}=...) items must be non-empty strings; got {p!r}.")
-    return list(patterns)
-
-
-def _check_placement(placement: Any) -> Optional[dict[str, int]]:
-    if placement is None:
-        return None
-    if not isinstance(placement, Mapping):
-        raise TypeError(f"HSDPStrategy(shard_placement=...) expects a mapping of parameter-name glob to dim; got {type(placement).__name__}. Example: {{'*.w2.weight': 1}}.")
-    out = {}
-    for pattern, dim in placement.items():
-        if not isinstance(pattern, str) or isinstance(dim, bool) or not isinstance(dim, int):
-            raise TypeError(f"HSDPStrategy(shard_placement=...) maps strings to ints; got {pattern!r}: {dim!r}.")
-        out[pattern] = dim
-    return out

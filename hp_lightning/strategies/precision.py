@@ -27,8 +27,8 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
 from typing_extensions import override
 
-from hp_lightning import devices
-from hp_lightning.gradients import clip_grad_norm_, clip_grad_value_
+from hp_lightning.core import devices
+from hp_lightning.core.gradients import clip_grad_norm_, clip_grad_value_
 
 #: Precision flags HSDPStrategy accepts, and what each means for (param_dtype, reduce_dtype).
 SUPPORTED_PRECISION: dict[str, tuple[torch.dtype | None, torch.dtype | None]] = {

@@ -93,7 +93,7 @@ def _local_bytes(params) -> int:
 def _train(module, callbacks, *, epochs: int = 1, accumulate: int = K, sync_mode: str | None = None) -> dict:
     import hp_lightning
     from hp_lightning.callbacks import GradientAccumulationSync, GradientMemoryMonitor
-    from hp_lightning.diagnostics import CollectiveCounter
+    from hp_lightning.core.diagnostics import CollectiveCounter
 
     rank = int(os.environ["RANK"])
     shard_group = tuple(range(rank - rank % 2, rank - rank % 2 + 2))
@@ -127,7 +127,7 @@ def _train(module, callbacks, *, epochs: int = 1, accumulate: int = K, sync_mode
 def _validate(module, callbacks) -> dict:
     """trainer.validate on the 2x2 mesh; all-gathers of the whole run, and whether units end resharded."""
     import hp_lightning
-    from hp_lightning.diagnostics import CollectiveCounter
+    from hp_lightning.core.diagnostics import CollectiveCounter
     from torch.distributed.tensor import DTensor
 
     with CollectiveCounter() as comms:

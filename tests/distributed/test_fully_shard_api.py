@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from hp_lightning.diagnostics import CollectiveCounter
+from hp_lightning.core.diagnostics import CollectiveCounter
 from tests.helpers import TinyNet, make_dataset, run_distributed
 
 N_SAMPLES = 16

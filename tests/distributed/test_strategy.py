@@ -10,7 +10,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from hp_lightning.diagnostics import CollectiveCounter
+from hp_lightning.core.diagnostics import CollectiveCounter
 from tests.helpers import (
     Block,
     LossRecorder,
@@ -37,7 +37,7 @@ class NormRecorder(Callback):
         self.norms: list[float] = []
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        from hp_lightning.gradients import total_grad_norm
+        from hp_lightning.core.gradients import total_grad_norm
 
         self.norms.append(float(total_grad_norm(pl_module.parameters())))
 

@@ -7,7 +7,7 @@ import torch
 from lightning.pytorch import Trainer, seed_everything
 from torch.distributed.tensor import DTensor, Shard
 
-from hp_lightning.diagnostics import CollectiveCounter
+from hp_lightning.core.diagnostics import CollectiveCounter
 from tests.helpers import Block, RegressionModule, full_params, loader, make_dataset, max_rel_diff, rank_loader, run_distributed, trainer_kwargs
 
 GLOBAL_BATCH = 16

@@ -19,7 +19,7 @@ import signal
 import pytest
 import torch
 
-from hp_lightning.faults import PEER_FAILED_EXIT_CODE
+from hp_lightning.core.faults import PEER_FAILED_EXIT_CODE
 from tests.faults.harness import FaultRun, launch, record
 
 #: Seconds from a fault to the end of every process (launcher included). The watchdog polls once a

@@ -1,4 +1,4 @@
-"""hp_lightning.faults without a process group: option checks, reports, messages, what gets compared."""
+"""hp_lightning.core.faults without a process group: option checks, reports, messages, what gets compared."""
 
 from __future__ import annotations
 
@@ -7,12 +7,11 @@ import inspect
 import pytest
 import torch.distributed as dist
 
-from hp_lightning.faults import (
+from hp_lightning.core.faults import (
     FailureReport,
     FaultWatchdog,
     check_rank_agreement,
     is_communication_error,
-    strategy_options,
 )
 from hp_lightning.strategies.hsdp import HSDPStrategy
 from tests.faults.guarded import GuardedHSDPStrategy
@@ -66,7 +65,7 @@ def test_failure_report_round_trip_and_wording():
 
 
 def test_watchdog_summary_reaches_into_dataloader_worker_errors():
-    from hp_lightning.faults import _first_line
+    from hp_lightning.core.faults import _first_line
 
     wrapped = "Caught ValueError in DataLoader worker process 0.\nOriginal Traceback (most recent call last):\n  File x\nValueError: bad sample 7\n"
     assert _first_line(wrapped) == "Caught ValueError in DataLoader worker process 0: ValueError: bad sample 7"
@@ -88,9 +87,9 @@ def test_communication_errors_are_told_apart_from_causes(exc, expected):
 
 
 def test_every_strategy_option_is_compared_across_ranks():
-    # The agreement check reads each keyword-only constructor option from self._<name>: a new
-    # option must follow that convention, or ranks could disagree about it unnoticed.
-    options = strategy_options(GuardedHSDPStrategy())
+    # The agreement check compares HSDPOptions.settings(): every keyword-only constructor option
+    # must be a field there, or ranks could disagree about it unnoticed.
+    options = GuardedHSDPStrategy().options.settings()
     names = [
         name
         for cls in (HSDPStrategy, GuardedHSDPStrategy)

@@ -4,15 +4,15 @@ One case launches the fault script with Lightning's launcher, with a rank whose 
 differs. It checks that the run ends before training communicates and that the error is
 printed once. The others run in one pair of real gloo ranks: each rank builds its own
 ``Trainer`` with one setting changed on rank 1, and the real
-:func:`~hp_lightning.faults.check_rank_agreement` compares what the real
-:func:`~hp_lightning.faults.setup_settings` collected.
+:func:`~hp_lightning.core.faults.check_rank_agreement` compares what the real
+:func:`~hp_lightning.core.faults.setup_settings` collected.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from hp_lightning.faults import PEER_FAILED_EXIT_CODE, RankDisagreementError, disagreement_message
+from hp_lightning.core.faults import PEER_FAILED_EXIT_CODE, RankDisagreementError, disagreement_message
 from tests.faults.harness import launch
 from tests.faults.test_fault_matrix import BOUND, expect_bounded
 from tests.helpers import run_distributed
@@ -39,7 +39,7 @@ def _disagreements(tmp: str) -> dict[str, str]:
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     import hp_lightning
-    from hp_lightning import faults
+    from hp_lightning.core import faults
     from tests.faults.guarded import GuardedHSDPStrategy
     from tests.helpers import TinyNet, trainer_kwargs
 
@@ -49,7 +49,7 @@ def _disagreements(tmp: str) -> dict[str, str]:
 
     def settings(strategy: dict | None = None, **trainer_args) -> dict:
         trainer = Trainer(devices=2, strategy=GuardedHSDPStrategy(**(strategy or {})), **trainer_kwargs(**trainer_args))
-        return faults.setup_settings(trainer.strategy, trainer, (2,))
+        return faults.setup_settings(trainer.strategy.options.settings(), trainer.strategy.precision_plugin.precision, trainer, (2,))
 
     def outcome(values: dict, stage: str = "setup") -> str:
         try:
@@ -64,7 +64,7 @@ def _disagreements(tmp: str) -> dict[str, str]:
     resume = settings()
     trainer = Trainer(devices=2, strategy=GuardedHSDPStrategy(), **trainer_kwargs())
     trainer.ckpt_path = os.path.join(tmp, f"run-{rank}", "last.ckpt")  # e.g. a per-node path
-    results["ckpt_path"] = outcome(faults.setup_settings(trainer.strategy, trainer, (2,)))
+    results["ckpt_path"] = outcome(faults.setup_settings(trainer.strategy.options.settings(), trainer.strategy.precision_plugin.precision, trainer, (2,)))
     results["checkpoint dirpath"] = outcome(
         settings(enable_checkpointing=True, callbacks=[ModelCheckpoint(dirpath=os.path.join(tmp, "ckpt", str(rank)))])
     )

@@ -99,17 +99,17 @@ def test_yaml_values_reach_the_strategy():
     cli = GPTCLI(GPTLightningModule, CharDataModule, run=False, args=["--config", str(CONFIGS / "full_options.yaml")])
     strategy = cli.trainer.strategy
     assert isinstance(strategy, HSDPStrategy)
-    assert tuple(strategy._mesh_shape) == (2, 2)
-    assert strategy._param_dtype is torch.bfloat16 and strategy._reduce_dtype is torch.float32
-    assert strategy._ignored_params == ["model.pos_emb.weight"]
-    assert strategy._replicate_params == ["model.ln_f.*", "*.ln_attn.*", "*.ln_mlp.*"]
-    assert strategy._shard_placement == {"*.mlp.proj.weight": 1}
-    assert strategy._activation_checkpointing == ["model.blocks.*"]
-    assert strategy._shard_modules == ["examples.gpt.Block"]
-    assert strategy._comm_fusion is True and strategy._reduce_op == "avg" and strategy._prefetch == 1
-    assert strategy._gradient_scaling_factor == 1.0 and strategy._forward_methods == ["sample_text"]
+    assert tuple(strategy.options.mesh_shape) == (2, 2)
+    assert strategy.options.param_dtype is torch.bfloat16 and strategy.options.reduce_dtype is torch.float32
+    assert strategy.options.ignored_params == ["model.pos_emb.weight"]
+    assert strategy.options.replicate_params == ["model.ln_f.*", "*.ln_attn.*", "*.ln_mlp.*"]
+    assert strategy.options.shard_placement == {"*.mlp.proj.weight": 1}
+    assert strategy.options.activation_checkpointing == ["model.blocks.*"]
+    assert strategy.options.shard_modules == ["examples.gpt.Block"]
+    assert strategy.options.comm_fusion is True and strategy.options.reduce_op == "avg" and strategy.options.prefetch == 1
+    assert strategy.options.gradient_scaling_factor == 1.0 and strategy.options.forward_methods == ["sample_text"]
     assert strategy.state_dict_type == "sharded" and strategy.process_group_backend == "gloo"
-    assert strategy._timeout.total_seconds() == 1800
+    assert strategy.options.timeout.total_seconds() == 1800
     kinds = {type(c).__name__: c for c in cli.trainer.callbacks}
     assert kinds["GradientAccumulationSync"].mode == "defer_all_reduce"
     assert kinds["ReshardSchedule"].validate is False

@@ -37,7 +37,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 import hp_lightning  # noqa: F401 - registers the strategy names
 from hp_lightning.callbacks.nonfinite import NonFiniteGradients
-from hp_lightning.gradients import clip_grad_norm_
+from hp_lightning.core.gradients import clip_grad_norm_
 from tests.faults.guarded import GuardedHSDPStrategy
 from tests.helpers import RegressionModule, make_dataset, rank_loader, trainer_kwargs
 

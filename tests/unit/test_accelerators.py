@@ -26,7 +26,7 @@ import torch
 from lightning.pytorch import Trainer
 from lightning.pytorch.accelerators import AcceleratorRegistry, CPUAccelerator
 
-from hp_lightning import devices
+from hp_lightning.core import devices
 from hp_lightning.accelerators import (
     NPUAccelerator,
     auto_selection_installed,
@@ -202,7 +202,7 @@ PRESENT_SCENARIO = '''
 import json, sys
 import torch
 import hp_lightning.accelerators as acc
-from hp_lightning import devices
+from hp_lightning.core import devices
 
 out = {"imported_by_import": "torch_npu" in sys.modules}
 acc.register_accelerators()
@@ -253,7 +253,7 @@ devices.synchronize(torch.device("npu", 1))
 out["peak"] = devices.max_memory_allocated(torch.device("npu", 1))
 out["barrier_ids"] = devices.barrier_device_ids(torch.device("npu", 1))
 out["current_type"] = devices.current_accelerator_type()
-from hp_lightning.mesh import default_device_type
+from hp_lightning.core.mesh import default_device_type
 out["mesh_default"] = default_device_type()
 out["calls"] = npu_module.calls
 print("RESULT" + json.dumps(out))

@@ -1,4 +1,4 @@
-"""The device mapping (hp_lightning.devices): one device type in, backend / module / memory calls out.
+"""The device mapping (hp_lightning.core.devices): one device type in, backend / module / memory calls out.
 
 What runs here is real on the CPU: the mapping itself, the host no-ops, the missing-package error
 (``torch_npu`` hidden with ``sys.modules["torch_npu"] = None``), and one HSDP fit on a gloo rank
@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from hp_lightning import devices
+from hp_lightning.core import devices
 from tests.helpers import run_distributed
 
 
@@ -118,7 +118,7 @@ def _fit_and_report(cpu_offload: bool) -> dict:
     from torch.distributed.tensor import DTensor
 
     import hp_lightning
-    from hp_lightning import devices as dev
+    from hp_lightning.core import devices as dev
     from tests.helpers import RegressionModule, loader, make_dataset, trainer_kwargs
 
     seed_everything(0)

@@ -1,4 +1,4 @@
-"""No path in hp_lightning assumes a device: device names live in hp_lightning/devices.py only.
+"""No path in hp_lightning assumes a device: device names live in hp_lightning/core/devices.py only.
 
 The scan parses every module of the package (outside ``devices.py`` and ``accelerators/``) and
 reports, with file and line:
@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "hp_lightning"
-ALLOWED = {PACKAGE / "devices.py", PACKAGE / "accelerators"}
+ALLOWED = {PACKAGE / "core" / "devices.py", PACKAGE / "accelerators"}
 
 DEVICE_NAMES = ("cpu", "cuda", "npu", "mps", "xpu", "hpu", "mtia")
 BACKEND_NAMES = ("gloo", "nccl", "hccl", "xccl", "mpi", "ucc")
@@ -101,15 +101,15 @@ def f(t, backend):
 def test_scanner_covers_the_whole_package():
     files = _package_files()
     names = {p.relative_to(PACKAGE).as_posix() for p in files}
-    assert "strategies/hsdp.py" in names and "mesh.py" in names
-    assert not any(n.startswith("accelerators/") or n == "devices.py" for n in names)
+    assert "strategies/hsdp.py" in names and "core/mesh.py" in names
+    assert not any(n.startswith("accelerators/") or n == "core/devices.py" for n in names)
 
 
 @pytest.mark.parametrize("path", _package_files(), ids=lambda p: p.relative_to(PACKAGE).as_posix())
 def test_no_device_literals_outside_the_device_mapping(path: Path):
     found = find_device_literals(path.read_text())
     assert not found, (
-        f"{path.relative_to(PACKAGE.parent)} names devices directly; use hp_lightning.devices "
+        f"{path.relative_to(PACKAGE.parent)} names devices directly; use hp_lightning.core.devices "
         f"(CPU/CUDA/NPU, default_backend, cpu_device, device_module, barrier_device_ids, ...): "
         + "; ".join(f"line {line}: {what}" for line, what in found)
     )

@@ -14,8 +14,8 @@ from torch import nn
 
 import hp_lightning
 from hp_lightning import HSDPStrategy
-from hp_lightning.mesh import resolve_mesh_shape
-from hp_lightning.wrapping import select_modules, select_params
+from hp_lightning.core.mesh import resolve_mesh_shape
+from hp_lightning.core.units import select_modules, select_params
 from tests.helpers import TinyNet
 
 BAD_STRATEGY_ARGS = [
@@ -125,7 +125,7 @@ def test_auto_units_prefer_hf_no_split_modules():
             self.layers = nn.ModuleList([Layer(), Layer()])
             self.extra = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)])
 
-    from hp_lightning.wrapping import auto_units
+    from hp_lightning.core.units import auto_units
 
     units = auto_units(HFLike())
     assert [type(u).__name__ for u in units] == ["Layer", "Layer"]
@@ -137,7 +137,7 @@ def test_registered_names():
     assert {"hsdp", "hp_fsdp", "hsdp_cpu_offload"} <= set(StrategyRegistry)
     fsdp = StrategyRegistry.get("hp_fsdp")
     offload = StrategyRegistry.get("hsdp_cpu_offload")
-    assert isinstance(fsdp, HSDPStrategy) and fsdp._mesh_shape == (-1,)
+    assert isinstance(fsdp, HSDPStrategy) and fsdp.options.mesh_shape == (-1,)
     assert offload.cpu_offload is True
     assert hp_lightning.HSDPStrategy is HSDPStrategy
 

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.device_mesh import init_device_mesh as _torch_init_device_mesh
 
-from hp_lightning import devices
+from hp_lightning.core import devices
 
 REPLICATE_DIM = "replicate"
 SHARD_DIM = "shard"

@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import atexit
 import hashlib
-import inspect
 import json
 import math
 import os
@@ -60,11 +59,13 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 import torch.distributed as dist
 
+from hp_lightning.core._torch_private import default_store
+
 if TYPE_CHECKING:
     import lightning.pytorch as pl
     from torch import nn
 
-    from hp_lightning.parallelize import ShardedModel
+    from hp_lightning.core.parallelize import ShardedModel
 
 #: Exit code of a rank the watchdog stops because another rank failed first.
 PEER_FAILED_EXIT_CODE = 3
@@ -202,9 +203,7 @@ def _connect_store(timeout: float) -> dist.Store:
     launcher, torchrun's agent store, ``env://``); a new client connects to the same server. Any
     other store (``file://``) is used directly.
     """
-    from torch.distributed import distributed_c10d
-
-    store = distributed_c10d._get_default_store()
+    store = default_store()
     base = store
     while hasattr(base, "underlying_store"):
         base = base.underlying_store
@@ -872,30 +871,15 @@ TRAINER_LOOP_SETTINGS = (
 )
 
 
-def strategy_options(strategy: Any) -> dict[str, Any]:
-    """Every keyword-only option of the strategy's constructor, read from ``self._<name>``.
-
-    Reading the constructor's signature means that a new option is compared without anyone
-    having to remember to add it here.
-    """
-    options: dict[str, Any] = {}
-    seen: set[str] = set()
-    for cls in type(strategy).__mro__:
-        if "__init__" not in vars(cls):
-            continue
-        for name, parameter in inspect.signature(vars(cls)["__init__"]).parameters.items():
-            if parameter.kind is inspect.Parameter.KEYWORD_ONLY and hasattr(strategy, f"_{name}") and name not in seen:
-                seen.add(name)
-                options[f"{cls.__name__}({name}=...)"] = getattr(strategy, f"_{name}")
-    return options
-
-
-def setup_settings(strategy: Any, trainer: Optional[pl.Trainer], mesh_shape: Sequence[int]) -> dict[str, Any]:
+def setup_settings(
+    options: Mapping[str, Any], precision: Optional[str], trainer: Optional[pl.Trainer], mesh_shape: Sequence[int]
+) -> dict[str, Any]:
     """What must agree before the device mesh is built: versions, mesh, options, precision, paths, loops.
 
     Args:
-        strategy: the :class:`~hp_lightning.HSDPStrategy` (any strategy with ``_<option>`` attributes).
-        trainer: its trainer, for the checkpoint paths and loop lengths (None: left out).
+        options: the strategy's options (:meth:`hp_lightning.core.options.HSDPOptions.settings`).
+        precision: the precision flag in effect.
+        trainer: the Trainer, for the checkpoint paths and loop lengths (None: Fabric, left out).
         mesh_shape: the mesh shape this rank resolved.
     """
     import lightning
@@ -908,9 +892,8 @@ def setup_settings(strategy: Any, trainer: Optional[pl.Trainer], mesh_shape: Seq
         "lightning version": lightning.__version__,
         "mesh shape": tuple(mesh_shape),
     }
-    settings.update(strategy_options(strategy))
-    precision = getattr(strategy, "precision_plugin", None)
-    settings["precision"] = getattr(precision, "precision", None)
+    settings.update(options)
+    settings["precision"] = precision
     if trainer is not None:
         settings["checkpoint to resume (ckpt_path)"] = trainer.ckpt_path
         from lightning.pytorch.callbacks import ModelCheckpoint

@@ -18,21 +18,21 @@ the model is sharded, so that no rank ever allocates the whole model.
 
 from __future__ import annotations
 
-import copy
 import fnmatch
 import functools
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 from torch.utils.checkpoint import checkpoint
 
-from hp_lightning.fully_shard import HSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from hp_lightning.wrapping import UnitSpec, auto_units, select_modules, select_params
+from hp_lightning.core._torch_private import prefetch_targets, wrap_as_forward
+from hp_lightning.core.units import UnitSpec, auto_units, bottom_up, select_modules, select_params
+from hp_lightning.fully_shard import HSDPModule, MixedPrecisionPolicy, OffloadPolicy, adopt_sharded, fully_shard
 
 #: Methods of a LightningModule that run a forward pass and so must gather the root's parameters.
 STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
@@ -111,22 +111,54 @@ def _placement_fn(model: nn.Module, shard_placement: Mapping[str, int] | None):
     return placement
 
 
-def shard_units(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan) -> tuple[list[HSDPModule], list[str], list[str]]:
-    """``fully_shard`` each unit bottom-up, then the root. Returns (units, ignored names, replicated names)."""
-    units = select_modules(model, plan.shard_modules) if plan.shard_modules else auto_units(model)
-    ignored = select_params(model, plan.ignored_params, "ignored_params")
-    replicated = select_params(model, plan.replicate_params, "replicate_params")
+def _user_units(model: nn.Module) -> list[nn.Module]:
+    """Modules the user already sharded (``hp_lightning.fully_shard`` or torch's), outermost first."""
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def _drop_already_sharded(
+    selected: list[tuple[str, nn.Parameter]], option: str
+) -> list[tuple[str, nn.Parameter]]:
+    """Parameters a user unit already sharded cannot be ignored or replicated any more: warn and drop them."""
+    sharded = [n for n, p in selected if isinstance(p, DTensor)]
+    if sharded:
+        warnings.warn(
+            f"{option} matches {sharded[:6]}, which your own fully_shard call in configure_model already "
+            f"sharded; they stay sharded. Pass ignored_params/replicate_params to that fully_shard call "
+            f"instead, or leave their module for the strategy to shard.",
+            UserWarning,
+            stacklevel=3,
+        )
+    return [(n, p) for n, p in selected if not isinstance(p, DTensor)]
+
+
+def shard_units(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan) -> tuple[list[nn.Module], list[str], list[str]]:
+    """``fully_shard`` each unit bottom-up, then the root. Returns (units, ignored names, replicated names).
+
+    Modules the user sharded already (in ``configure_model`` or Fabric code) keep their own
+    settings and are not sharded again: the plan only shards what is left, and the returned
+    units include the user's, in bottom-up order.
+    """
+    user_units = _user_units(model)
+    planned = select_modules(model, plan.shard_modules) if plan.shard_modules else auto_units(model)
+    units = bottom_up(model, {id(m): m for m in [*planned, *user_units] if m is not model}.values())
+    ignored = _drop_already_sharded(select_params(model, plan.ignored_params, "ignored_params"), "ignored_params")
+    replicated = _drop_already_sharded(select_params(model, plan.replicate_params, "replicate_params"), "replicate_params")
     both = {n for n, _ in ignored} & {n for n, _ in replicated}
     if both:
         raise ValueError(f"Parameters {sorted(both)} match both ignored_params and replicate_params; pick one.")
     placement = _placement_fn(model, plan.shard_placement)
-    assigned: set[int] = set()
+    # Parameters of the user's units belong to those units already.
+    assigned: set[int] = {id(p) for unit in user_units for p in unit.parameters()}
 
     def owned(module: nn.Module, selected: list[tuple[str, nn.Parameter]]) -> set[nn.Parameter]:
         mine = {id(p) for p in module.parameters()} - assigned
         return {p for _, p in selected if id(p) in mine}
 
     for unit in [*units, model]:
+        if isinstance(unit, FSDPModule):
+            adopt_sharded(unit)  # the user's unit: give it the runtime controls, keep its settings
+            continue
         is_root = unit is model
         unit_ignored, unit_replicated = owned(unit, ignored), owned(unit, replicated)
         assigned.update(id(p) for p in unit.parameters())
@@ -142,7 +174,7 @@ def shard_units(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan) -> tuple
             replicate_params=unit_replicated or None,
             comm_fusion=plan.comm_fusion,
         )
-    return units, [n for n, _ in ignored], [n for n, _ in replicated]  # type: ignore[return-value]
+    return units, [n for n, _ in ignored], [n for n, _ in replicated]
 
 
 def register_forward_methods(root: nn.Module, extra: Sequence[str] | None) -> list[str]:
@@ -158,55 +190,25 @@ def register_forward_methods(root: nn.Module, extra: Sequence[str] | None) -> li
         if method not in names:
             names.append(method)
     for method in names:
-        _register_forward_method(root, method)
+        wrap_as_forward(root, method)
     return names
-
-
-def _register_forward_method(root: nn.Module, method_name: str) -> None:
-    """``register_fsdp_forward_method`` that also survives a nested ``self(...)`` call.
-
-    A step method usually calls ``self(x)``, whose own FSDP hooks end the forward pass early:
-    the inner post-forward leaves the root's group idle, and the outer one then reshards it
-    although the root keeps its parameters after forward, so backward would all-gather the
-    root (embeddings, head) a second time every micro-batch. Re-entering the forward state
-    before the outer post-forward keeps one all-gather per micro-batch.
-    """
-    original = getattr(root, method_name)
-
-    @functools.wraps(original)
-    def wrapped(self: nn.Module, *args, **kwargs):
-        state = self._get_fsdp_state()
-        args, kwargs = state._pre_forward(self, args, kwargs)
-        output = original(*args, **kwargs)
-        _resume_forward_state(state)
-        return state._post_forward(self, args, output)
-
-    setattr(root, method_name, wrapped.__get__(root, type(root)))
-
-
-def _resume_forward_state(state) -> None:
-    """Mark gathered, idle groups as in forward again (FSDP2 internals; torch 2.13)."""
-    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
-
-    for group in getattr(state, "_fsdp_param_groups", ()):
-        if getattr(group, "_training_state", None) == TrainingState.IDLE and getattr(group, "is_unsharded", False):
-            group._training_state = TrainingState.FORWARD
 
 
 def wire_prefetch(units: list[HSDPModule], depth: int) -> None:
     """Each unit all-gathers the next ``depth`` units in forward and the previous ``depth`` in backward.
 
     Overlaps each all-gather with the compute of the unit before it, at the cost of holding
-    ``depth`` extra units gathered. ``units`` must be in forward execution order.
+    ``depth`` extra units gathered. ``units`` must be in forward execution order. A unit whose
+    prefetch the user already set (on their own ``fully_shard`` unit) keeps it.
     """
     if depth <= 0:
         return
     for i, unit in enumerate(units):
         ahead = units[i + 1 : i + 1 + depth]
         behind = list(reversed(units[max(0, i - depth) : i]))
-        if ahead:
+        if ahead and not prefetch_targets(unit, "forward"):
             unit.set_modules_to_forward_prefetch(ahead)
-        if behind:
+        if behind and not prefetch_targets(unit, "backward"):
             unit.set_modules_to_backward_prefetch(behind)
 
 
@@ -225,7 +227,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan) -> Shard
     # 2 + 3. Units bottom-up, then the root.
     units, ignored, replicated = shard_units(model, mesh, plan)
     root = model
-    assert isinstance(root, HSDPModule)
+    if not isinstance(root, HSDPModule):  # pragma: no cover - shard_units always shards or adopts the root
+        raise RuntimeError(f"parallelize left the root {type(root).__name__} unsharded.")
     # 4. Step and generate methods gather the root's parameters.
     register_forward_methods(root, plan.forward_methods)
     # 5. Prefetch in forward order (units came bottom-up; reverse pre-order reversed is pre-order).
@@ -236,81 +239,3 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan) -> Shard
     return ShardedModel(root=root, units=forward_order, ignored=ignored, replicated=replicated)  # type: ignore[arg-type]
 
 
-def has_meta_tensors(model: nn.Module) -> bool:
-    return any(t.is_meta for t in [*model.parameters(), *model.buffers()])
-
-
-def _metric_defaults(model: nn.Module) -> list[tuple[nn.Module, dict]]:
-    """Copies of every torchmetrics Metric's default states: ``to_empty`` leaves them uninitialized."""
-    try:
-        from torchmetrics import Metric
-    except ImportError:  # pragma: no cover - torchmetrics is a dependency
-        return []
-    return [(m, copy.deepcopy(m._defaults)) for m in model.modules() if isinstance(m, Metric)]
-
-
-def _restore_metrics(saved: list[tuple[nn.Module, dict]]) -> None:
-    """Put the defaults back and reset each metric's states from them (on the metric's new device)."""
-    for metric, defaults in saved:
-        metric._defaults = defaults
-        metric.reset()
-
-
-@torch.no_grad()
-def materialize(model: nn.Module, mesh: DeviceMesh, init_device: torch.device) -> bool:
-    """Allocate meta-device tensors (local shards only) and initialize them.
-
-    Runs ``reset_parameters()`` on every submodule that owns parameters or buffers, then the
-    model's own ``init_weights()`` when it defines one (the hook for custom schemes such as
-    GPT-2's scaled residual init). Sharded parameters draw from a generator seeded with a seed
-    agreed across ranks plus the shard coordinate, so different shards get independent values
-    while HSDP replicas of a shard get identical ones; whole (replicate/ignored) parameters and
-    buffers are then broadcast from rank 0, so every rank starts from the same model.
-
-    Returns:
-        True when something was materialized.
-    """
-    if not has_meta_tensors(model):
-        return False
-    metric_defaults = _metric_defaults(model)
-    model.to_empty(device=init_device)
-    _restore_metrics(metric_defaults)
-    # On the mesh's device (the current one of its type): NCCL and HCCL take no host tensors.
-    seed = torch.tensor([torch.initial_seed() % (2**62)], dtype=torch.int64, device=mesh.device_type)
-    dist.broadcast(seed, src=0)
-    shard_coordinate = mesh.get_local_rank(mesh.ndim - 1)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(int(seed.item()) + 7919 * shard_coordinate)
-        for module in model.modules():
-            owns_state = any(True for _ in module.parameters(recurse=False)) or any(True for _ in module.buffers(recurse=False))
-            if owns_state and callable(getattr(module, "reset_parameters", None)):
-                module.reset_parameters()
-        init_weights = getattr(model, "init_weights", None)
-        if callable(init_weights):
-            init_weights()
-    for tensor in [*model.parameters(), *model.buffers()]:
-        if not isinstance(tensor, DTensor):
-            dist.broadcast(tensor.data if isinstance(tensor, nn.Parameter) else tensor, src=0)
-    return True
-
-
-@torch.no_grad()
-def move_unsharded_states(model: nn.Module, device: torch.device) -> None:
-    """Move what FSDP does not manage (whole parameters, buffers, metric states) to ``device``.
-
-    Sharded parameters are left where FSDP put them (the device, or the host under CPU offload).
-    """
-    for module in model.modules():
-        for name, param in list(module._parameters.items()):
-            if param is not None and not isinstance(param, DTensor) and param.device != device:
-                param.data = param.data.to(device)
-        for name, buf in list(module._buffers.items()):
-            if buf is not None and buf.device != device:
-                module._buffers[name] = buf.to(device)
-    try:
-        from torchmetrics import Metric
-    except ImportError:  # pragma: no cover - torchmetrics is a dependency
-        return
-    for module in model.modules():
-        if isinstance(module, Metric):
-            module.to(device)

@@ -1,0 +1,186 @@
+"""Every private torch name hp_lightning touches, behind one small function each.
+
+torch's public API does not cover these needs (each function says which one); when a torch upgrade
+renames one, this file is the only place to change, and ``tests/unit/test_private_apis.py`` fails
+with :func:`missing_private_names`' message instead of a training run failing somewhere deep.
+
+Checked against torch 2.13.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+#: The torch releases every name below was checked against.
+CHECKED_TORCH_VERSIONS = ("2.13",)
+
+# (module path, attribute path) of each private name, for the version test.
+_PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
+    ("torch.distributed.fsdp", "FSDPModule._get_fsdp_state"),
+    ("torch.distributed.fsdp._fully_shard._fsdp_state", "FSDPState._pre_forward"),
+    ("torch.distributed.fsdp._fully_shard._fsdp_state", "FSDPState._post_forward"),
+    ("torch.distributed.fsdp._fully_shard._fsdp_state", "FSDPState._fsdp_param_groups"),
+    ("torch.distributed.fsdp._fully_shard._fsdp_state", "FSDPState._states_to_forward_prefetch"),
+    ("torch.distributed.fsdp._fully_shard._fsdp_state", "FSDPState._states_to_backward_prefetch"),
+    ("torch.distributed.fsdp._fully_shard._fsdp_common", "TrainingState.FORWARD"),
+    ("torch.distributed.fsdp._fully_shard._fsdp_param_group", "FSDPParamGroup.post_forward_mesh_info"),
+    ("torch.distributed.fsdp._fully_shard._fsdp_param_group", "FSDPParamGroup._training_state"),
+    ("torch.distributed.fsdp._fully_shard._fsdp_param_group", "FSDPParamGroup.is_unsharded"),
+    ("torch.distributed.fsdp._fully_shard._fsdp_param_group", "FSDPParamGroup.fsdp_params"),
+    ("torch.distributed.fsdp._fully_shard._fsdp_param_group", "FSDPParamGroup.mp_policy"),
+    ("torch.distributed.fsdp._fully_shard._fsdp_param_group", "FSDPParamGroup.offload_policy"),
+    ("torch.distributed.fsdp._fully_shard._fsdp_param_group", "FSDPParamGroup._partial_reduce_output"),
+    ("torch.distributed.fsdp._fully_shard._fsdp_param", "FSDPParam.sharded_param"),
+    ("torch.distributed.fsdp._fully_shard._fsdp_param", "FSDPParam.unsharded_accumulated_grad"),
+    ("torch.distributed.fsdp._fully_shard._fsdp_param", "FSDPParam._unsharded_param"),
+    ("torch.distributed.distributed_c10d", "_get_default_store"),
+    ("torch.autograd.variable", "Variable._execution_engine.queue_callback"),
+    ("torch.distributed.checkpoint.state_dict_loader", "_load_state_dict"),
+    ("torch.distributed.checkpoint.default_planner", "_EmptyStateDictLoadPlanner"),
+)
+
+
+def _resolve(module_path: str, attribute_path: str) -> bool:
+    try:
+        obj: Any = importlib.import_module(module_path)
+    except ImportError:
+        return False
+    for part in attribute_path.split("."):
+        if part in getattr(obj, "__annotations__", {}) and not hasattr(obj, part):
+            # A dataclass-style attribute declared on the class and set per instance.
+            return True
+        if not hasattr(obj, part):
+            # Instance attributes set in __init__ are visible in its code object's names.
+            init = getattr(obj, "__init__", None)
+            code = getattr(init, "__code__", None)
+            return code is not None and part in code.co_names
+        obj = getattr(obj, part)
+    return True
+
+
+def missing_private_names() -> list[str]:
+    """The private torch names this installation lacks (empty when all are there)."""
+    return [f"{m}.{a}" for m, a in _PRIVATE_NAMES if not _resolve(m, a)]
+
+
+# ---------------------------------------------------------------- FSDP2 per-unit state
+
+
+def fsdp_state(unit: nn.Module) -> Any:
+    """FSDP2's state object of a sharded unit (no public accessor)."""
+    return unit._get_fsdp_state()  # type: ignore[operator]
+
+
+def param_groups(unit: nn.Module) -> list[Any]:
+    """FSDP2's parameter groups of one unit (one per ``fully_shard`` call on it)."""
+    return list(getattr(fsdp_state(unit), "_fsdp_param_groups", ()))
+
+
+def prefetch_targets(unit: nn.Module, direction: str) -> list[nn.Module]:
+    """Modules this unit all-gathers ahead of time in ``"forward"`` or ``"backward"``.
+
+    FSDP2 has setters (``set_modules_to_*_prefetch``) but no getters.
+    """
+    modules: list[nn.Module] = []
+    for target in getattr(fsdp_state(unit), f"_states_to_{direction}_prefetch", ()):
+        modules.extend(getattr(target, "_modules", ()))
+    return modules
+
+
+def reshards_after_forward(unit: nn.Module) -> bool:
+    """Whether the unit frees its gathered parameters after forward (no public getter)."""
+    return any(group.post_forward_mesh_info is not None for group in param_groups(unit))
+
+
+def wrap_as_forward(root: nn.Module, method_name: str) -> None:
+    """Run ``root.<method_name>`` inside the root's FSDP forward hooks, surviving a nested ``self(...)``.
+
+    torch's public ``register_fsdp_forward_method`` does not suffice for a LightningModule's step
+    methods: they call ``self(x)``, whose own hooks end the forward pass early; the inner
+    post-forward leaves the root's group idle and the outer one then reshards it, although the
+    root keeps its parameters after forward, so backward would all-gather the root (embeddings,
+    head) a second time every micro-batch. Re-entering the forward state before the outer
+    post-forward keeps one all-gather per micro-batch.
+    """
+    import functools
+
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+    original = getattr(root, method_name)
+
+    @functools.wraps(original)
+    def wrapped(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        state = fsdp_state(self)
+        args, kwargs = state._pre_forward(self, args, kwargs)
+        output = original(*args, **kwargs)
+        for group in getattr(state, "_fsdp_param_groups", ()):
+            if getattr(group, "_training_state", None) == TrainingState.IDLE and getattr(group, "is_unsharded", False):
+                group._training_state = TrainingState.FORWARD
+        return state._post_forward(self, args, output)
+
+    setattr(root, method_name, wrapped.__get__(root, type(root)))
+
+
+# ---------------------------------------------------------------- autograd, store, DCP
+
+
+def queue_backward_callback(callback: Callable[[], None]) -> None:
+    """Run ``callback`` once at the end of the current backward pass (no public equivalent)."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)  # type: ignore[attr-defined]
+
+
+def default_store() -> dist.Store:
+    """The default process group's store (no public accessor)."""
+    from torch.distributed import distributed_c10d
+
+    return distributed_c10d._get_default_store()
+
+
+def load_dcp_untargeted(path: str, keys: set[str] | None = None) -> dict[str, Any]:
+    """Read a DCP directory into a fresh dict, without a model to load into, in this process only.
+
+    ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save`` writes a file; this keeps the
+    state in memory and can restrict it to ``keys``.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    state: dict[str, Any] = {}
+    _load_state_dict(state, storage_reader=dcp.FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(keys=keys), no_dist=True)
+    return state
+
+
+def managed_params(unit: nn.Module) -> list[tuple[Any, Any, Any]]:
+    """``(sharded parameter, mp_policy, offload_policy)`` for every parameter ``unit`` itself manages.
+
+    FSDP2 keeps these on its (private) parameter groups; there is no public listing.
+    """
+    return [
+        (fsdp_param.sharded_param, group.mp_policy, group.offload_policy)
+        for group in param_groups(unit)
+        for fsdp_param in group.fsdp_params
+    ]
+
+
+def held_gradients(unit: nn.Module) -> list[torch.Tensor]:
+    """Gradient storage FSDP2 holds for ``unit`` outside ``param.grad``.
+
+    The unsharded gradients accumulated while gradient sync is off, and HSDP partial reductions
+    waiting for their all-reduce (``set_requires_all_reduce(False)``).
+    """
+    held: list[torch.Tensor] = []
+    for group in param_groups(unit):
+        held.append(getattr(group, "_partial_reduce_output", None))
+        for fsdp_param in group.fsdp_params:
+            held.append(getattr(fsdp_param, "unsharded_accumulated_grad", None))
+            unsharded = getattr(fsdp_param, "_unsharded_param", None)
+            if unsharded is not None:
+                held.append(unsharded.grad)
+    return [t for t in held if t is not None]

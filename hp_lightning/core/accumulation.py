@@ -1,0 +1,75 @@
+"""What the non-final micro-batches of an accumulation window communicate.
+
+Per unit and optimizer step on an HSDP ``(R, S)`` mesh with ``k`` micro-batches (reduce-scatters
+over the shard group / all-reduces over the replicate group / gradient memory held between
+micro-batches):
+
+* ``"skip"``: 1 / 1 / the full-size gradient of every unit;
+* ``"every"``: k / k / 1/S-size gradient shards;
+* ``"defer_all_reduce"``: k / 1 / 1/S-size partial sums (on a 1-D mesh: as ``"every"``).
+
+Pick ``"skip"`` when memory allows (least traffic), ``"every"`` when full-size gradients do not
+fit, and ``"defer_all_reduce"`` on HSDP across nodes: the reduce-scatter stays on the fast
+intra-node links every micro-batch while the slow inter-node all-reduce runs once per window.
+
+Both front ends enter :func:`no_gradient_sync` for non-final micro-batches (the Trainer from
+``block_backward_sync``, Fabric from ``no_backward_sync``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from contextlib import contextmanager
+from typing import Any
+
+from torch import nn
+
+ACCUMULATION_MODES = ("skip", "every", "defer_all_reduce")
+
+
+def check_mode(mode: Any, owner: str = "accumulation_mode") -> str:
+    """Validate an accumulation mode string (case-insensitive) and return it lower-cased.
+
+    Raises:
+        TypeError: when ``mode`` is not a string.
+        ValueError: when it is not one of :data:`ACCUMULATION_MODES`.
+    """
+    if not isinstance(mode, str):
+        raise TypeError(f"{owner} expects one of {list(ACCUMULATION_MODES)} as a string; got {type(mode).__name__} {mode!r}.")
+    if mode.lower() not in ACCUMULATION_MODES:
+        raise ValueError(
+            f"{owner} expects one of {list(ACCUMULATION_MODES)}; got {mode!r}. 'skip' syncs once per "
+            f"window, 'every' every micro-batch, 'defer_all_reduce' reduce-scatters every micro-batch "
+            f"and all-reduces once (HSDP)."
+        )
+    return mode.lower()
+
+
+@contextmanager
+def no_gradient_sync(root: nn.Module, mode: str) -> Generator[None, None, None]:
+    """Run one non-final micro-batch's backward under ``mode`` (see the module docstring).
+
+    ``root`` is the sharded root (an :class:`~hp_lightning.HSDPModule`); anything else is left
+    alone. The previous state is restored on exit, also when the body raises.
+    """
+    from hp_lightning.fully_shard import HSDPModule
+
+    mode = check_mode(mode)
+    if not isinstance(root, HSDPModule) or mode == "every":
+        yield
+        return
+    if mode == "defer_all_reduce":
+        if root.device_mesh.ndim < 2:  # FSDP: no all-reduce to defer
+            yield
+            return
+        root.set_requires_all_reduce(False)
+        try:
+            yield
+        finally:
+            root.set_requires_all_reduce(True)
+        return
+    root.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        root.set_requires_gradient_sync(True)

@@ -1,0 +1,225 @@
+"""Facts about a sharded model's units: what each holds, gathers, prefetches and keeps.
+
+What the sharding report, the gradient-memory monitor and the strategies read. Facts FSDP2 does
+not expose publicly come through :mod:`hp_lightning.core._torch_private`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from hp_lightning.core import devices
+from hp_lightning.core._torch_private import held_gradients, managed_params, prefetch_targets, reshards_after_forward
+from hp_lightning.core.mesh import describe
+from hp_lightning.fully_shard import HSDPModule, hsdp_modules
+
+
+def unit_names(root: nn.Module) -> dict[int, str]:
+    """``id(module) -> qualified name`` below the root (``"<root>"`` for the root itself)."""
+    return {id(m): (name or "<root>") for name, m in root.named_modules()}
+
+
+def units_in_order(root: nn.Module, units: Optional[Sequence[nn.Module]] = None) -> list[HSDPModule]:
+    """Every sharding unit, root first, then the others in forward order (``units`` when known)."""
+    inner = list(units) if units is not None else [m for m in hsdp_modules(root) if m is not root]
+    return [root, *[u for u in inner if u is not root]]  # type: ignore[list-item]
+
+
+_DTYPE_SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
+
+
+def _dtype(dtype: torch.dtype) -> str:
+    return _DTYPE_SHORT.get(dtype, str(dtype).removeprefix("torch."))
+
+
+def _placement(p: Any) -> str:
+    if isinstance(p, Shard):
+        return f"S({p.dim})"
+    if isinstance(p, Replicate):
+        return "R"
+    return str(p)
+
+
+@dataclass(frozen=True)
+class UnitReport:
+    """One sharding unit as this rank sees it."""
+
+    name: str
+    tensors: int
+    elements: int
+    local_bytes: int
+    min_bytes: int
+    max_bytes: int
+    placements: str
+    compute_dtype: str
+    reduce_dtype: str
+    offload: bool
+    reshard_after_forward: bool
+    forward_prefetch: tuple[str, ...]
+    backward_prefetch: tuple[str, ...]
+    frozen: int
+    trainable: int
+
+
+@dataclass
+class ShardingSummary:
+    """The whole report: mesh, units, parameters outside the units, warnings."""
+
+    mesh: str
+    units: list[UnitReport]
+    unsharded_params: dict[str, int] = field(default_factory=dict)  # name -> bytes (replicate / ignored)
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def local_bytes(self) -> int:
+        return sum(u.local_bytes for u in self.units) + sum(self.unsharded_params.values())
+
+    def table(self) -> str:
+        head = ("unit", "tensors", "elements", "bytes/rank", "min..max", "placements", "compute", "reduce", "offload", "reshard_fwd", "prefetch fwd / bwd")
+        rows = [head]
+        for u in self.units:
+            rows.append((
+                u.name,
+                str(u.tensors),
+                f"{u.elements:,}",
+                f"{u.local_bytes:,}",
+                f"{u.min_bytes:,}..{u.max_bytes:,}",
+                u.placements,
+                u.compute_dtype,
+                u.reduce_dtype,
+                devices.CPU if u.offload else "-",
+                "yes" if u.reshard_after_forward else "no",
+                f"{','.join(u.forward_prefetch) or '-'} / {','.join(u.backward_prefetch) or '-'}",
+            ))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+        lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        out = [f"Sharding report ({self.mesh})", *lines]
+        if self.unsharded_params:
+            total = sum(self.unsharded_params.values())
+            out.append(f"not sharded (replicate / ignored): {len(self.unsharded_params)} tensors, {total:,} bytes on every rank")
+        out.append(f"total on this rank: {self.local_bytes:,} bytes of parameters")
+        out.extend(f"warning: {w}" for w in self.warnings)
+        return "\n".join(out)
+
+
+def _min_max_over_ranks(values: list[int], device: torch.device) -> tuple[list[int], list[int]]:
+    """Element-wise min and max over all ranks, in one all-reduce (max of x and of -x)."""
+    if not dist.is_available() or not dist.is_initialized() or not values:
+        return list(values), list(values)
+    both = torch.tensor([*values, *(-v for v in values)], dtype=torch.int64, device=device)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX)
+    n = len(values)
+    result = both.tolist()
+    return [-v for v in result[n:]], result[:n]
+
+
+def summarize(root: nn.Module, units: Sequence[nn.Module], mesh: DeviceMesh, unsharded_names: Iterable[str], device: torch.device) -> ShardingSummary:
+    """The per-unit report of a sharded model. A collective: every rank must call it.
+
+    Args:
+        root: the sharded root.
+        units: the sharding units, root first (see :func:`units_in_order`).
+        mesh: the data-parallel mesh.
+        unsharded_names: replicate / ignored parameter names (listed apart, with their bytes).
+        device: where the one all-reduce of byte counts runs.
+    """
+    names = unit_names(root)
+    partial: list[dict[str, Any]] = []
+    for unit in units:
+        tensors = elements = local = frozen = trainable = 0
+        placements: set[str] = set()
+        compute: set[str] = set()
+        reduce: set[str] = set()
+        offload = False
+        for param, mp_policy, offload_policy in managed_params(unit):
+            offload = offload or isinstance(offload_policy, CPUOffloadPolicy)
+            shard = param.to_local()
+            tensors += 1
+            elements += param.numel()
+            local += shard.numel() * shard.element_size()
+            placements.add(",".join(_placement(p) for p in param.placements))
+            frozen += not param.requires_grad
+            trainable += bool(param.requires_grad)
+            compute_dtype = mp_policy.param_dtype or param.dtype
+            compute.add(_dtype(compute_dtype))
+            reduce.add(_dtype(mp_policy.reduce_dtype or compute_dtype))
+        partial.append(dict(
+            name=names.get(id(unit), type(unit).__name__),
+            tensors=tensors,
+            elements=elements,
+            local_bytes=local,
+            placements=" | ".join(sorted(placements)) or "-",
+            compute_dtype="/".join(sorted(compute)) or "-",
+            reduce_dtype="/".join(sorted(reduce)) or "-",
+            offload=offload,
+            reshard_after_forward=reshards_after_forward(unit),
+            forward_prefetch=tuple(names.get(id(m), "?") for m in prefetch_targets(unit, "forward")),
+            backward_prefetch=tuple(names.get(id(m), "?") for m in prefetch_targets(unit, "backward")),
+            frozen=frozen,
+            trainable=trainable,
+        ))
+    lows, highs = _min_max_over_ranks([p["local_bytes"] for p in partial], device)
+    rows = [UnitReport(min_bytes=lo, max_bytes=hi, **p) for p, lo, hi in zip(partial, lows, highs)]
+
+    outside = set(unsharded_names)
+    unsharded = {n: p.numel() * p.element_size() for n, p in root.named_parameters() if n in outside}
+
+    warnings: list[str] = []
+    for row in rows:
+        if row.frozen and row.trainable:
+            warnings.append(
+                f"unit {row.name!r} mixes {row.frozen} frozen and {row.trainable} trainable parameter tensors: the "
+                f"frozen ones are all-gathered with the trainable ones in every forward and backward. Give them a "
+                f"unit of their own (shard_modules) so their gathers can be tuned apart, or keep them whole with "
+                f"ignored_params if they are small."
+            )
+    shard_size = mesh.shape[-1]
+    if shard_size == 1:
+        warnings.append(
+            f"{describe(mesh)} shards nothing: its shard axis has size 1, so every rank holds the whole "
+            f"model and FSDP only adds overhead. Use mesh_shape=[R, S] with S > 1 (e.g. S = devices per node)."
+        )
+    elif rows and all(r.tensors == 0 for r in rows):
+        warnings.append(
+            "no parameter is sharded: every parameter is in ignored_params or replicate_params. Remove some "
+            "patterns from them to shard the model."
+        )
+    return ShardingSummary(mesh=describe(mesh), units=rows, unsharded_params=unsharded, warnings=warnings)
+
+
+def live_gradient_bytes(model: nn.Module) -> int:
+    """Bytes of gradient storage ``model`` holds right now on this rank.
+
+    Counts sharded gradients (a DTensor's local shard), the full-size gradients a unit
+    accumulates while gradient sync is off, HSDP partial reductions waiting for their
+    all-reduce, and plain gradients of replicate / ignored parameters. Each storage is counted
+    once, by its full size (views into one flat buffer share it).
+    """
+    seen: dict[tuple[str, int], int] = {}
+
+    def add(tensor: Optional[torch.Tensor]) -> None:
+        if tensor is None:
+            return
+        if isinstance(tensor, DTensor):
+            tensor = tensor.to_local()
+        storage = tensor.untyped_storage()
+        if storage.nbytes() == 0:
+            return
+        seen[(str(tensor.device), storage.data_ptr())] = storage.nbytes()
+
+    for param in model.parameters():
+        add(param.grad)
+    for unit in hsdp_modules(model):
+        for tensor in held_gradients(unit):
+            add(tensor)
+    return sum(seen.values())
