@@ -32,6 +32,8 @@ _PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
     ("lightning.fabric.accelerators.registry", "_AcceleratorRegistry"),
     # the fixed accelerator="auto" chain (hp_lightning.accelerators.auto wraps it on request)
     ("lightning.pytorch.trainer.connectors.accelerator_connector", "_AcceleratorConnector._choose_auto_accelerator"),
+    # the one call every rank makes with the resolved ckpt_path (only ranks with a path load)
+    ("lightning.pytorch.trainer.connectors.checkpoint_connector", "_CheckpointConnector.resume_start"),
     # whether the running batch is a non-final micro-batch (what Lightning itself decides)
     ("lightning.pytorch.loops.fit_loop", "_FitLoop._should_accumulate"),
 )
@@ -84,6 +86,25 @@ AcceleratorRegistryType = _load("lightning.fabric.accelerators.registry", "_Acce
 def should_accumulate(trainer: Any) -> bool:
     """True while the running training batch is a non-final micro-batch of its window."""
     return bool(trainer.fit_loop._should_accumulate())
+
+
+def before_resume(trainer: Any, check: Any) -> None:
+    """Call ``check(checkpoint_path)`` on every rank just before Lightning reads a checkpoint.
+
+    Lightning resolves ``fit(ckpt_path=...)`` per rank and calls the strategy's
+    ``load_checkpoint`` only on ranks that have a path, so no strategy hook sees the path on
+    every rank; ``resume_start`` is where each rank gets it (``None`` included). This wraps that
+    method of this trainer's connector only (idempotent; nothing global changes).
+    """
+    connector = trainer._checkpoint_connector
+    original = getattr(connector.resume_start, "__hp_lightning_original__", connector.resume_start)
+
+    def resume_start(checkpoint_path: Any = None, weights_only: Any = None) -> None:
+        check(checkpoint_path)
+        original(checkpoint_path, weights_only)
+
+    resume_start.__hp_lightning_original__ = original  # type: ignore[attr-defined]
+    connector.resume_start = resume_start
 
 
 def accelerator_connector_class() -> type:

@@ -2,10 +2,13 @@
 
 Subcommands::
 
-    consolidate SRC_DIR OUT.ckpt [--weights-only] [--format torch|safetensors]
+    consolidate SRC_DIR OUT.ckpt [--weights-only] [--format torch|safetensors] [--overwrite]
         sharded directory (hp_lightning, Lightning ModelParallelStrategy or FSDPStrategy) -> one file
-    shard SRC.ckpt OUT_DIR
+    shard SRC.ckpt OUT_DIR [--overwrite]
         one file -> hp_lightning sharded directory (loads into any world size)
+
+An existing output is an error unless --overwrite is given, and even then only a checkpoint is
+replaced: the converter never deletes anything it did not write.
     verify PATH
         check sizes and checksums recorded at save; exit status 1 on any problem
 
@@ -33,10 +36,12 @@ def build_parser() -> argparse.ArgumentParser:
     merge.add_argument("out", type=Path, metavar="OUT", help="output file (.ckpt, or .safetensors with --format safetensors)")
     merge.add_argument("--weights-only", action="store_true", help="model weights and hyper-parameters only (no optimizer or trainer state)")
     merge.add_argument("--format", dest="fmt", choices=("torch", "safetensors"), default="torch", help="output format (default: torch)")
+    merge.add_argument("--overwrite", action="store_true", help="replace OUT if it is a checkpoint (never anything else)")
 
     split = commands.add_parser("shard", help="one checkpoint file -> sharded directory")
     split.add_argument("src", type=Path, metavar="SRC", help="single-file checkpoint (.ckpt)")
     split.add_argument("out", type=Path, metavar="OUT_DIR", help="output directory")
+    split.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it is a checkpoint (never anything else)")
 
     check = commands.add_parser("verify", help="check a checkpoint against the sizes and checksums recorded at save")
     check.add_argument("path", type=Path, metavar="PATH", help="checkpoint directory or file")
@@ -50,12 +55,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     try:
         if args.command == "consolidate":
-            summary = convert.consolidate(args.src, args.out, weights_only=args.weights_only, fmt=args.fmt)
+            summary = convert.consolidate(args.src, args.out, weights_only=args.weights_only, fmt=args.fmt, overwrite=args.overwrite)
         elif args.command == "shard":
-            summary = convert.shard(args.src, args.out)
+            summary = convert.shard(args.src, args.out, overwrite=args.overwrite)
         else:
             summary = convert.verify(args.path)
-    except (FileNotFoundError, ValueError, TypeError, KeyError) as exc:
+    except (OSError, ValueError, TypeError, KeyError) as exc:
         print(f"{PROG} {args.command}: error: {exc}", file=sys.stderr)
         return 1
     print(summary)

@@ -32,6 +32,8 @@ _ERROR_TYPES: dict[str, type[Exception]] = {
     "ValueError": ValueError,
     "TypeError": TypeError,
     "KeyError": KeyError,
+    "FileExistsError": FileExistsError,
+    "OSError": OSError,
 }
 
 

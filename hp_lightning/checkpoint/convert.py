@@ -12,6 +12,7 @@ Outputs are written like training saves: staged under a temporary name, renamed 
 
 from __future__ import annotations
 
+import zipfile
 from pathlib import Path
 from typing import Any, Optional
 
@@ -61,7 +62,13 @@ def verify(path: Path) -> str:
     if kind is CheckpointKind.FULL_FILE:
         if problem := layout.verify_zip(path):
             raise CorruptCheckpointError(layout.corruption_message([problem], path))
-        return f"OK: {path} (single file, {path.stat().st_size} bytes, every zip entry matches its CRC-32)"
+        if path.suffix == ".safetensors":
+            check = "a safetensors header that describes every byte"
+        elif zipfile.is_zipfile(path):
+            check = "every zip entry matches its CRC-32"
+        else:
+            check = "legacy torch.save format, which records no checksums"
+        return f"OK: {path} (single file, {path.stat().st_size} bytes, {check})"
     if kind is CheckpointKind.LIGHTNING_SHARDED:
         dcp_index(path)
         return f"OK: {path} is readable, but Lightning's sharded layout records no checksums to verify"
@@ -105,13 +112,18 @@ def _weights_only(checkpoint: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in checkpoint.items() if k in WEIGHTS_ONLY_KEYS}
 
 
-def _write_atomically(out: Path, write: Any) -> None:
+def _write_atomically(out: Path, write: Any, *, overwrite: bool) -> None:
+    layout.refuse_foreign(out, overwrite=overwrite, what="Will not write the output")
     layout.recover(out)
     layout.clean_stale(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = layout.staging_path(out, layout.new_token())
-    write(staging)
-    layout.fsync_file(staging)
+    try:
+        write(staging)
+        layout.fsync_file(staging)
+    except (OSError, RuntimeError) as exc:
+        layout.remove(staging)
+        raise layout.write_error(exc, out) from None
     layout.publish(staging, out)
 
 
@@ -132,22 +144,26 @@ def _safetensors_ready(weights: dict[str, Any]) -> tuple[dict[str, torch.Tensor]
     return tensors, skipped
 
 
-def consolidate(src: Path, out: Path, *, weights_only: bool = False, fmt: str = "torch") -> str:
+def consolidate(src: Path, out: Path, *, weights_only: bool = False, fmt: str = "torch", overwrite: bool = False) -> str:
     """Write sharded checkpoint ``src`` as one file ``out``; return a one-line summary.
 
     Args:
         weights_only: keep the model weights and what ``load_from_checkpoint`` needs; drop
             optimizer, scheduler, loop-internal and callback state (smaller; cannot resume training).
         fmt: ``"torch"`` (a Lightning ``.ckpt``) or ``"safetensors"`` (model tensors only).
+        overwrite: replace ``out`` if it holds a checkpoint already (anything else is never replaced).
 
     Raises:
-        ValueError: a bad format name, ``out`` equal to ``src``, or ``src`` not a sharded checkpoint.
+        FileExistsError: ``out`` exists and ``overwrite`` is False.
+        ValueError: a bad format name, ``out`` equal to ``src``, ``out`` holding something that is
+            not a checkpoint, or ``src`` not a sharded checkpoint.
     """
     src, out = Path(src), Path(out)
     if fmt not in FORMATS:
         raise ValueError(f"--format expects one of {list(FORMATS)}; got {fmt!r}.")
     if out.resolve() == src.resolve():
         raise ValueError(f"The output {str(out)!r} is the source checkpoint itself; choose another output path.")
+    layout.refuse_foreign(out, overwrite=overwrite, what="Will not write the output")
     checkpoint = read_sharded(src, weights_only=weights_only or fmt == "safetensors")
     checkpoint[FULL_INFO_KEY] = {**producer_record(), "format": "full", "consolidated_from": str(src)}
     if fmt == "safetensors":
@@ -155,21 +171,26 @@ def consolidate(src: Path, out: Path, *, weights_only: bool = False, fmt: str = 
 
         tensors, skipped = _safetensors_ready(checkpoint[MODEL_KEY])
         metadata = {"format": "pt", "source": str(src), "hp_lightning_version": str(checkpoint[FULL_INFO_KEY]["hp_lightning_version"])}
-        _write_atomically(out, lambda staging: save_file(tensors, str(staging), metadata=metadata))
+        _write_atomically(out, lambda staging: save_file(tensors, str(staging), metadata=metadata), overwrite=overwrite)
         note = f"; left out non-tensor entries {skipped}" if skipped else ""
         return f"wrote {out} (safetensors, {len(tensors)} tensors{note}) from {src}"
     if weights_only:
         checkpoint = _weights_only(checkpoint)
-    _write_atomically(out, lambda staging: torch.save(checkpoint, staging))
+    _write_atomically(out, lambda staging: torch.save(checkpoint, staging), overwrite=overwrite)
     optimizers = len(checkpoint.get(OPTIMIZER_KEY, []))
     return f"wrote {out} ({'weights only' if weights_only else 'full'}, {len(checkpoint[MODEL_KEY])} model entries, {optimizers} optimizer state(s)) from {src}"
 
 
-def shard(src: Path, out: Path, *, weights_only: Optional[bool] = None) -> str:
+def shard(src: Path, out: Path, *, weights_only: Optional[bool] = None, overwrite: bool = False) -> str:
     """Write single-file checkpoint ``src`` as an hp_lightning sharded directory ``out``; return a summary.
 
+    Args:
+        overwrite: replace ``out`` if it holds a checkpoint already (anything else is never replaced).
+
     Raises:
-        ValueError: ``src`` is not a single-file checkpoint, or ``out`` is ``src``.
+        FileExistsError: ``out`` exists and ``overwrite`` is False.
+        ValueError: ``src`` is not a single-file checkpoint, ``out`` is ``src``, or ``out`` holds
+            something that is not a checkpoint.
         CorruptCheckpointError: ``src`` fails its CRC-32 check.
     """
     src, out = Path(src), Path(out)
@@ -177,6 +198,7 @@ def shard(src: Path, out: Path, *, weights_only: Optional[bool] = None) -> str:
         raise ValueError(f"{str(src)!r} is a directory; shard reads single-file checkpoints (consolidate goes the other way).")
     if out.resolve() == src.resolve():
         raise ValueError(f"The output {str(out)!r} is the source checkpoint itself; choose another output path.")
+    layout.refuse_foreign(out, overwrite=overwrite, what="Will not write the output")
     checkpoint = read_full_file(src, weights_only=weights_only)
     checkpoint.pop(FULL_INFO_KEY, None)
     save_checkpoint(checkpoint, out, sharded=True)

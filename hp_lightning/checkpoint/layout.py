@@ -110,6 +110,13 @@ def classify(path: Path) -> CheckpointKind:
         return CheckpointKind.HP_SHARDED
     has_index = (path / DCP_METADATA_FILE).is_file()
     if has_index and (path / META_FILE).is_file():
+        if _written_by_hp_lightning(path / META_FILE):
+            raise ValueError(
+                f"{str(path)!r} was written by hp_lightning but its completion mark {MANIFEST_FILE!r} is "
+                f"missing (deleted, or lost in a partial copy), so nothing vouches that its shards are "
+                f"whole; it is refused rather than loaded unverified. Copy the whole checkpoint directory "
+                f"again, or resume from another checkpoint."
+            )
         return CheckpointKind.LIGHTNING_SHARDED
     entries = sorted(p.name for p in path.iterdir())
     if has_index:
@@ -124,6 +131,17 @@ def classify(path: Path) -> CheckpointKind:
         f"{entries[:8]}{' ...' if len(entries) > 8 else ''}. Pass the checkpoint directory itself "
         f"(e.g. '.../checkpoints/epoch=0-step=100.ckpt'), not its parent."
     )
+
+
+def _written_by_hp_lightning(meta_file: Path) -> bool:
+    """Whether a sharded checkpoint's trainer-state file carries hp_lightning's producer record."""
+    import torch
+
+    try:
+        meta = torch.load(meta_file, map_location="cpu", weights_only=False, mmap=True)
+    except Exception:  # noqa: BLE001 - unreadable: the loader reports it with its own message
+        return False
+    return isinstance(meta, Mapping) and isinstance(meta.get(FULL_INFO_KEY), Mapping)
 
 
 def _nearby_hint(path: Path) -> str:
@@ -199,17 +217,33 @@ def verify_records(root: Path, records: Mapping[str, Mapping[str, Any]], names: 
     return problems
 
 
+#: How ``torch.save``'s legacy (non-zip) format starts: pickle protocol 2, then its magic number.
+_LEGACY_TORCH_HEAD = b"\x80\x02\x8a\nl\xfc\x9cF\xf9 j\xa8P\x19"
+
+
 def verify_zip(path: Path) -> str | None:
     """Check every entry of a ``torch.save`` archive against its CRC-32; return a problem or None.
 
-    Files written by the legacy (non-zip) ``torch.save`` format have no checksums and pass.
+    Files written by the legacy (non-zip) ``torch.save`` format have no checksums; they pass when
+    they start with that format's magic number.
+
+    Raises:
+        ValueError: for anything that is no checkpoint at all (an empty file, random bytes, text).
     """
+    if path.suffix == ".safetensors":
+        return _check_safetensors_header(path)
     if not zipfile.is_zipfile(path):
         with open(path, "rb") as f:
-            head = f.read(4)
+            head = f.read(len(_LEGACY_TORCH_HEAD))
         if head[:2] == b"PK":
             return f"{str(path)!r} is truncated or damaged: its zip directory is missing or unreadable"
-        return None
+        if head == _LEGACY_TORCH_HEAD:
+            return None
+        what = "an empty file" if not head else f"a file of {path.stat().st_size:,} bytes that starts with {head[:8]!r}"
+        raise ValueError(
+            f"{str(path)!r} is not a checkpoint: {what}, neither a torch.save archive (zip or legacy format) "
+            f"nor a .safetensors file. Check the path."
+        )
     try:
         with zipfile.ZipFile(path) as archive:
             bad = archive.testzip()
@@ -218,6 +252,72 @@ def verify_zip(path: Path) -> str | None:
     if bad is not None:
         return f"{str(path)!r} was altered or damaged after the save: entry {bad!r} fails its CRC-32 check"
     return None
+
+
+def _check_safetensors_header(path: Path) -> str | None:
+    """A .safetensors file starts with an 8-byte header length and a JSON header that fits the file."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        length = int.from_bytes(head, "little") if len(head) == 8 else -1
+        ok = 0 < length <= size - 8
+        if ok:
+            try:
+                header = json.loads(f.read(length))
+                ends = [int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"]
+                ok = isinstance(header, dict) and max(ends, default=0) == size - 8 - length
+            except (ValueError, TypeError, KeyError, IndexError):
+                ok = False
+    return None if ok else f"{str(path)!r} is truncated or damaged: its safetensors header does not describe its {size:,} bytes"
+
+
+def write_error(exc: BaseException, path: Path) -> OSError:
+    """An ``OSError`` that names the cause and the path, for a write that failed.
+
+    ``torch.save`` reports a full disk as ``RuntimeError: [enforce fail at inline_container.cc]
+    unexpected pos ...``; this says "No space left on device", with the free space left.
+    """
+    target = Path(path)
+    folder = next((p for p in (target.parent, *target.parents) if p.exists()), Path("."))
+    free = shutil.disk_usage(folder).free
+    full = getattr(exc, "errno", None) == errno.ENOSPC or "No space left" in str(exc) or "unexpected pos" in str(exc) or free < (1 << 20)
+    if full:
+        return OSError(
+            errno.ENOSPC,
+            f"No space left on device while writing checkpoint {str(target)!r} ({free:,} bytes free on "
+            f"{str(folder)!r}); nothing was published and the previous checkpoint of that name is untouched. "
+            f"Free space or save elsewhere",
+        )
+    return OSError(getattr(exc, "errno", None) or errno.EIO, f"Could not write checkpoint {str(target)!r}: {exc}")
+
+
+def refuse_foreign(path: Path, *, overwrite: bool, what: str) -> None:
+    """Refuse to replace ``path`` unless it is a checkpoint and replacing is intended.
+
+    A save or conversion replaces its target only when it holds a checkpoint (a file that is a
+    torch.save archive or .safetensors, or a checkpoint directory) and ``overwrite`` is True, so
+    no user file or directory is ever deleted by mistake.
+
+    Raises:
+        FileExistsError: ``path`` exists and ``overwrite`` is False.
+        ValueError: ``path`` exists but is not a checkpoint (naming what is there).
+    """
+    path = Path(path)
+    if not (path.exists() or path.is_symlink()) or path.is_symlink():
+        return
+    if not overwrite:
+        raise FileExistsError(f"{what}: {str(path)!r} already exists; choose a new path, or pass --overwrite to replace it.")
+    try:
+        kind = classify(path)
+        problem = verify_zip(path) if kind is CheckpointKind.FULL_FILE else None
+    except (ValueError, OSError) as exc:
+        problem = str(exc)
+    if problem is not None:
+        entries = sorted(p.name for p in path.iterdir())[:6] if path.is_dir() else []
+        raise ValueError(
+            f"{what}: {str(path)!r} exists and is not a checkpoint ({problem}{'; it holds ' + str(entries) if entries else ''}); "
+            f"it is never replaced, since that would delete files this program did not write. Choose another path."
+        )
 
 
 def corruption_message(problems: list[str], checkpoint: Path) -> str:

@@ -14,6 +14,7 @@ see that file.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+import pickle
 from pathlib import Path
 from typing import Any, Optional
 
@@ -272,11 +273,14 @@ def _read_meta(path: Path, weights_only: Optional[bool]) -> dict[str, Any]:
 
 def _torch_load(path: Path, *, weights_only: Optional[bool]) -> Any:
     try:
-        return torch.load(path, map_location=devices.cpu_device(), mmap=True, weights_only=bool(weights_only))
-    except RuntimeError as exc:
-        if "mmap" not in str(exc):
-            raise ValueError(f"Could not read checkpoint {str(path)!r}: {exc}") from None
-    return torch.load(path, map_location=devices.cpu_device(), weights_only=bool(weights_only))  # legacy (non-zip) format
+        try:
+            return torch.load(path, map_location=devices.cpu_device(), mmap=True, weights_only=bool(weights_only))
+        except RuntimeError as exc:
+            if "mmap" not in str(exc):
+                raise
+        return torch.load(path, map_location=devices.cpu_device(), weights_only=bool(weights_only))  # legacy (non-zip) format
+    except (RuntimeError, EOFError, pickle.UnpicklingError) as exc:
+        raise ValueError(f"Could not read checkpoint {str(path)!r}: {type(exc).__name__}: {exc}") from None
 
 
 def read_full_file(path: Path, *, weights_only: Optional[bool] = None, verify: bool = True) -> dict[str, Any]:

@@ -65,6 +65,8 @@ def prepare_target(path: Path) -> Path:
     """Rank 0: finish a swap a kill interrupted, drop what killed saves left, pick a staging name."""
     if path.exists() and not path.is_dir() and not path.is_file():
         raise ValueError(f"Cannot save a checkpoint to {str(path)!r}: something other than a file or directory is there.")
+    # A training save replaces an older checkpoint of the same name, and nothing else.
+    layout.refuse_foreign(path, overwrite=True, what="Cannot save a checkpoint")
     layout.recover(path)
     layout.clean_stale(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -95,7 +97,8 @@ def _save_sharded(checkpoint: dict[str, Any], path: Path) -> None:
     def start() -> Path:
         staging = prepare_target(path)
         staging.mkdir()
-        torch.save(checkpoint, staging / META_FILE)
+        # The producer record marks hp_lightning's layout even if the manifest is later lost.
+        torch.save({**checkpoint, FULL_INFO_KEY: {**producer_record(), "format": "sharded"}}, staging / META_FILE)
         layout.fsync_file(staging / META_FILE)
         return staging
 
@@ -130,8 +133,12 @@ def _save_full(checkpoint: dict[str, Any], path: Path) -> None:
     def write() -> None:
         staging = prepare_target(path)
         checkpoint[FULL_INFO_KEY] = {**producer_record(), "format": "full"}
-        torch.save(checkpoint, staging)
-        layout.fsync_file(staging)
+        try:
+            torch.save(checkpoint, staging)
+            layout.fsync_file(staging)
+        except (OSError, RuntimeError) as exc:
+            layout.remove(staging)
+            raise layout.write_error(exc, path) from None
         layout.publish(staging, path)
 
     on_rank0(write)

@@ -895,7 +895,7 @@ def setup_settings(
     settings.update(options)
     settings["precision"] = precision
     if trainer is not None:
-        settings["checkpoint to resume (ckpt_path)"] = trainer.ckpt_path
+        # (The checkpoint to resume is compared later, when Lightning knows it: resume_settings.)
         from lightning.pytorch.callbacks import ModelCheckpoint
 
         dirpaths = [cb.dirpath for cb in trainer.callbacks if isinstance(cb, ModelCheckpoint)]  # type: ignore[attr-defined]
@@ -904,6 +904,11 @@ def setup_settings(
         for name in TRAINER_LOOP_SETTINGS:
             settings[f"Trainer({name}=...)"] = getattr(trainer, name, None)
     return settings
+
+
+def resume_settings(checkpoint_path: Any) -> dict[str, Any]:
+    """What must agree before a checkpoint is read: the path each rank resumes from (None: none)."""
+    return {"checkpoint to resume (ckpt_path)": None if not checkpoint_path else str(checkpoint_path)}
 
 
 def sharding_settings(model: nn.Module, sharded: Optional[ShardedModel]) -> dict[str, Any]:

@@ -139,27 +139,6 @@ def init_device_mesh(
     return _torch_init_device_mesh(device_type or default_device_type(), tuple(shape), mesh_dim_names=names)
 
 
-def shard_group_size(mesh: DeviceMesh) -> int:
-    """S: how many ranks share one copy of the parameters."""
-    return mesh.size(mesh.ndim - 1)
-
-
-def replicate_group_size(mesh: DeviceMesh) -> int:
-    """R: how many copies of the sharded parameters exist (1 for FSDP)."""
-    return mesh.size(0) if mesh.ndim == 2 else 1
-
-
-def data_parallel_rank(mesh: DeviceMesh) -> int:
-    """This rank's position in the flattened data-parallel domain (sampler rank)."""
-    coordinate = mesh.get_coordinate()
-    if coordinate is None:
-        raise RuntimeError("This rank is not part of the mesh.")
-    rank = 0
-    for size, index in zip(mesh.shape, coordinate):
-        rank = rank * size + index
-    return rank
-
-
 def describe(mesh: DeviceMesh) -> str:
     kind = "HSDP" if mesh.ndim == 2 else "FSDP"
     dims = ", ".join(f"{name}={size}" for name, size in zip(mesh.mesh_dim_names or (), mesh.shape))
@@ -173,13 +152,10 @@ __all__ = [
     "REPLICATE_DIM",
     "SHARD_DIM",
     "build_device_mesh",
-    "data_parallel_rank",
     "default_device_type",
     "describe",
     "dim_names_for",
     "init_device_mesh",
-    "replicate_group_size",
     "resolve_mesh_shape",
-    "shard_group_size",
     "validate_mesh_shape",
 ]

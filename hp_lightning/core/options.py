@@ -122,6 +122,7 @@ class HSDPOptions:
     fault_watchdog: bool = True
     heartbeat_timeout: float = 120.0
     failure_exit_grace: float = 30.0
+    save_on_preemption: bool = False
 
     def __post_init__(self) -> None:
         normalized = {
@@ -148,6 +149,7 @@ class HSDPOptions:
             "fault_watchdog": _check_bool(self.fault_watchdog, "fault_watchdog"),
             "heartbeat_timeout": check_seconds(self.heartbeat_timeout, "heartbeat_timeout", "HSDPStrategy"),
             "failure_exit_grace": check_seconds(self.failure_exit_grace, "failure_exit_grace", "HSDPStrategy"),
+            "save_on_preemption": _check_bool(self.save_on_preemption, "save_on_preemption"),
         }
         for name, value in normalized.items():
             object.__setattr__(self, name, value)

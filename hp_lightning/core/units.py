@@ -140,6 +140,13 @@ def bottom_up(model: nn.Module, modules: Iterable[nn.Module]) -> list[nn.Module]
     return sorted(modules, key=lambda m: -order[id(m)])
 
 
+def user_class(module: nn.Module) -> type:
+    """The class the user wrote, also for a module ``fully_shard`` has already given a subclass."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule))
+
+
 def _has_params(module: nn.Module) -> bool:
     return any(True for _ in module.parameters())
 
@@ -162,7 +169,7 @@ def auto_units(model: nn.Module) -> list[nn.Module]:
         if not isinstance(module, nn.ModuleList) or any(name.startswith(b + ".") for b in block_names):
             continue
         children = [(f"{name}.{i}", c) for i, c in enumerate(module) if _has_params(c)]
-        if len(children) >= 2 and len({type(c) for _, c in children}) == 1:
+        if len(children) >= 2 and len({user_class(c) for _, c in children}) == 1:
             block_names.extend(n for n, _ in children)
             blocks.extend(c for _, c in children)
     return bottom_up(model, blocks)

@@ -30,6 +30,7 @@ from typing_extensions import override
 
 from hp_lightning import checkpoint as checkpoint_io
 from hp_lightning._lightning_private import (
+    before_resume,
     PathLike,
     TrainerSubprocessScriptLauncher,
     distributed_is_initialized,
@@ -45,7 +46,9 @@ from hp_lightning.core.parallelize import ShardedModel, ShardingPlan
 from hp_lightning.core.prepare import prepare_model
 from hp_lightning.core.materialize import move_unsharded_states
 from hp_lightning.fully_shard import HSDPModule
+from hp_lightning.core.preemption import Preempted, PreemptionWatch
 from hp_lightning.strategies.precision import HSDPPrecision, precision_from_lightning
+from hp_lightning.strategies.preemption import PreemptionStop, preemption_checkpoint_path
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -107,6 +110,10 @@ class HSDPStrategy(ParallelStrategy):
         failure_exit_grace: seconds a failed rank gets to print its traceback and exit; the
             other ranks wait that long at most, and a failed process still alive after it
             (a non-daemon thread) is ended.
+        save_on_preemption: on SIGTERM (preemption), save ``last.ckpt`` in the
+            ``ModelCheckpoint`` folder before stopping, so ``fit(ckpt_path="last")`` resumes at
+            that step. Either way every rank stops at the same batch, at the end of its
+            accumulation window, with exit code 143 (see :mod:`hp_lightning.core.preemption`).
     """
 
     strategy_name = "hsdp"
@@ -142,6 +149,7 @@ class HSDPStrategy(ParallelStrategy):
         fault_watchdog: bool = True,
         heartbeat_timeout: float = 120.0,
         failure_exit_grace: float = 30.0,
+        save_on_preemption: bool = False,
     ) -> None:
         # Validate everything here: this runs in Trainer(...) before any process or group exists.
         self.options = HSDPOptions(
@@ -168,6 +176,7 @@ class HSDPStrategy(ParallelStrategy):
             fault_watchdog=fault_watchdog,
             heartbeat_timeout=heartbeat_timeout,
             failure_exit_grace=failure_exit_grace,
+            save_on_preemption=save_on_preemption,
         )
         self._process_group_backend = self.options.process_group_backend
         self._accumulation_mode = self.options.accumulation_mode
@@ -182,6 +191,7 @@ class HSDPStrategy(ParallelStrategy):
         self._device_mesh: Optional[DeviceMesh] = None
         self._sharded: Optional[ShardedModel] = None
         self._watchdog: Optional[faults.FaultWatchdog] = None
+        self._preemption = PreemptionWatch()
 
     # ------------------------------------------------------------------ properties
 
@@ -292,6 +302,9 @@ class HSDPStrategy(ParallelStrategy):
         trainer = getattr(self.lightning_module, "_trainer", None)
         settings = faults.setup_settings(self.options.settings(), self.precision_plugin.precision, trainer, shape)
         faults.check_rank_agreement(settings, stage="setup")
+        if trainer is not None:
+            # Every rank must resume from the same checkpoint, or from none: compared when known.
+            before_resume(trainer, lambda path: faults.check_rank_agreement(faults.resume_settings(path), stage="resume"))
         self._device_mesh = build_device_mesh(self.root_device.type, shape)
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
@@ -345,9 +358,16 @@ class HSDPStrategy(ParallelStrategy):
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
+            self._add_preemption_stop(trainer)
         self.setup_precision_plugin()
         if self.options.sharding_report:
             rank_zero_info(self.sharding_summary().table())
+
+    def _add_preemption_stop(self, trainer: pl.Trainer) -> None:
+        if self.options.save_on_preemption:
+            preemption_checkpoint_path(trainer)  # refuse a setup that could not save, now
+        if not any(isinstance(cb, PreemptionStop) for cb in trainer.callbacks):
+            trainer.callbacks.append(PreemptionStop(self._preemption, save=self.options.save_on_preemption))
 
     def sharding_summary(self) -> ShardingSummary:
         """The per-unit table of what was sharded (a collective: every rank must call it)."""
@@ -423,6 +443,33 @@ class HSDPStrategy(ParallelStrategy):
             for unit in self.model.modules():
                 if isinstance(unit, HSDPModule):
                     unit.reshard()
+
+    @override
+    def on_train_start(self) -> None:
+        # Lightning registered its SIGTERM handler (a collective inside a signal handler) just
+        # before the loops; ours only records the signal, and PreemptionStop acts on it.
+        self._preemption.install()
+
+    @override
+    def on_validation_start(self) -> None:
+        self._install_eval_preemption()
+
+    @override
+    def on_test_start(self) -> None:
+        self._install_eval_preemption()
+
+    @override
+    def on_predict_start(self) -> None:
+        self._install_eval_preemption()
+
+    def _install_eval_preemption(self) -> None:
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is not None and trainer.state.fn != TrainerFn.FITTING:
+            # No training batch to agree at: stop this rank now; the watchdog stops the others.
+            def stop(signum: int) -> None:
+                raise Preempted(signum, "during evaluation")
+
+            self._preemption.install(on_signal=stop)
 
     @override
     def on_validation_end(self) -> None:
@@ -525,12 +572,17 @@ class HSDPStrategy(ParallelStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
+        if self._watchdog is None:
+            return
+        if isinstance(exception, Preempted) and exception.detail != "during evaluation":
+            self._watchdog.stop()  # every rank stops here together: an orderly end, not a failure
+            return
         # Post this rank's failure for the others, or (a consequence of another rank's) exit quietly.
-        if self._watchdog is not None:
-            self._watchdog.report(exception)
+        self._watchdog.report(exception)
 
     @override
     def teardown(self) -> None:
+        self._preemption.restore()
         if self._watchdog is not None:
             self._watchdog.stop()
         assert self.cluster_environment is not None

@@ -61,10 +61,7 @@ def _disagreements(tmp: str) -> dict[str, str]:
     results = {"same": outcome(settings())}
     results["precision"] = outcome(settings(precision="bf16-mixed" if odd else "32-true"))
     results["units"] = outcome(settings({"shard_modules": ["Block"] if odd else None}))
-    resume = settings()
-    trainer = Trainer(devices=2, strategy=GuardedHSDPStrategy(), **trainer_kwargs())
-    trainer.ckpt_path = os.path.join(tmp, f"run-{rank}", "last.ckpt")  # e.g. a per-node path
-    results["ckpt_path"] = outcome(faults.setup_settings(trainer.strategy.options.settings(), trainer.strategy.precision_plugin.precision, trainer, (2,)))
+    results["ckpt_path"] = outcome(faults.resume_settings(os.path.join(tmp, f"run-{rank}", "last.ckpt")), stage="resume")
     results["checkpoint dirpath"] = outcome(
         settings(enable_checkpointing=True, callbacks=[ModelCheckpoint(dirpath=os.path.join(tmp, "ckpt", str(rank)))])
     )
@@ -76,8 +73,46 @@ def _disagreements(tmp: str) -> dict[str, str]:
     hp_lightning.__version__, torch.__version__ = saved
     model = TinyNet(depth=3 if odd else 2)  # e.g. a config read per node
     results["model"] = outcome(faults.sharding_settings(model, None), stage="sharding")
+    results.update(_resume_cases(tmp, rank))
     dist.destroy_process_group()
     return results
+
+
+def _resume_cases(tmp: str, rank: int) -> dict[str, str]:
+    """Real fits: one that saves, then resumes where only rank 1 has a path, and with different paths."""
+    import os
+    import shutil
+
+    import torch.distributed as dist
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from hp_lightning import HSDPStrategy
+    from tests.helpers import RegressionModule, make_dataset, rank_loader, trainer_kwargs
+
+    def fit(ckpt_path, steps: int) -> str:
+        trainer = Trainer(
+            devices=2,
+            strategy=HSDPStrategy(mesh_shape=[2], fault_watchdog=False),
+            max_steps=steps,
+            callbacks=[ModelCheckpoint(dirpath=os.path.join(tmp, "resume"), save_last=True)],
+            **trainer_kwargs(enable_checkpointing=True),
+        )
+        try:
+            trainer.fit(RegressionModule(), rank_loader(make_dataset(), 16, 2), ckpt_path=ckpt_path)
+        except Exception as exc:  # noqa: BLE001 - the test compares the message
+            return f"{type(exc).__name__}: {exc}"
+        return "resumed" if ckpt_path else "trained"
+
+    out = {"first fit": fit(None, 2)}
+    last = os.path.join(tmp, "resume", "last.ckpt")
+    if rank == 0:
+        shutil.copytree(last, os.path.join(tmp, "copy.ckpt"))
+    dist.barrier()
+    out["only rank 1 resumes"] = fit(last if rank == 1 else None, 3)
+    out["different paths"] = fit(last if rank == 0 else os.path.join(tmp, "copy.ckpt"), 3)
+    out["same path"] = fit(last, 3)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -89,6 +124,16 @@ def disagreements(tmp_path_factory) -> dict[str, str]:
 
 def test_identical_settings_pass(disagreements):
     assert disagreements["same"] == "agreed"
+    assert disagreements["first fit"] == "trained" and disagreements["same path"] == "resumed"
+
+
+@pytest.mark.parametrize("case", ["only rank 1 resumes", "different paths"])
+def test_resume_disagreement_is_refused_before_loading(disagreements, case):
+    # Lightning reads the checkpoint only on ranks with a path: unchecked, one rank waits in a
+    # collective the others never join (a hang), or rank 0's path silently wins.
+    message = disagreements[case]
+    assert message.startswith("RankDisagreementError: Ranks disagree about checkpoint to resume (ckpt_path) (checked at resume"), message
+    assert "on rank 0;" in message and "on rank 1" in message
 
 
 @pytest.mark.parametrize(

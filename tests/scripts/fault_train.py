@@ -16,6 +16,8 @@ Faults (on rank R at global step S):
   ``NonFiniteGradients`` or by clipping with ``error_if_nonfinite=True``;
 * ``save_kill``: SIGKILL right after rank R wrote its shards of the step-S checkpoint;
 * ``disagree``: rank R runs with a different ``--mesh`` (the others use ``[2]``);
+* ``sigterm_rank`` / ``sigterm_job``: SIGTERM (preemption) to rank R alone, or to the whole job
+  (its process group: under torchrun the agent too), as a scheduler sends it;
 * ``none``: a clean run, then ``validate`` in the same processes (exit code 0 expected).
 """
 
@@ -41,7 +43,10 @@ from hp_lightning.core.gradients import clip_grad_norm_
 from tests.faults.guarded import GuardedHSDPStrategy
 from tests.helpers import RegressionModule, make_dataset, rank_loader, trainer_kwargs
 
-FAULTS = ("none", "training_step", "callback", "data", "sigkill", "sigstop", "stuck", "nan", "nan_clip", "save_kill", "disagree")
+FAULTS = (
+    "none", "training_step", "callback", "data", "sigkill", "sigstop", "stuck", "nan", "nan_clip", "save_kill", "disagree",
+    "sigterm_rank", "sigterm_job",
+)
 GLOBAL_BATCH = 16
 
 
@@ -93,6 +98,12 @@ class Injector(Callback):
         if a.fault in ("sigkill", "sigstop"):
             mark_fault(a.out, a.fault)
             os.kill(os.getpid(), signal.SIGKILL if a.fault == "sigkill" else signal.SIGSTOP)
+        if a.fault == "sigterm_rank":
+            mark_fault(a.out, a.fault)
+            os.kill(os.getpid(), signal.SIGTERM)
+        if a.fault == "sigterm_job":
+            mark_fault(a.out, a.fault)
+            os.killpg(os.getpgid(0), signal.SIGTERM)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         a = self.args
@@ -151,6 +162,9 @@ def main() -> None:
     parser.add_argument("--heartbeat-timeout", type=float, default=120.0)
     parser.add_argument("--exit-grace", type=float, default=30.0)
     parser.add_argument("--no-watchdog", action="store_true")
+    parser.add_argument("--save-on-preemption", action="store_true")
+    parser.add_argument("--resume", action="store_true", help="fit(ckpt_path='last') from OUT/ckpts")
+    parser.add_argument("--dump", action="store_true", help="rank 0 writes the final parameters to OUT/params.pt")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     # Lightning's launcher sets LOCAL_RANK in the ranks it starts; torchrun sets RANK (one node: the same).
@@ -168,10 +182,13 @@ def main() -> None:
         fault_watchdog=not args.no_watchdog,
         heartbeat_timeout=args.heartbeat_timeout,
         failure_exit_grace=args.exit_grace,
+        save_on_preemption=args.save_on_preemption,
     )
     callbacks: list[Callback] = [Injector(args)]
-    checkpointing = args.fault == "save_kill"
-    if checkpointing:
+    checkpointing = args.fault == "save_kill" or args.save_on_preemption or args.resume
+    if checkpointing and args.fault != "save_kill":
+        callbacks.append(ModelCheckpoint(dirpath=args.out / "ckpts", save_top_k=0))
+    if args.fault == "save_kill":
         # Saves at steps 2, 4, ...: kill during the save of step S (the (S/2)-th, counting from 0).
         callbacks.append(ModelCheckpoint(dirpath=args.out / "ckpts", every_n_train_steps=2, save_top_k=-1))
         args.saves_seen, args.step_save_index = 0, args.step // 2 - 1
@@ -190,7 +207,15 @@ def main() -> None:
     if disagreeing:
         mark_fault(args.out, "disagree")  # the mismatch exists from here on; setup must catch it
     model = FaultyModule(args)
-    trainer.fit(model, rank_loader(FaultyData(args), GLOBAL_BATCH, 2, num_workers=workers))
+    trainer.fit(
+        model, rank_loader(FaultyData(args), GLOBAL_BATCH, 2, num_workers=workers), ckpt_path="last" if args.resume else None
+    )
+    if args.dump:
+        from tests.helpers import full_params
+
+        params = full_params(model)  # a collective: every rank
+        if trainer.global_rank == 0:
+            torch.save({"params": params, "global_step": trainer.global_step}, args.out / "params.pt")
     if args.fault == "none":
         # A second Trainer call in the same processes: a second watchdog session.
         trainer.validate(model, rank_loader(make_dataset(n=32), GLOBAL_BATCH, 2), verbose=False)

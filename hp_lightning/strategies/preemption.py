@@ -1,0 +1,71 @@
+"""How the Trainer stops on preemption: every rank at the same batch, after an optional checkpoint.
+
+:class:`HSDPStrategy` replaces Lightning's SIGTERM handler (which starts a collective inside the
+handler and can hang the job) with :class:`~hp_lightning.core.preemption.PreemptionWatch`, and
+adds :class:`PreemptionStop` to the trainer's callbacks. After each training batch the ranks
+agree, in one all-reduce of one number, whether any of them was signalled; at the end of the
+accumulation window they save ``last.ckpt`` (with ``save_on_preemption=True``) and raise
+:class:`~hp_lightning.core.preemption.Preempted` together.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional
+
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from typing_extensions import override
+
+from hp_lightning._lightning_private import should_accumulate
+from hp_lightning.core.preemption import Preempted, PreemptionWatch
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+
+def preemption_checkpoint_path(trainer: pl.Trainer) -> Path:
+    """Where a preemption save goes: the first ``ModelCheckpoint``'s ``last`` name, which ``ckpt_path="last"`` finds.
+
+    Raises:
+        ValueError: when the trainer has no ``ModelCheckpoint`` (nothing would find the save).
+    """
+    callback = trainer.checkpoint_callback
+    if not isinstance(callback, ModelCheckpoint) or callback.dirpath is None:
+        raise ValueError(
+            "HSDPStrategy(save_on_preemption=True) saves to the ModelCheckpoint's folder as "
+            "'last.ckpt', where Trainer.fit(ckpt_path='last') finds it, but this trainer has no "
+            "ModelCheckpoint. Keep Trainer(enable_checkpointing=True) (the default) or add a "
+            "ModelCheckpoint callback, or set save_on_preemption=False."
+        )
+    return Path(callback.dirpath) / f"{callback.CHECKPOINT_NAME_LAST}{callback.FILE_EXTENSION}"
+
+
+class PreemptionStop(Callback):
+    """Added by :class:`~hp_lightning.HSDPStrategy` (not meant to be added by hand).
+
+    Args:
+        watch: the strategy's signal record.
+        save: save ``last.ckpt`` before stopping.
+    """
+
+    def __init__(self, watch: PreemptionWatch, save: bool) -> None:
+        self.watch = watch
+        self.save = save
+        #: The checkpoint written on preemption, once written.
+        self.saved: Optional[Path] = None
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        signum = self.watch.agreed(trainer.strategy.root_device)
+        if not signum:
+            return
+        if pl_module.automatic_optimization and should_accumulate(trainer):
+            return  # finish the accumulation window first: its gradients would be lost
+        detail = f"stopped at step {trainer.global_step}"
+        if self.save:
+            self.saved = preemption_checkpoint_path(trainer)
+            trainer.save_checkpoint(self.saved)
+            detail += f", saved {self.saved} (resume with ckpt_path='last')"
+        rank_zero_info(f"[hp_lightning] {Preempted(signum, detail)}")
+        raise Preempted(signum, detail)
