@@ -51,7 +51,11 @@ def _raise_first(errors: Sequence[Optional[tuple[str, str]]], mine: Optional[Bas
         if source == rank() and mine is not None:
             raise mine
         cls = _ERROR_TYPES.get(wire[0], RuntimeError)
-        raise cls(f"{wire[1]} (on rank {source})")
+        # The same message on every rank (so the job prints it once); where it arose goes in a note.
+        error = cls(wire[1])
+        if hasattr(error, "add_note"):
+            error.add_note(f"(raised on rank {source}; this rank {rank()} reports it too)")
+        raise error
 
 
 def agree(error: Optional[BaseException]) -> None:

@@ -137,8 +137,10 @@ def _written_by_hp_lightning(meta_file: Path) -> bool:
     """Whether a sharded checkpoint's trainer-state file carries hp_lightning's producer record."""
     import torch
 
+    from hp_lightning.core.devices import cpu_device
+
     try:
-        meta = torch.load(meta_file, map_location="cpu", weights_only=False, mmap=True)
+        meta = torch.load(meta_file, map_location=cpu_device(), weights_only=False, mmap=True)
     except Exception:  # noqa: BLE001 - unreadable: the loader reports it with its own message
         return False
     return isinstance(meta, Mapping) and isinstance(meta.get(FULL_INFO_KEY), Mapping)

@@ -14,7 +14,6 @@ see that file.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-import pickle
 from pathlib import Path
 from typing import Any, Optional
 
@@ -279,7 +278,7 @@ def _torch_load(path: Path, *, weights_only: Optional[bool]) -> Any:
             if "mmap" not in str(exc):
                 raise
         return torch.load(path, map_location=devices.cpu_device(), weights_only=bool(weights_only))  # legacy (non-zip) format
-    except (RuntimeError, EOFError, pickle.UnpicklingError) as exc:
+    except Exception as exc:  # noqa: BLE001 - unpickling damaged bytes can raise almost anything
         raise ValueError(f"Could not read checkpoint {str(path)!r}: {type(exc).__name__}: {exc}") from None
 
 

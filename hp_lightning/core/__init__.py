@@ -15,7 +15,9 @@ and the checkpoint IO all call the same code. One module per concern:
 ``gradients``          clipping over sharded (DTensor) and whole gradients
 ``state_dict``         model/optimizer state, sharded or whole, keyed by parameter name
 ``options``            the strategy options, validated once for both front ends
-``faults``             the fault watchdog and the rank-agreement check
+``watchdog``           every rank stops within seconds when one fails; the first cause named once
+``agreement``          settings every rank must share, compared before they take effect
+``preemption``         SIGTERM recorded in a handler, acted on by every rank at the same batch
 ``devices``            the only place device names (cuda, npu) appear
 ``diagnostics``        counting collectives at the torch.distributed call
 ``_torch_private``     every private torch name, behind one function each

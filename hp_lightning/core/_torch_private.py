@@ -40,6 +40,7 @@ _PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
     ("torch.distributed.fsdp._fully_shard._fsdp_param", "FSDPParam.unsharded_accumulated_grad"),
     ("torch.distributed.fsdp._fully_shard._fsdp_param", "FSDPParam._unsharded_param"),
     ("torch.distributed.distributed_c10d", "_get_default_store"),
+    ("torch.distributed.distributed_c10d", "_set_pg_timeout"),
     ("torch.autograd.variable", "Variable._execution_engine.queue_callback"),
     ("torch.distributed.checkpoint.state_dict_loader", "_load_state_dict"),
     ("torch.distributed.checkpoint.default_planner", "_EmptyStateDictLoadPlanner"),
@@ -140,6 +141,13 @@ def default_store() -> dist.Store:
     from torch.distributed import distributed_c10d
 
     return distributed_c10d._get_default_store()
+
+
+def set_collective_timeout(group: Any, timeout: Any) -> None:
+    """Change an existing process group's collective timeout (torch has no public setter)."""
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    _set_pg_timeout(timeout, group)
 
 
 def load_dcp_untargeted(path: str, keys: set[str] | None = None) -> dict[str, Any]:

@@ -18,7 +18,7 @@ import torch
 
 from hp_lightning.core import devices
 from hp_lightning.core.accumulation import check_mode
-from hp_lightning.core.faults import check_seconds
+from hp_lightning.core.watchdog import check_seconds
 from hp_lightning.core.mesh import validate_mesh_shape
 from hp_lightning.core.parallelize import ShardingPlan
 from hp_lightning.core.units import UnitSpec, validate_unit_specs
@@ -41,15 +41,15 @@ def _check_choice(value: Any, name: str, choices: Sequence[str]) -> str:
     return value.lower()
 
 
-def _check_timeout(timeout: Any) -> timedelta:
+def _check_timeout(timeout: Any, name: str = "timeout") -> timedelta:
     if isinstance(timeout, timedelta):
         seconds = timeout.total_seconds()
     elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
         seconds = float(timeout)
     else:
-        raise TypeError(f"HSDPStrategy(timeout=...) expects seconds (a number) or a timedelta; got {type(timeout).__name__} {timeout!r}.")
+        raise TypeError(f"HSDPStrategy({name}=...) expects seconds (a number) or a timedelta; got {type(timeout).__name__} {timeout!r}.")
     if not math.isfinite(seconds) or seconds <= 0:
-        raise ValueError(f"HSDPStrategy(timeout=...) must be > 0 seconds; got {seconds}. Example: timeout=1800.")
+        raise ValueError(f"HSDPStrategy({name}=...) must be > 0 seconds; got {seconds}. Example: {name}=1800.")
     return timedelta(seconds=seconds)
 
 
@@ -119,6 +119,7 @@ class HSDPOptions:
     sharding_report: bool = False
     process_group_backend: Optional[str] = None
     timeout: Union[float, timedelta] = DEFAULT_TIMEOUT
+    train_timeout: Optional[Union[float, timedelta]] = None
     fault_watchdog: bool = True
     heartbeat_timeout: float = 120.0
     failure_exit_grace: float = 30.0
@@ -146,6 +147,7 @@ class HSDPOptions:
             "sharding_report": _check_bool(self.sharding_report, "sharding_report"),
             "process_group_backend": _check_backend(self.process_group_backend),
             "timeout": _check_timeout(self.timeout),
+            "train_timeout": None if self.train_timeout is None else _check_timeout(self.train_timeout, "train_timeout"),
             "fault_watchdog": _check_bool(self.fault_watchdog, "fault_watchdog"),
             "heartbeat_timeout": check_seconds(self.heartbeat_timeout, "heartbeat_timeout", "HSDPStrategy"),
             "failure_exit_grace": check_seconds(self.failure_exit_grace, "failure_exit_grace", "HSDPStrategy"),

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from hp_lightning.core import faults
+from hp_lightning.core import agreement
 from hp_lightning.core.materialize import materialize, move_unsharded_states
 from hp_lightning.core.parallelize import ShardedModel, ShardingPlan, parallelize
 
@@ -40,7 +40,7 @@ def prepare_model(
     if sharded is None:
         sharded = parallelize(model, mesh, plan)
         # fully_shard does not communicate; materialize does: compare the models and units first.
-        faults.check_rank_agreement(faults.sharding_settings(model, sharded), stage="sharding")
+        agreement.check_rank_agreement(agreement.sharding_settings(model, sharded), stage="sharding")
         model.__dict__[_PREPARED] = sharded
     materialize(model, mesh, init_device)
     move_unsharded_states(model, device)

@@ -37,10 +37,10 @@ from hp_lightning._lightning_private import (
     init_dist_connection,
     sync_ddp_if_available,
 )
-from hp_lightning.core import devices, faults
+from hp_lightning.core import agreement, devices, watchdog
 from hp_lightning.core.accumulation import ACCUMULATION_MODES, check_mode, no_gradient_sync
 from hp_lightning.core.introspection import ShardingSummary, summarize, units_in_order
-from hp_lightning.core.mesh import build_device_mesh, describe, resolve_mesh_shape
+from hp_lightning.core.mesh import build_device_mesh, describe, resolve_mesh_shape, set_collective_timeout
 from hp_lightning.core.options import DEFAULT_TIMEOUT, STATE_DICT_TYPES, HSDPOptions
 from hp_lightning.core.parallelize import ShardedModel, ShardingPlan
 from hp_lightning.core.prepare import prepare_model
@@ -98,10 +98,14 @@ class HSDPStrategy(ParallelStrategy):
             (the same table as the ``ShardingReport`` callback).
         process_group_backend: None → gloo for CPU, nccl for CUDA, hccl for NPU (with gloo added
             for host tensors under ``cpu_offload``: ``"cpu:gloo,cuda:nccl"``).
-        timeout: collective timeout, in seconds or as a timedelta.
+        timeout: collective timeout, in seconds or as a timedelta: until the first optimizer
+            step, and for the whole run unless ``train_timeout`` is set.
+        train_timeout: a shorter collective timeout from the first optimizer step on, once
+            rendezvous, compilation and checkpoint loading are behind (as torchtitan does).
+            None keeps ``timeout``.
         fault_watchdog: when one rank fails (an exception, SIGKILL, the OOM killer, a frozen
             process), stop every rank within seconds, with the first failure named once and the
-            others exiting with code 3 (see :mod:`hp_lightning.core.faults`). Costs a thread and
+            others exiting with code 3 (see :mod:`hp_lightning.core.watchdog`). Costs a thread and
             three small store operations per rank and second. Off: a failure surfaces on the
             other ranks as a gloo/NCCL error, or as a hang until ``timeout``.
         heartbeat_timeout: seconds without a heartbeat before a rank counts as lost (frozen,
@@ -146,6 +150,7 @@ class HSDPStrategy(ParallelStrategy):
         sharding_report: bool = False,
         process_group_backend: Optional[str] = None,
         timeout: Union[float, timedelta] = DEFAULT_TIMEOUT,
+        train_timeout: Optional[Union[float, timedelta]] = None,
         fault_watchdog: bool = True,
         heartbeat_timeout: float = 120.0,
         failure_exit_grace: float = 30.0,
@@ -173,6 +178,7 @@ class HSDPStrategy(ParallelStrategy):
             sharding_report=sharding_report,
             process_group_backend=process_group_backend,
             timeout=timeout,
+            train_timeout=train_timeout,
             fault_watchdog=fault_watchdog,
             heartbeat_timeout=heartbeat_timeout,
             failure_exit_grace=failure_exit_grace,
@@ -190,8 +196,9 @@ class HSDPStrategy(ParallelStrategy):
         self.num_nodes = 1
         self._device_mesh: Optional[DeviceMesh] = None
         self._sharded: Optional[ShardedModel] = None
-        self._watchdog: Optional[faults.FaultWatchdog] = None
+        self._watchdog: Optional[watchdog.FaultWatchdog] = None
         self._preemption = PreemptionWatch()
+        self._train_timeout_set = False
 
     # ------------------------------------------------------------------ properties
 
@@ -275,12 +282,16 @@ class HSDPStrategy(ParallelStrategy):
     def _configure_launcher(self) -> None:
         # Lightning calls this inside Trainer(...) once devices and nodes are known: the last
         # moment to refuse a mesh that cannot cover the world before any process starts.
-        resolve_mesh_shape(
-            self.options.mesh_shape,
-            world_size=self.num_nodes * self.num_processes,
-            num_nodes=self.num_nodes,
-            devices_per_node=self.num_processes,
-        )
+        try:
+            resolve_mesh_shape(
+                self.options.mesh_shape,
+                world_size=self.num_nodes * self.num_processes,
+                num_nodes=self.num_nodes,
+                devices_per_node=self.num_processes,
+            )
+        except ValueError as exc:
+            watchdog.print_once_per_job(exc)  # every torchrun worker raises it: one traceback per job
+            raise
         assert self.cluster_environment is not None
         if not self.cluster_environment.creates_processes_externally:
             self._launcher = TrainerSubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
@@ -288,23 +299,27 @@ class HSDPStrategy(ParallelStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        self._setup_distributed()
+        try:
+            self._setup_distributed()
+        except Exception as exc:
+            watchdog.print_once_per_job(exc)  # e.g. a backend that cannot start: the same on every rank
+            raise
         if self.options.fault_watchdog:
             # First thing once the process group exists: from here on, a failure anywhere stops every rank.
-            self._watchdog = self._watchdog or faults.FaultWatchdog(
+            self._watchdog = self._watchdog or watchdog.FaultWatchdog(
                 heartbeat_timeout=self.options.heartbeat_timeout, exit_grace=self.options.failure_exit_grace
             )
-            self._watchdog.start(self.global_rank, self.world_size, faults.local_ranks(self.node_rank, self.num_processes))
+            self._watchdog.start(self.global_rank, self.world_size, watchdog.local_ranks(self.node_rank, self.num_processes))
         shape = resolve_mesh_shape(
             self.options.mesh_shape, world_size=self.world_size, num_nodes=self.num_nodes, devices_per_node=self.num_processes
         )
         # Before the mesh's groups exist: ranks that disagree would build different groups and hang.
         trainer = getattr(self.lightning_module, "_trainer", None)
-        settings = faults.setup_settings(self.options.settings(), self.precision_plugin.precision, trainer, shape)
-        faults.check_rank_agreement(settings, stage="setup")
+        settings = agreement.setup_settings(self.options.settings(), self.precision_plugin.precision, trainer, shape)
+        agreement.check_rank_agreement(settings, stage="setup")
         if trainer is not None:
             # Every rank must resume from the same checkpoint, or from none: compared when known.
-            before_resume(trainer, lambda path: faults.check_rank_agreement(faults.resume_settings(path), stage="resume"))
+            before_resume(trainer, lambda path: agreement.check_rank_agreement(agreement.resume_settings(path), stage="resume"))
         self._device_mesh = build_device_mesh(self.root_device.type, shape)
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
@@ -430,6 +445,15 @@ class HSDPStrategy(ParallelStrategy):
         assert self.model is not None
         with no_gradient_sync(self.model, self._accumulation_mode):
             yield
+
+    @override
+    def optimizer_step(self, optimizer: Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self.options.train_timeout is not None and not self._train_timeout_set:
+            # After the first step every rank is in step: a collective that waits longer is a hang.
+            set_collective_timeout(self.device_mesh, self.options.train_timeout)
+            self._train_timeout_set = True
+        return output
 
     # ------------------------------------------------------------------ loop boundaries
 

@@ -19,7 +19,7 @@ import signal
 import pytest
 import torch
 
-from hp_lightning.core.faults import PEER_FAILED_EXIT_CODE
+from hp_lightning.core.watchdog import PEER_FAILED_EXIT_CODE
 from tests.faults.harness import FaultRun, launch, record
 
 #: Seconds from a fault to the end of every process (launcher included). The watchdog polls once a
@@ -149,6 +149,71 @@ def test_frozen_rank_is_found_by_its_heartbeat_and_ended(tmp_path):
     assert "because rank 1 (pid" in lines[0] and "stopped responding: no heartbeat for" in lines[0], lines
     assert "hp_lightning ended it with SIGKILL" in lines[0], lines
     assert run.returncode == PEER_FAILED_EXIT_CODE and run.tracebacks() == [], run.tail()
+
+
+def test_frozen_store_host_is_detected_and_ended(tmp_path):
+    # Rank 0 serves the job's store under Lightning's launcher: frozen, it leaves the store's
+    # socket open but silent, and a store client would wait for it without end.
+    heartbeat = 6.0
+    run = launch(tmp_path, "--fault", "sigstop", "--rank", "0", "--step", "2", "--heartbeat-timeout", str(heartbeat))
+    expect_bounded(run, heartbeat + BOUND)
+    lines = run.watchdog_lines()
+    assert len(lines) == 1, lines
+    assert "rank 1: stopping (exit code 3) because" in lines[0] and "rank 0" in lines[0], lines
+    assert "ended it with SIGKILL" in lines[0], lines
+    assert run.tracebacks() == [], run.tail()
+
+
+@pytest.mark.parametrize("launcher", ["lightning", "torchrun"])
+def test_deadlocked_main_thread_is_named_even_though_its_heartbeat_goes_on(tmp_path, launcher):
+    heartbeat = 6.0
+    run = launch(tmp_path, "--fault", "deadlock", "--rank", "1", "--step", "2", "--heartbeat-timeout", str(heartbeat), launcher=launcher)
+    expect_bounded(run, heartbeat + BOUND)
+    lines = run.watchdog_lines()
+    mine = [l for l in lines if l.startswith("[hp_lightning] rank 1 is deadlocked: its main thread has not moved for")]
+    assert len(mine) == 1 and "in on_train_batch_start" in run.output, run.tail()
+    # The rank waiting for it in a collective is not blamed: it is stopped, naming rank 1.
+    assert any("rank 0: stopping (exit code 3) because rank 1 (pid" in l and "deadlocked" in l for l in lines), lines
+    if launcher == "torchrun":
+        expect_torchrun_root_cause(run, 1, "rank 1: deadlocked")
+
+
+def test_failed_rank_that_catches_its_error_is_ended_after_the_grace(tmp_path):
+    grace = 5.0
+    run = launch(tmp_path, "--fault", "caught", "--rank", "1", "--step", "2", "--exit-grace", str(grace))
+    expect_bounded(run, grace + BOUND)
+    assert "rank 1: caught the error, carrying on" in run.output, run.tail()
+    lines = run.watchdog_lines()
+    assert any("rank 0: stopping (exit code 3) because rank 1 failed first with ValueError" in l for l in lines), lines
+    assert any(f"rank 1: this rank failed and the other ranks were stopped for it, but its main thread was still running {grace:g} s later" in l for l in lines), lines
+
+
+def test_train_timeout_bounds_a_collective_after_the_first_step(tmp_path):
+    # No watchdog: only the collective timeout can end rank 0's wait for rank 1 (asleep for 12 s).
+    run = launch(tmp_path, "--fault", "sleepy", "--rank", "1", "--step", "2", "--no-watchdog", "--train-timeout", "3")
+    assert not run.timed_out and run.fault is not None, run.tail()
+    waited = run.ended["rank0"] - run.fault["time"]
+    assert waited < 10, f"rank 0 waited {waited:.1f} s in its collective; train_timeout=3 should end it before rank 1 wakes"
+    assert "timed out" in run.output.lower() or "timeout" in run.output.lower(), run.tail()
+
+
+def test_checkpoint_error_on_every_rank_is_printed_once(tmp_path):
+    run = launch(tmp_path, "--fault", "junk_ckpt")
+    expect_bounded(run)
+    assert run.count(r"Traceback \(most recent call last\)") == 1, run.tail()
+    assert run.count(r"junk\.ckpt' is not a checkpoint") >= 1, run.tail()
+    lines = run.watchdog_lines()
+    assert len(lines) == 1 and "exiting with the same error as rank 0" in lines[0], lines
+
+
+@pytest.mark.parametrize("fault", ["bad_mesh", "bad_backend"])
+def test_configuration_error_on_every_rank_prints_one_traceback_torchrun(tmp_path, fault):
+    run = launch(tmp_path, "--fault", fault, launcher="torchrun")
+    expect_bounded(run)
+    # One traceback from the ranks (rank 0's); the agent's own ChildFailedError summary aside.
+    ranks_tracebacks = run.count(r"Traceback \(most recent call last\)") - run.count(r"^torch\.distributed\.elastic\.multiprocessing\.errors\.ChildFailedError")
+    assert ranks_tracebacks == 1, run.tail()
+    assert run.count(r"^\[hp_lightning\] rank 1: exiting with ") == 1, run.tail()
 
 
 # ====================================================================== non-finite gradients

@@ -1,4 +1,4 @@
-"""hp_lightning.core.faults without a process group: option checks, reports, messages, what gets compared."""
+"""hp_lightning.core.watchdog and .agreement without a process group: option checks, reports, messages, what gets compared."""
 
 from __future__ import annotations
 
@@ -7,12 +7,8 @@ import inspect
 import pytest
 import torch.distributed as dist
 
-from hp_lightning.core.faults import (
-    FailureReport,
-    FaultWatchdog,
-    check_rank_agreement,
-    is_communication_error,
-)
+from hp_lightning.core.agreement import check_rank_agreement
+from hp_lightning.core.watchdog import FailureReport, FaultWatchdog, is_communication_error
 from hp_lightning.strategies.hsdp import HSDPStrategy
 from tests.faults.guarded import GuardedHSDPStrategy
 
@@ -65,7 +61,7 @@ def test_failure_report_round_trip_and_wording():
 
 
 def test_watchdog_summary_reaches_into_dataloader_worker_errors():
-    from hp_lightning.core.faults import _first_line
+    from hp_lightning.core.watchdog import _first_line
 
     wrapped = "Caught ValueError in DataLoader worker process 0.\nOriginal Traceback (most recent call last):\n  File x\nValueError: bad sample 7\n"
     assert _first_line(wrapped) == "Caught ValueError in DataLoader worker process 0: ValueError: bad sample 7"

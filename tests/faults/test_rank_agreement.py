@@ -4,15 +4,16 @@ One case launches the fault script with Lightning's launcher, with a rank whose 
 differs. It checks that the run ends before training communicates and that the error is
 printed once. The others run in one pair of real gloo ranks: each rank builds its own
 ``Trainer`` with one setting changed on rank 1, and the real
-:func:`~hp_lightning.core.faults.check_rank_agreement` compares what the real
-:func:`~hp_lightning.core.faults.setup_settings` collected.
+:func:`~hp_lightning.core.agreement.check_rank_agreement` compares what the real
+:func:`~hp_lightning.core.agreement.setup_settings` collected.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from hp_lightning.core.faults import PEER_FAILED_EXIT_CODE, RankDisagreementError, disagreement_message
+from hp_lightning.core.agreement import RankDisagreementError, disagreement_message
+from hp_lightning.core.watchdog import PEER_FAILED_EXIT_CODE
 from tests.faults.harness import launch
 from tests.faults.test_fault_matrix import BOUND, expect_bounded
 from tests.helpers import run_distributed
@@ -39,7 +40,7 @@ def _disagreements(tmp: str) -> dict[str, str]:
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     import hp_lightning
-    from hp_lightning.core import faults
+    from hp_lightning.core import agreement as faults
     from tests.faults.guarded import GuardedHSDPStrategy
     from tests.helpers import TinyNet, trainer_kwargs
 

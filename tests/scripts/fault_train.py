@@ -16,6 +16,14 @@ Faults (on rank R at global step S):
   ``NonFiniteGradients`` or by clipping with ``error_if_nonfinite=True``;
 * ``save_kill``: SIGKILL right after rank R wrote its shards of the step-S checkpoint;
 * ``disagree``: rank R runs with a different ``--mesh`` (the others use ``[2]``);
+* ``deadlock``: rank R's main thread blocks on a lock it already holds (its watchdog thread
+  still beats);
+* ``caught``: an exception in rank R's ``training_step`` that the script catches, carrying on
+  with other work afterwards;
+* ``sleepy``: rank R's main thread sleeps 12 s (run with ``--no-watchdog --train-timeout T``);
+* ``junk_ckpt``: every rank resumes from a file of random bytes (a checkpoint error on every rank);
+* ``bad_mesh`` / ``bad_backend``: every rank asks for a mesh of 3 ranks, or for NCCL on CPUs
+  (configuration errors raised before the process group exists);
 * ``sigterm_rank`` / ``sigterm_job``: SIGTERM (preemption) to rank R alone, or to the whole job
   (its process group: under torchrun the agent too), as a scheduler sends it;
 * ``none``: a clean run, then ``validate`` in the same processes (exit code 0 expected).
@@ -45,7 +53,7 @@ from tests.helpers import RegressionModule, make_dataset, rank_loader, trainer_k
 
 FAULTS = (
     "none", "training_step", "callback", "data", "sigkill", "sigstop", "stuck", "nan", "nan_clip", "save_kill", "disagree",
-    "sigterm_rank", "sigterm_job",
+    "sigterm_rank", "sigterm_job", "deadlock", "caught", "bad_mesh", "bad_backend", "junk_ckpt", "sleepy",
 )
 GLOBAL_BATCH = 16
 
@@ -66,7 +74,7 @@ class FaultyModule(RegressionModule):
 
     def training_step(self, batch, batch_idx):
         a = self.args
-        if self.global_rank == a.rank and self.global_step == a.step and a.fault in ("training_step", "stuck"):
+        if self.global_rank == a.rank and self.global_step == a.step and a.fault in ("training_step", "stuck", "caught"):
             mark_fault(a.out, a.fault)
             if a.fault == "stuck":
                 # Like a metrics uploader or profiler thread: keeps the failed process alive.
@@ -95,6 +103,14 @@ class Injector(Callback):
         a = self.args
         if trainer.global_rank != a.rank or trainer.global_step != a.step:
             return
+        if a.fault == "sleepy":
+            mark_fault(a.out, a.fault)
+            time.sleep(12)
+        if a.fault == "deadlock":
+            mark_fault(a.out, a.fault)
+            lock = threading.Lock()
+            lock.acquire()
+            lock.acquire()  # never returns: a lock two code paths take in the wrong order
         if a.fault in ("sigkill", "sigstop"):
             mark_fault(a.out, a.fault)
             os.kill(os.getpid(), signal.SIGKILL if a.fault == "sigkill" else signal.SIGSTOP)
@@ -163,6 +179,7 @@ def main() -> None:
     parser.add_argument("--exit-grace", type=float, default=30.0)
     parser.add_argument("--no-watchdog", action="store_true")
     parser.add_argument("--save-on-preemption", action="store_true")
+    parser.add_argument("--train-timeout", type=float, default=None)
     parser.add_argument("--resume", action="store_true", help="fit(ckpt_path='last') from OUT/ckpts")
     parser.add_argument("--dump", action="store_true", help="rank 0 writes the final parameters to OUT/params.pt")
     args = parser.parse_args()
@@ -177,12 +194,16 @@ def main() -> None:
     disagreeing = args.fault == "disagree" and launch_rank == args.rank
     if disagreeing:
         mesh = args.mesh
+    if args.fault in ("bad_mesh", "bad_backend"):
+        mark_fault(args.out, args.fault)
     strategy = GuardedHSDPStrategy(
-        mesh_shape=mesh,
+        mesh_shape=[3] if args.fault == "bad_mesh" else mesh,
+        process_group_backend="nccl" if args.fault == "bad_backend" else None,
         fault_watchdog=not args.no_watchdog,
         heartbeat_timeout=args.heartbeat_timeout,
         failure_exit_grace=args.exit_grace,
         save_on_preemption=args.save_on_preemption,
+        train_timeout=args.train_timeout,
     )
     callbacks: list[Callback] = [Injector(args)]
     checkpointing = args.fault == "save_kill" or args.save_on_preemption or args.resume
@@ -207,9 +228,19 @@ def main() -> None:
     if disagreeing:
         mark_fault(args.out, "disagree")  # the mismatch exists from here on; setup must catch it
     model = FaultyModule(args)
-    trainer.fit(
-        model, rank_loader(FaultyData(args), GLOBAL_BATCH, 2, num_workers=workers), ckpt_path="last" if args.resume else None
-    )
+    ckpt_path = "last" if args.resume else None
+    if args.fault == "junk_ckpt":
+        ckpt_path = args.out / "junk.ckpt"
+        if launch_rank == 0:
+            ckpt_path.write_bytes(os.urandom(3000))
+        mark_fault(args.out, args.fault)
+    try:
+        trainer.fit(model, rank_loader(FaultyData(args), GLOBAL_BATCH, 2, num_workers=workers), ckpt_path=ckpt_path)
+    except ValueError:
+        if args.fault != "caught":
+            raise
+        print(f"rank {launch_rank}: caught the error, carrying on", flush=True)
+        time.sleep(120)  # other work of the script; the others were stopped, so this rank must end too
     if args.dump:
         from tests.helpers import full_params
 

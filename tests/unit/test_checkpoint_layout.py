@@ -89,7 +89,11 @@ def test_dcp_index_without_trainer_state_is_incomplete(tmp_path: Path) -> None:
 def test_lightning_layout_is_recognized(tmp_path: Path) -> None:
     path = tmp_path / "a.ckpt"
     write_sharded(path)
-    (path / MANIFEST_FILE).unlink()  # what Lightning's ModelParallelStrategy writes: index, shards, meta.pt
+    # What Lightning's ModelParallelStrategy writes: index, shards, and a meta.pt of its own.
+    (path / MANIFEST_FILE).unlink()
+    meta = torch.load(path / "meta.pt", weights_only=False)
+    meta.pop("hp_lightning")
+    torch.save(meta, path / "meta.pt")
     assert classify(path) is CheckpointKind.LIGHTNING_SHARDED
 
 

@@ -7,7 +7,7 @@ mark, ``verify`` on bytes that are no checkpoint, the converter pointed at an ex
 
 from __future__ import annotations
 
-import os
+import random
 from pathlib import Path
 
 import pytest
@@ -26,7 +26,7 @@ def _checkpoint(path: Path, *, sharded: bool) -> Path:
 @pytest.fixture
 def junk(tmp_path: Path) -> dict[str, Path]:
     random_bytes = tmp_path / "random.ckpt"
-    random_bytes.write_bytes(os.urandom(3000))
+    random_bytes.write_bytes(random.Random(0).randbytes(3000))
     empty = tmp_path / "empty.ckpt"
     empty.write_bytes(b"")
     return {"random": random_bytes, "empty": empty}

@@ -3,46 +3,39 @@
 Without help, a failure on one rank shows up on the others as whatever they were doing at the
 time. Either they get a gloo ``Connection closed by peer`` traceback that hides the real error
 and gives no rank, or they hang until the collective timeout (30 minutes by default). That
-happens when the failed process stays alive (a non-daemon thread keeps it running), is frozen,
-or runs on NCCL, which does not notice dead peers. This module gives :class:`HSDPStrategy` two
-tools:
+happens when the failed process stays alive (a non-daemon thread keeps it running, or user code
+catches the error and carries on), is frozen, deadlocks, or runs on NCCL, which does not notice
+dead peers. :class:`FaultWatchdog` is one daemon thread per rank. It talks through the job's
+TCPStore (the rendezvous store) on a connection of its own, never through the process group,
+because the process group may be what is stuck.
 
-* :class:`FaultWatchdog`: one daemon thread per rank. It talks through the job's TCPStore (the
-  rendezvous store) on a connection of its own, never through the process group, because the
-  process group may be what is stuck.
+- A rank that raises posts a :class:`FailureReport` from ``Strategy.on_exception``. The first
+  post wins (compare-and-set), so the reported cause is the first failure, not the ``Connection
+  closed`` errors it causes on other ranks a moment later. The exception then goes on as usual:
+  Lightning's handling, the user's ``except``, or a traceback. An error raised on every rank
+  together is printed once; each other rank prints one line.
+- Every other rank checks for a post at each poll. When one appears, the rank waits until the
+  failed rank has printed its traceback (at most ``exit_grace``). Then it prints one line and
+  exits with :data:`PEER_FAILED_EXIT_CODE`. So do ranks whose own error is a consequence of the
+  failure.
+- A rank that ends without a post (SIGKILL, the out-of-memory killer) is found by the ranks on
+  its host at their next poll. A frozen rank, or one on an unreachable host, is found by its
+  heartbeat; a rank whose main thread stopped moving outside a collective (a deadlock) posts
+  that itself; a store that stops answering is noticed within ``heartbeat_timeout``.
+- A failed process that goes on after the others were stopped for it (a non-daemon thread, or
+  user code that caught the error) is ended ``exit_grace`` seconds later.
 
-  - A rank that raises posts a :class:`FailureReport` from ``Strategy.on_exception``. The
-    first post wins (compare-and-set), so the reported cause is the first failure, not the
-    ``Connection closed`` errors it causes on other ranks a moment later. The exception then
-    goes on as usual: Lightning's handling, the user's ``except``, or a traceback. An error
-    raised on every rank together is printed once; each other rank prints one line.
-  - Every other rank checks for a post at each poll. When one appears, the rank waits until
-    the failed rank has printed its traceback (at most ``exit_grace``). Then it prints one line
-    and exits with :data:`PEER_FAILED_EXIT_CODE`. So do ranks whose own error is a
-    consequence of the failure.
-  - A rank that ends without a post (SIGKILL, the out-of-memory killer) is found by the ranks
-    on its host at their next poll. A frozen rank, or one on an unreachable host, is found by
-    its heartbeat.
-  - A failed process that does not end after its main thread has finished (a non-daemon
-    thread keeps it alive) is ended ``exit_grace`` seconds later.
-
-* :func:`check_rank_agreement`: one small all-gather at setup, before training communicates.
-  Settings that must be the same on every rank (mesh, units, precision, checkpoint path,
-  versions, loop lengths) are compared. If they differ, every rank raises
-  :class:`RankDisagreementError` naming each differing setting and the ranks behind each value.
-  Otherwise those ranks would run different collectives and hang, or train a model that is
-  silently wrong.
-
-The watchdog costs three small store operations per rank and poll (one second by default): a
-heartbeat, a look for a posted failure, and a look at one neighbour's heartbeat. Each rank
-watches the next rank's heartbeat (a ring), so the store's load grows linearly with the
-world size.
+What torch and torchrun already cover, and why this exists anyway (see ``docs/faults.md``):
+torchrun's agent ends the job when a worker *exits*, but not when one hangs, is frozen, or
+lingers after an error; NCCL's async error handling and heartbeat monitor cover NCCL only (not
+gloo, not HCCL) and only collectives already in flight; Lightning's launcher has no failure
+propagation at all. The watchdog costs three small store operations per rank and poll (one
+second by default).
 """
 
 from __future__ import annotations
 
 import atexit
-import hashlib
 import json
 import math
 import os
@@ -51,21 +44,14 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
-import torch
 import torch.distributed as dist
 
 from hp_lightning.core._torch_private import default_store
-
-if TYPE_CHECKING:
-    import lightning.pytorch as pl
-    from torch import nn
-
-    from hp_lightning.core.parallelize import ShardedModel
 
 #: Exit code of a rank the watchdog stops because another rank failed first.
 PEER_FAILED_EXIT_CODE = 3
@@ -283,6 +269,9 @@ class FaultWatchdog:
         self._store_lost = False
         self._store_host_rank: Optional[int] = 0
         self._active = False
+        #: Where the main thread was at the last poll, and since when (see _main_thread_stuck).
+        self._main_where: tuple[int, int, int] = (0, -1, 0)
+        self._main_since = time.monotonic()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -473,10 +462,11 @@ class FaultWatchdog:
                 self._tick()
             except _StoreUnreachable as unreachable:
                 if unreachable.timed_out and self._failed_at is None:
+                    ended = self._end_frozen_store_host()
                     self._exit_peer_failed(
                         f"the job's store at {self._store_address()} stopped answering for "
                         f"{self.heartbeat_timeout:g} s: the process hosting it (rank 0's launcher or torchrun's agent) "
-                        "is frozen or its host is down"
+                        f"is frozen or its host is down{ended}"
                     )
                 # Refused or dropped: the store's process has ended, at a normal finish too. Only the
                 # main thread, when it fails, can tell which (see report()); stop polling.
@@ -487,6 +477,17 @@ class FaultWatchdog:
                 _say(f"rank {self.rank}: fault watchdog stopped after an internal error: {unexpected!r}")
                 return
 
+    def _end_frozen_store_host(self) -> str:
+        """SIGKILL the store's process when it runs on this host: a stopped process would outlive the job."""
+        info = self._local.get(self._store_host_rank) if self._store_host_rank is not None else None
+        if info is None or not _is_running(info):
+            return ""
+        try:
+            os.kill(info.pid, signal.SIGKILL)
+        except OSError:
+            return ""
+        return f" (rank {self._store_host_rank}, pid {info.pid} on this host: hp_lightning ended it with SIGKILL)"
+
     def _store_host_gone(self) -> Optional[_ProcessInfo]:
         """The store's process, if it runs on this host and has ended (then every store call would fail)."""
         info = self._local.get(self._store_host_rank) if self._store_host_rank is not None else None
@@ -495,6 +496,10 @@ class FaultWatchdog:
     def _tick(self) -> None:
         if self._failed_at is not None:
             self._end_if_lingering()
+            return
+        stuck = self._main_thread_stuck()
+        if stuck is not None:
+            self._fail_stuck(stuck)
             return
         if self._known is not None and self._known.rank != self.rank:
             self._stop_for(self._known)  # known already (the main thread may be waiting): no more store calls
@@ -512,10 +517,23 @@ class FaultWatchdog:
             self._stop_for(self._post(lost))
 
     def _end_if_lingering(self) -> None:
-        """End a failed process whose main thread has finished but which other threads keep alive."""
-        if threading.main_thread().is_alive():
-            return  # still reporting, or the user caught the error and carries on
+        """End a failed process that outlives its failure.
+
+        Either its main thread has finished but other threads keep it alive, or the user's code
+        caught the error and carries on although the other ranks were stopped for it (nothing
+        it does can communicate with them any more).
+        """
         now = time.monotonic()
+        if threading.main_thread().is_alive():
+            assert self._failed_at is not None
+            if now - self._failed_at < self.exit_grace or not self._peers_stopped():
+                return  # still reporting, or the user caught an error every rank raised together
+            _say(
+                f"rank {self.rank}: this rank failed and the other ranks were stopped for it, but its main thread "
+                f"was still running {self.exit_grace:g} s later (the error was caught?); ending it (exit code "
+                f"{FAILED_EXIT_CODE}) so that no rank is left behind."
+            )
+            os._exit(FAILED_EXIT_CODE)
         self._main_done_at = self._main_done_at or now
         if now - self._main_done_at < self.exit_grace:
             return
@@ -597,11 +615,34 @@ class FaultWatchdog:
         return f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
 
     def _store_op(self, op: Any) -> Any:
-        try:
-            assert self._store is not None
-            return op(self._store)
-        except (RuntimeError, OSError, ValueError) as exc:
-            raise _StoreUnreachable(exc) from exc
+        """Run ``op(store)`` with a deadline of ``heartbeat_timeout``.
+
+        A TCPStore client waits without end for a server process that is frozen (SIGSTOP, a
+        hung host) while its socket stays open; so each call runs on a short-lived daemon thread
+        and a call past the deadline counts as the store having stopped answering.
+        """
+        store = self._store
+        if store is None:
+            raise _StoreUnreachable(RuntimeError("the watchdog has no store connection"))
+        outcome: list[Any] = []
+        done = threading.Event()
+
+        def call() -> None:
+            try:
+                outcome.append(("ok", op(store)))
+            except BaseException as exc:  # noqa: BLE001 - handed to the calling thread
+                outcome.append(("error", exc))
+            done.set()
+
+        threading.Thread(target=call, name="hp_lightning-store-call", daemon=True).start()
+        if not done.wait(self.heartbeat_timeout):
+            raise _StoreUnreachable(TimeoutError(f"the store call timed out after {self.heartbeat_timeout:g} s"))
+        kind, value = outcome[0]
+        if kind == "error":
+            if isinstance(value, (RuntimeError, OSError, ValueError)):
+                raise _StoreUnreachable(value) from value
+            raise value
+        return value
 
     def _read_failure(self) -> Optional[FailureReport]:
         if self._known is not None:
@@ -685,7 +726,67 @@ class FaultWatchdog:
     def _exit_peer_failed(self, cause: str) -> None:
         with self._exit_lock:  # one exit per process: the watchdog thread or the main thread
             _say(f"rank {self.rank}: stopping (exit code {PEER_FAILED_EXIT_CODE}) because {cause}.")
+            try:
+                self._store_op(lambda s: s.add("stopped", 1))  # lets a failed rank that lingers know
+            except Exception:  # noqa: BLE001 - leaving anyway
+                pass
             os._exit(PEER_FAILED_EXIT_CODE)
+
+    def _peers_stopped(self) -> bool:
+        try:
+            return int(self._store_op(lambda s: s.add("stopped", 0))) > 0
+        except _StoreUnreachable:
+            return True  # the store went with the other ranks
+
+    # ------------------------------------------------------------------ a main thread that stopped moving
+
+    def _main_thread_stuck(self) -> Optional[str]:
+        """Where the main thread has been for ``heartbeat_timeout`` s without moving, outside torch (else None).
+
+        A rank blocked in a collective waits inside torch (``torch/distributed``, the autograd
+        engine) for a peer: that is the peer's problem, and the peer reports itself. A main
+        thread that sits on one bytecode of code outside torch for that long (a lock two
+        threads take in opposite order, a ``queue.get`` nobody feeds) is this rank's own hang.
+        """
+        frame = sys._current_frames().get(threading.main_thread().ident or -1)
+        if frame is None:
+            return None
+        where = (id(frame.f_code), frame.f_lasti, id(frame))
+        now = time.monotonic()
+        if where != self._main_where:
+            self._main_where, self._main_since = where, now
+            return None
+        if now - self._main_since < self.heartbeat_timeout or _inside_torch(frame):
+            return None
+        return _describe_stack(frame)
+
+    def _fail_stuck(self, stack: str) -> None:
+        """Post this rank as the failure (its main thread cannot), print where it is stuck, end it."""
+        assert self._me is not None
+        seconds = time.monotonic() - self._main_since
+        summary = f"deadlocked: its main thread has not moved for {seconds:.0f} s, at {stack.splitlines()[-1].strip()}"
+        report = FailureReport(self.rank, "stuck", summary, self._me.host, self._me.pid, self.rank, time.time())
+        try:
+            self._post(report)
+        except _StoreUnreachable:
+            pass
+        _say(f"rank {self.rank} is {summary}; ending it (exit code {FAILED_EXIT_CODE}). Main thread:\n{stack}")
+        _write_torchelastic_error_file(f"rank {self.rank}: {summary}", report.time)
+        os._exit(FAILED_EXIT_CODE)
+
+
+_TORCH_DIR = os.path.dirname(os.path.dirname(os.path.abspath(dist.__file__)))
+
+
+def _inside_torch(frame: Any) -> bool:
+    """Whether the innermost Python frame is torch's own code (a collective or kernel in progress)."""
+    return os.path.abspath(frame.f_code.co_filename).startswith(_TORCH_DIR + os.sep)
+
+
+def _describe_stack(frame: Any, limit: int = 8) -> str:
+    import traceback
+
+    return "".join(traceback.format_stack(frame, limit=limit)).rstrip()
 
 
 def _after(failure: FailureReport) -> float:
@@ -711,6 +812,27 @@ def _print_uncaught_duplicate_as_one_line(exc: BaseException, rank: int, first: 
                 f"rank {rank}: exiting with the same error as rank {first.rank}, which reported it first: "
                 f"{first.summary} (traceback in rank {first.rank}'s output)."
             )
+            return
+        previous(kind, value, tb)
+
+    sys.excepthook = hook
+
+
+def print_once_per_job(exc: BaseException) -> None:
+    """Before a process group exists: rank 0 prints ``exc``'s traceback, every other rank one line.
+
+    A configuration error (a mesh that does not fit the world size, a backend that cannot start)
+    is raised by every rank of a torchrun job at once; without this each prints the same
+    traceback. The rank comes from the launcher's environment (``RANK``, else 0).
+    """
+    rank = int(os.environ.get("RANK", "0") or 0)
+    if rank == 0:
+        return
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+        if value is exc:
+            _say(f"rank {rank}: exiting with {type(exc).__name__}: {_first_line(str(exc))} (traceback in rank 0's output).")
             return
         previous(kind, value, tb)
 
@@ -768,174 +890,6 @@ def check_seconds(value: Any, name: str, owner: str = "FaultWatchdog") -> float:
 
 
 # ====================================================================== ranks agreeing at setup
-
-
-class RankDisagreementError(ValueError):
-    """Ranks that must run the same configuration do not; the message names each setting and its ranks."""
-
-
-def _plain(value: Any) -> str:
-    if isinstance(value, type):
-        return f"{value.__module__}.{value.__qualname__}"
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_plain(v) for v in value) + "]"
-    if isinstance(value, Mapping):
-        return "{" + ", ".join(f"{k!r}: {_plain(v)}" for k, v in value.items()) + "}"
-    return repr(value) if isinstance(value, str) else str(value)
-
-
-def _rank_ranges(ranks: Sequence[int]) -> str:
-    """``[0, 1, 2, 5]`` → ``"ranks 0-2, 5"``."""
-    parts, start = [], None
-    ranks = sorted(ranks)
-    for i, r in enumerate(ranks):
-        if start is None:
-            start = r
-        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
-            parts.append(str(start) if start == r else f"{start}-{r}")
-            start = None
-    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(parts)
-
-
-def disagreement_message(settings_per_rank: Sequence[Mapping[str, str]], stage: str) -> Optional[str]:
-    """The error text for settings that differ between ranks, or None when all agree."""
-    names: list[str] = []
-    for settings in settings_per_rank:
-        names += [n for n in settings if n not in names]
-    lines = []
-    differing = []
-    for name in names:
-        by_value: dict[str, list[int]] = {}
-        for rank, settings in enumerate(settings_per_rank):
-            by_value.setdefault(settings.get(name, "<not set>"), []).append(rank)
-        if len(by_value) < 2:
-            continue
-        differing.append(name)
-        shown = sorted(by_value.items(), key=lambda kv: kv[1][0])
-        values = "; ".join(f"{value} on {_rank_ranges(ranks)}" for value, ranks in shown[:4])
-        more = f"; and {len(shown) - 4} more values" if len(shown) > 4 else ""
-        lines.append(f"  - {name}: {values}{more}")
-    if not differing:
-        return None
-    return (
-        f"Ranks disagree about {', '.join(differing)} (checked at {stage}, before training communicates):\n"
-        + "\n".join(lines)
-        + "\nEvery rank must run the same code with the same configuration: look for values computed per rank or per "
-        "node (environment variables, timestamps or host names in paths, config files or installed versions that "
-        "differ between nodes, checkpoints only some nodes can see)."
-    )
-
-
-def check_rank_agreement(settings: Mapping[str, Any], *, stage: str) -> None:
-    """Raise :class:`RankDisagreementError` on every rank if ``settings`` differ between ranks.
-
-    One all-gather of a 16-byte digest per rank; only when the digests differ are the full
-    settings gathered to name what differs. Every rank must call it (it is a collective), at
-    the same point. Without a process group, or with one rank, it does nothing.
-
-    Args:
-        settings: setting name → value; values are compared as their text.
-        stage: where the check runs, for the message (``"setup"``, ``"sharding"``).
-
-    Raises:
-        RankDisagreementError: naming each differing setting with its values and ranks.
-    """
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
-        return
-    mine = {str(k): _plain(v) for k, v in settings.items()}
-    digest = hashlib.sha256(json.dumps(mine, sort_keys=True).encode()).hexdigest()[:16]
-    digests: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(digests, digest)
-    if len(set(digests)) == 1:
-        return
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    message = disagreement_message(everyone, stage)
-    if message is not None:
-        raise RankDisagreementError(message)
-
-
-#: Trainer attributes that change which collectives run when (a difference hangs or desyncs ranks).
-TRAINER_LOOP_SETTINGS = (
-    "max_epochs",
-    "max_steps",
-    "min_steps",
-    "accumulate_grad_batches",
-    "gradient_clip_val",
-    "gradient_clip_algorithm",
-    "limit_train_batches",
-    "limit_val_batches",
-    "val_check_interval",
-    "check_val_every_n_epoch",
-    "num_sanity_val_steps",
-)
-
-
-def setup_settings(
-    options: Mapping[str, Any], precision: Optional[str], trainer: Optional[pl.Trainer], mesh_shape: Sequence[int]
-) -> dict[str, Any]:
-    """What must agree before the device mesh is built: versions, mesh, options, precision, paths, loops.
-
-    Args:
-        options: the strategy's options (:meth:`hp_lightning.core.options.HSDPOptions.settings`).
-        precision: the precision flag in effect.
-        trainer: the Trainer, for the checkpoint paths and loop lengths (None: Fabric, left out).
-        mesh_shape: the mesh shape this rank resolved.
-    """
-    import lightning
-
-    import hp_lightning
-
-    settings: dict[str, Any] = {
-        "hp_lightning version": hp_lightning.__version__,
-        "torch version": str(torch.__version__),
-        "lightning version": lightning.__version__,
-        "mesh shape": tuple(mesh_shape),
-    }
-    settings.update(options)
-    settings["precision"] = precision
-    if trainer is not None:
-        # (The checkpoint to resume is compared later, when Lightning knows it: resume_settings.)
-        from lightning.pytorch.callbacks import ModelCheckpoint
-
-        dirpaths = [cb.dirpath for cb in trainer.callbacks if isinstance(cb, ModelCheckpoint)]  # type: ignore[attr-defined]
-        if dirpaths:
-            settings["ModelCheckpoint(dirpath=...)"] = dirpaths
-        for name in TRAINER_LOOP_SETTINGS:
-            settings[f"Trainer({name}=...)"] = getattr(trainer, name, None)
-    return settings
-
-
-def resume_settings(checkpoint_path: Any) -> dict[str, Any]:
-    """What must agree before a checkpoint is read: the path each rank resumes from (None: none)."""
-    return {"checkpoint to resume (ckpt_path)": None if not checkpoint_path else str(checkpoint_path)}
-
-
-def sharding_settings(model: nn.Module, sharded: Optional[ShardedModel]) -> dict[str, Any]:
-    """What must agree before sharded parameters are materialized: the model's parameters and the units.
-
-    Parameter names, shapes and dtypes are summarized as a count, an element total and a digest;
-    the units as their qualified names.
-    """
-    params = [(name, tuple(p.shape), str(p.dtype)) for name, p in model.named_parameters()]
-    digest = hashlib.sha256(repr(params).encode()).hexdigest()[:12]
-    settings: dict[str, Any] = {
-        "model parameters": f"{len(params)} tensors, {sum(math.prod(s) for _, s, _ in params):,} elements (digest {digest})"
-    }
-    if sharded is not None:
-        names = {id(m): (n or "<root>") for n, m in model.named_modules()}
-        units = [names.get(id(u), "?") for u in sharded.units]
-        settings["sharding units"] = _short_list(units)
-        settings["ignored parameters"] = _short_list(sharded.ignored)
-        settings["replicated parameters"] = _short_list(sharded.replicated)
-    return settings
-
-
-def _short_list(items: Sequence[str], limit: int = 8) -> str:
-    if len(items) <= limit:
-        return f"{len(items)}: [{', '.join(items)}]"
-    digest = hashlib.sha256(repr(list(items)).encode()).hexdigest()[:8]
-    return f"{len(items)}: [{', '.join(items[:limit])}, ...] (digest {digest})"
 
 
 def local_ranks(node_rank: int, processes_per_node: int) -> range:

@@ -1,0 +1,196 @@
+"""Settings every rank must share, compared once before they matter.
+
+:func:`check_rank_agreement` is one small all-gather. Settings that must be the same on every
+rank (mesh, units, precision, options, checkpoint to resume, versions, loop lengths) are
+compared at the point they take effect. If they differ, every rank raises
+:class:`RankDisagreementError` naming each differing setting and the ranks behind each value.
+Otherwise those ranks would run different collectives and hang, or train a model that is
+silently wrong. The settings compared are explicit dictionaries: :func:`setup_settings`
+(versions, mesh, the strategy's :class:`~hp_lightning.core.options.HSDPOptions`, precision,
+checkpoint folders, loop lengths), :func:`resume_settings` and :func:`sharding_settings`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    from torch import nn
+
+    from hp_lightning.core.parallelize import ShardedModel
+
+
+class RankDisagreementError(ValueError):
+    """Ranks that must run the same configuration do not; the message names each setting and its ranks."""
+
+
+def _plain(value: Any) -> str:
+    if isinstance(value, type):
+        return f"{value.__module__}.{value.__qualname__}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_plain(v) for v in value) + "]"
+    if isinstance(value, Mapping):
+        return "{" + ", ".join(f"{k!r}: {_plain(v)}" for k, v in value.items()) + "}"
+    return repr(value) if isinstance(value, str) else str(value)
+
+
+def _rank_ranges(ranks: Sequence[int]) -> str:
+    """``[0, 1, 2, 5]`` → ``"ranks 0-2, 5"``."""
+    parts, start = [], None
+    ranks = sorted(ranks)
+    for i, r in enumerate(ranks):
+        if start is None:
+            start = r
+        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
+            parts.append(str(start) if start == r else f"{start}-{r}")
+            start = None
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(parts)
+
+
+def disagreement_message(settings_per_rank: Sequence[Mapping[str, str]], stage: str) -> Optional[str]:
+    """The error text for settings that differ between ranks, or None when all agree."""
+    names: list[str] = []
+    for settings in settings_per_rank:
+        names += [n for n in settings if n not in names]
+    lines = []
+    differing = []
+    for name in names:
+        by_value: dict[str, list[int]] = {}
+        for rank, settings in enumerate(settings_per_rank):
+            by_value.setdefault(settings.get(name, "<not set>"), []).append(rank)
+        if len(by_value) < 2:
+            continue
+        differing.append(name)
+        shown = sorted(by_value.items(), key=lambda kv: kv[1][0])
+        values = "; ".join(f"{value} on {_rank_ranges(ranks)}" for value, ranks in shown[:4])
+        more = f"; and {len(shown) - 4} more values" if len(shown) > 4 else ""
+        lines.append(f"  - {name}: {values}{more}")
+    if not differing:
+        return None
+    return (
+        f"Ranks disagree about {', '.join(differing)} (checked at {stage}, before training communicates):\n"
+        + "\n".join(lines)
+        + "\nEvery rank must run the same code with the same configuration: look for values computed per rank or per "
+        "node (environment variables, timestamps or host names in paths, config files or installed versions that "
+        "differ between nodes, checkpoints only some nodes can see)."
+    )
+
+
+def check_rank_agreement(settings: Mapping[str, Any], *, stage: str) -> None:
+    """Raise :class:`RankDisagreementError` on every rank if ``settings`` differ between ranks.
+
+    One all-gather of a 16-byte digest per rank; only when the digests differ are the full
+    settings gathered to name what differs. Every rank must call it (it is a collective), at
+    the same point. Without a process group, or with one rank, it does nothing.
+
+    Args:
+        settings: setting name → value; values are compared as their text.
+        stage: where the check runs, for the message (``"setup"``, ``"sharding"``).
+
+    Raises:
+        RankDisagreementError: naming each differing setting with its values and ranks.
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return
+    mine = {str(k): _plain(v) for k, v in settings.items()}
+    digest = hashlib.sha256(json.dumps(mine, sort_keys=True).encode()).hexdigest()[:16]
+    digests: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(digests, digest)
+    if len(set(digests)) == 1:
+        return
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    message = disagreement_message(everyone, stage)
+    if message is not None:
+        raise RankDisagreementError(message)
+
+
+#: Trainer attributes that change which collectives run when (a difference hangs or desyncs ranks).
+TRAINER_LOOP_SETTINGS = (
+    "max_epochs",
+    "max_steps",
+    "min_steps",
+    "accumulate_grad_batches",
+    "gradient_clip_val",
+    "gradient_clip_algorithm",
+    "limit_train_batches",
+    "limit_val_batches",
+    "val_check_interval",
+    "check_val_every_n_epoch",
+    "num_sanity_val_steps",
+)
+
+
+def setup_settings(
+    options: Mapping[str, Any], precision: Optional[str], trainer: Optional[pl.Trainer], mesh_shape: Sequence[int]
+) -> dict[str, Any]:
+    """What must agree before the device mesh is built: versions, mesh, options, precision, paths, loops.
+
+    Args:
+        options: the strategy's options (:meth:`hp_lightning.core.options.HSDPOptions.settings`).
+        precision: the precision flag in effect.
+        trainer: the Trainer, for the checkpoint paths and loop lengths (None: Fabric, left out).
+        mesh_shape: the mesh shape this rank resolved.
+    """
+    import lightning
+
+    import hp_lightning
+
+    settings: dict[str, Any] = {
+        "hp_lightning version": hp_lightning.__version__,
+        "torch version": str(torch.__version__),
+        "lightning version": lightning.__version__,
+        "mesh shape": tuple(mesh_shape),
+    }
+    settings.update(options)
+    settings["precision"] = precision
+    if trainer is not None:
+        # (The checkpoint to resume is compared later, when Lightning knows it: resume_settings.)
+        from lightning.pytorch.callbacks import ModelCheckpoint
+
+        dirpaths = [cb.dirpath for cb in trainer.callbacks if isinstance(cb, ModelCheckpoint)]  # type: ignore[attr-defined]
+        if dirpaths:
+            settings["ModelCheckpoint(dirpath=...)"] = dirpaths
+        for name in TRAINER_LOOP_SETTINGS:
+            settings[f"Trainer({name}=...)"] = getattr(trainer, name, None)
+    return settings
+
+
+def resume_settings(checkpoint_path: Any) -> dict[str, Any]:
+    """What must agree before a checkpoint is read: the path each rank resumes from (None: none)."""
+    return {"checkpoint to resume (ckpt_path)": None if not checkpoint_path else str(checkpoint_path)}
+
+
+def sharding_settings(model: nn.Module, sharded: Optional[ShardedModel]) -> dict[str, Any]:
+    """What must agree before sharded parameters are materialized: the model's parameters and the units.
+
+    Parameter names, shapes and dtypes are summarized as a count, an element total and a digest;
+    the units as their qualified names.
+    """
+    params = [(name, tuple(p.shape), str(p.dtype)) for name, p in model.named_parameters()]
+    digest = hashlib.sha256(repr(params).encode()).hexdigest()[:12]
+    settings: dict[str, Any] = {
+        "model parameters": f"{len(params)} tensors, {sum(math.prod(s) for _, s, _ in params):,} elements (digest {digest})"
+    }
+    if sharded is not None:
+        names = {id(m): (n or "<root>") for n, m in model.named_modules()}
+        units = [names.get(id(u), "?") for u in sharded.units]
+        settings["sharding units"] = _short_list(units)
+        settings["ignored parameters"] = _short_list(sharded.ignored)
+        settings["replicated parameters"] = _short_list(sharded.replicated)
+    return settings
+
+
+def _short_list(items: Sequence[str], limit: int = 8) -> str:
+    if len(items) <= limit:
+        return f"{len(items)}: [{', '.join(items)}]"
+    digest = hashlib.sha256(repr(list(items)).encode()).hexdigest()[:8]
+    return f"{len(items)}: [{', '.join(items[:limit])}, ...] (digest {digest})"
