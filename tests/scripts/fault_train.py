@@ -232,7 +232,7 @@ def main() -> None:
     if args.fault == "junk_ckpt":
         ckpt_path = args.out / "junk.ckpt"
         if launch_rank == 0:
-            ckpt_path.write_bytes(os.urandom(3000))
+            ckpt_path.write_bytes(bytes(range(256)) * 12)  # no checkpoint format starts like this
         mark_fault(args.out, args.fault)
     try:
         trainer.fit(model, rank_loader(FaultyData(args), GLOBAL_BATCH, 2, num_workers=workers), ckpt_path=ckpt_path)
