@@ -16,6 +16,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode  # intercepting ops at dispatch (no public base class)
+
+__all__ = ["TorchDispatchMode"]
 
 #: The torch releases every name below was checked against.
 CHECKED_TORCH_VERSIONS = ("2.13",)
@@ -41,6 +44,8 @@ _PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
     ("torch.distributed.fsdp._fully_shard._fsdp_param", "FSDPParam._unsharded_param"),
     ("torch.distributed.distributed_c10d", "_get_default_store"),
     ("torch.distributed.distributed_c10d", "_set_pg_timeout"),
+    ("torch.distributed.distributed_c10d", "_resolve_process_group"),
+    ("torch.utils._python_dispatch", "TorchDispatchMode"),
     ("torch.autograd.variable", "Variable._execution_engine.queue_callback"),
     ("torch.distributed.checkpoint.state_dict_loader", "_load_state_dict"),
     ("torch.distributed.checkpoint.default_planner", "_EmptyStateDictLoadPlanner"),
@@ -141,6 +146,13 @@ def default_store() -> dist.Store:
     from torch.distributed import distributed_c10d
 
     return distributed_c10d._get_default_store()
+
+
+def resolve_process_group(group_name: str) -> Any:
+    """The process group a functional collective names by string (no public lookup)."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(group_name)
 
 
 def set_collective_timeout(group: Any, timeout: Any) -> None:

@@ -5,9 +5,11 @@ functions FSDP2 and hp_lightning call, and records each call's kind, process gro
 bytes. Tests assert on it; benchmarks report it; users can put it around a step to see what
 their configuration communicates.
 
-FSDP2 calls ``dist.all_gather_single`` / ``dist.reduce_scatter_single`` (torch >= 2.13) or the
-``*_into_tensor`` / ``*_tensor`` spellings (older); all are wrapped, and a call made from inside
-another wrapped call is not counted twice.
+FSDP2 calls ``dist.all_gather_single`` / ``dist.reduce_scatter_single``; those, the other
+``torch.distributed`` collectives and the point-to-point calls are wrapped, and a call made from
+inside another wrapped call is not counted twice. DTensor (tensor parallelism, gradient-norm
+reductions) communicates through torch's *functional* collectives instead, which never pass
+through those functions: a dispatch mode counts them at the op (``_c10d_functional.*``).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+from hp_lightning.core._torch_private import TorchDispatchMode, resolve_process_group
 
 #: Wrapped function name -> the kind it is counted as.
 WRAPPED: dict[str, str] = {
@@ -31,6 +34,26 @@ WRAPPED: dict[str, str] = {
     "reduce_scatter": "reduce_scatter",
     "all_reduce": "all_reduce",
     "broadcast": "broadcast",
+    "all_to_all_single": "all_to_all",
+    "all_to_all": "all_to_all",
+    "send": "send",
+    "recv": "recv",
+    "isend": "send",
+    "irecv": "recv",
+}
+
+#: Functional collective op name (``torch.ops._c10d_functional.<name>``) -> the kind it is counted as.
+FUNCTIONAL: dict[str, str] = {
+    "all_reduce": "all_reduce",
+    "all_reduce_": "all_reduce",
+    "all_reduce_coalesced": "all_reduce",
+    "all_gather_into_tensor": "all_gather",
+    "all_gather_into_tensor_coalesced": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced": "reduce_scatter",
+    "all_to_all_single": "all_to_all",
+    "broadcast": "broadcast",
+    "broadcast_": "broadcast",
 }
 
 
@@ -67,12 +90,25 @@ class CollectiveCounter:
                 continue
             self._originals[name] = original
             setattr(dist, name, self._wrap(name, original))
+        self._functional = _FunctionalCollectives(self)
+        self._functional.__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        functional = getattr(self, "_functional", None)
+        if functional is not None:
+            functional.__exit__(*exc)
+            self._functional = None
         for name, original in self._originals.items():
             setattr(dist, name, original)
         self._originals.clear()
+
+    def _record(self, call: CollectiveCall) -> None:
+        if self.paused or getattr(self._local, "depth", 0):
+            return
+        self.calls.append(call)
+        for listener in self.listeners:
+            listener(call)
 
     def _wrap(self, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
         kind = WRAPPED[name]
@@ -80,18 +116,15 @@ class CollectiveCounter:
         @functools.wraps(original)
         def counted(*args: Any, **kwargs: Any) -> Any:
             depth = getattr(self._local, "depth", 0)
-            if depth == 0 and not self.paused:
-                tensor = _largest_tensor(args, kwargs)
-                self.calls.append(
-                    CollectiveCall(
-                        kind,
-                        _group_ranks(kwargs.get("group")),
-                        0 if tensor is None else tensor.numel() * tensor.element_size(),
-                        None if tensor is None else tensor.dtype,
-                    )
+            tensor = _largest_tensor(args, kwargs)
+            self._record(
+                CollectiveCall(
+                    kind,
+                    _group_ranks(kwargs.get("group")),
+                    0 if tensor is None else tensor.numel() * tensor.element_size(),
+                    None if tensor is None else tensor.dtype,
                 )
-                for listener in self.listeners:
-                    listener(self.calls[-1])
+            )
             self._local.depth = depth + 1
             try:
                 return original(*args, **kwargs)
@@ -116,6 +149,30 @@ class CollectiveCounter:
         return sum(c.bytes for c in self.calls if kind is None or c.kind == kind)
 
 
+class _FunctionalCollectives(TorchDispatchMode):
+    """Counts ``torch.ops._c10d_functional`` collectives (DTensor's) for a :class:`CollectiveCounter`."""
+
+    def __init__(self, counter: CollectiveCounter) -> None:
+        super().__init__()
+        self.counter = counter
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 - torch protocol
+        kwargs = kwargs or {}
+        kind = FUNCTIONAL.get(func._opname) if func.namespace == "_c10d_functional" else None
+        if kind is not None:
+            group_name = next((a for a in reversed(args) if isinstance(a, str)), kwargs.get("group_name"))
+            tensor = _largest_tensor(args, kwargs)
+            self.counter._record(
+                CollectiveCall(
+                    kind,
+                    tuple(dist.get_process_group_ranks(resolve_process_group(group_name))) if group_name else (),
+                    0 if tensor is None else tensor.numel() * tensor.element_size(),
+                    None if tensor is None else tensor.dtype,
+                )
+            )
+        return func(*args, **kwargs)
+
+
 def _group_ranks(group: Any) -> tuple[int, ...]:
     if group is None or group is dist.group.WORLD:
         return tuple(range(dist.get_world_size()))
@@ -124,5 +181,7 @@ def _group_ranks(group: Any) -> tuple[int, ...]:
 
 def _largest_tensor(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
     """The largest tensor argument: the gathered output, the scattered input, the reduced tensor."""
-    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+    flat = [*args, *kwargs.values()]
+    flat += [t for a in flat if isinstance(a, (list, tuple)) for t in a]
+    tensors = [a for a in flat if isinstance(a, torch.Tensor)]
     return max(tensors, key=lambda t: t.numel() * t.element_size(), default=None)
