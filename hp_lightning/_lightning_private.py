@@ -34,6 +34,8 @@ _PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
     ("lightning.pytorch.trainer.connectors.accelerator_connector", "_AcceleratorConnector._choose_auto_accelerator"),
     # the one call every rank makes with the resolved ckpt_path (only ranks with a path load)
     ("lightning.pytorch.trainer.connectors.checkpoint_connector", "_CheckpointConnector.resume_start"),
+    # SLURM auto-requeue: Lightning's save of the hpc checkpoint and `scontrol requeue`
+    ("lightning.pytorch.trainer.connectors.signal_connector", "_SignalConnector._slurm_sigusr_handler_fn"),
     # whether the running batch is a non-final micro-batch (what Lightning itself decides)
     ("lightning.pytorch.loops.fit_loop", "_FitLoop._should_accumulate"),
 )
@@ -105,6 +107,15 @@ def before_resume(trainer: Any, check: Any) -> None:
 
     resume_start.__hp_lightning_original__ = original  # type: ignore[attr-defined]
     connector.resume_start = resume_start
+
+
+def slurm_save_and_requeue(trainer: Any, signum: int) -> None:
+    """Lightning's own SLURM auto-requeue: save the ``hpc_ckpt_N.ckpt`` checkpoint, requeue the job.
+
+    Lightning runs it inside its signal handler, where the save (a collective for a sharded
+    model) can hang; hp_lightning calls it at a batch every rank reaches together instead.
+    """
+    trainer._signal_connector._slurm_sigusr_handler_fn(signum, None)
 
 
 def accelerator_connector_class() -> type:

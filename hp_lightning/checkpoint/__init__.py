@@ -3,13 +3,15 @@
 * :func:`save_checkpoint` / :func:`load_checkpoint`: what ``HSDPStrategy`` calls, on every rank
   (:mod:`.save`, :mod:`.load`; the on-disk layout and its guarantees are in :mod:`.layout`).
 * :func:`load_weights`: pretrained weights into a sharded module, for fine-tuning.
+* :func:`load_from_checkpoint` / :class:`LoadsShardedCheckpoints`: ``MyModule.load_from_checkpoint``
+  on a sharded directory, in one plain CPU process.
 * :class:`ResumableLoader`: a training loader that continues its epoch on resume.
 * ``python -m hp_lightning.checkpoint consolidate | shard | verify``: offline conversion and checks.
 """
 
 from hp_lightning.checkpoint.data import ResumableLoader
 from hp_lightning.checkpoint.layout import FORMAT_VERSION, CheckpointKind, CorruptCheckpointError, classify, recover
-from hp_lightning.checkpoint.load import load_checkpoint, load_weights, read_full_file
+from hp_lightning.checkpoint.load import LoadsShardedCheckpoints, load_checkpoint, load_from_checkpoint, load_weights, read_full_file
 from hp_lightning.checkpoint.save import is_sharded_checkpoint, remove_checkpoint, save_checkpoint
 from hp_lightning.core.state_dict import GatherStats, full_gather_stats, model_state_dict, optimizer_state_dict
 
@@ -18,11 +20,13 @@ __all__ = [
     "CheckpointKind",
     "CorruptCheckpointError",
     "GatherStats",
+    "LoadsShardedCheckpoints",
     "ResumableLoader",
     "classify",
     "full_gather_stats",
     "is_sharded_checkpoint",
     "load_checkpoint",
+    "load_from_checkpoint",
     "load_weights",
     "model_state_dict",
     "optimizer_state_dict",

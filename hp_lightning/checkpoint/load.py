@@ -292,6 +292,8 @@ def read_full_file(path: Path, *, weights_only: Optional[bool] = None, verify: b
         ValueError: not a checkpoint, or written by a newer format version.
     """
     path = Path(path)
+    if path.is_dir():
+        raise ValueError(directory_message(path, "read_full_file"))
     if path.suffix == ".safetensors":
         return {MODEL_KEY: _read_safetensors(path)}
     if verify and (problem := layout.verify_zip(path)):
@@ -437,3 +439,70 @@ def load_weights(module: nn.Module, path: Path, *, prefix: str = "", strict: boo
         _load_full(path, module, [], strict=strict, weights_only=weights_only, verify=True, prefix=prefix)
     else:
         _load_sharded(path, kind, module, [], strict=strict, weights_only=weights_only, verify=True, prefix=prefix)
+
+
+# ---------------------------------------------------------------- the Lightning way, one CPU process
+
+
+def directory_message(path: Path, caller: str) -> str:
+    """What to do with a sharded checkpoint directory where a single file was expected."""
+    return (
+        f"{caller} got {str(path)!r}, a sharded checkpoint directory (one shard file per rank), not a single "
+        f"file. In one process, load it with the one-line helper "
+        f"`hp_lightning.checkpoint.load.load_from_checkpoint(MyModule, {str(path)!r})`, or convert it once: "
+        f"`python -m hp_lightning.checkpoint consolidate {str(path)!r} model.ckpt --weights-only`, then "
+        f"`MyModule.load_from_checkpoint('model.ckpt')`. (Lightning's own `MyModule.load_from_checkpoint` opens "
+        f"the path as a file and fails with IsADirectoryError on a directory.)"
+    )
+
+
+def load_from_checkpoint(cls: type, checkpoint_path: Any, **kwargs: Any) -> Any:
+    """``cls.load_from_checkpoint(checkpoint_path, **kwargs)`` that also takes sharded directories.
+
+    One plain process, no process group, CPU tensors: a sharded directory (hp_lightning's, or
+    Lightning's ``ModelParallelStrategy`` / ``FSDPStrategy`` layout) is consolidated in memory
+    (model weights and hyper-parameters; integrity checked), then handed to Lightning's own
+    ``load_from_checkpoint``, which rebuilds the module from its hyper-parameters (calling
+    ``configure_model``) and loads the weights. Files go to Lightning unchanged.
+
+    The whole model passes through host memory twice (the consolidated dict and its serialized
+    copy for Lightning); for models larger than host memory, consolidate once on a large
+    machine instead (``python -m hp_lightning.checkpoint consolidate``).
+
+    Args:
+        cls: the ``LightningModule`` subclass, e.g. ``MyModule``.
+        checkpoint_path: a checkpoint file or a sharded checkpoint directory.
+        kwargs: passed to ``cls.load_from_checkpoint`` (``map_location``, ``strict``, hparam overrides).
+
+    Raises:
+        FileNotFoundError: nothing at ``checkpoint_path``.
+        CorruptCheckpointError, ValueError: as :func:`hp_lightning.checkpoint.convert.read_sharded`.
+    """
+    import io
+
+    from hp_lightning.checkpoint.convert import read_sharded
+
+    if not isinstance(checkpoint_path, (str, Path)) or not Path(checkpoint_path).is_dir():
+        return cls.load_from_checkpoint(checkpoint_path, **kwargs)
+    checkpoint = read_sharded(Path(checkpoint_path), weights_only=True)
+    buffer = io.BytesIO()
+    torch.save(checkpoint, buffer)
+    del checkpoint
+    buffer.seek(0)
+    # Produced just now from the directory's own files (read like `consolidate` does).
+    kwargs.setdefault("weights_only", False)
+    return cls.load_from_checkpoint(buffer, **kwargs)
+
+
+class LoadsShardedCheckpoints:
+    """Mix into a LightningModule so that ``MyModule.load_from_checkpoint(sharded_dir)`` works.
+
+    ``class MyModule(LoadsShardedCheckpoints, LightningModule): ...``; files load as before. Without
+    the mixin, use :func:`load_from_checkpoint` (Lightning cannot be taught this without patching it).
+    """
+
+    @classmethod
+    def load_from_checkpoint(cls, checkpoint_path: Any, *args: Any, **kwargs: Any) -> Any:
+        if args or not isinstance(checkpoint_path, (str, Path)) or not Path(checkpoint_path).is_dir():
+            return super().load_from_checkpoint(checkpoint_path, *args, **kwargs)  # type: ignore[misc]
+        return load_from_checkpoint(super(), checkpoint_path, **kwargs)  # type: ignore[arg-type]

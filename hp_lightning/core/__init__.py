@@ -8,11 +8,12 @@ and the checkpoint IO all call the same code. One module per concern:
 ``mesh``               named device meshes: shapes, validation, the data-parallel sub-mesh
 ``units``              which submodules become sharding units, which parameters are special
 ``parallelize``        the recipe: activation checkpointing -> units -> root -> prefetch -> reduction
-``materialize``        meta-device tensors allocated as local shards and initialized
+``materialize``        records meta-device construction and replays it on the local shards, or refuses
 ``prepare``            the one call both front ends make: parallelize -> agree -> materialize -> place
 ``accumulation``       what non-final micro-batches communicate (skip / every / defer_all_reduce)
 ``introspection``      facts about units: gathered state, prefetch, bytes, placements
 ``gradients``          clipping over sharded (DTensor) and whole gradients
+``precision_flags``    the precision flags both front ends accept and the dtypes each implies
 ``state_dict``         model/optimizer state, sharded or whole, keyed by parameter name
 ``options``            the strategy options, validated once for both front ends
 ``watchdog``           every rank stops within seconds when one fails; the first cause named once

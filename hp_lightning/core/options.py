@@ -124,6 +124,7 @@ class HSDPOptions:
     heartbeat_timeout: float = 120.0
     failure_exit_grace: float = 30.0
     save_on_preemption: bool = False
+    meta_init: bool = True
 
     def __post_init__(self) -> None:
         normalized = {
@@ -152,6 +153,7 @@ class HSDPOptions:
             "heartbeat_timeout": check_seconds(self.heartbeat_timeout, "heartbeat_timeout", "HSDPStrategy"),
             "failure_exit_grace": check_seconds(self.failure_exit_grace, "failure_exit_grace", "HSDPStrategy"),
             "save_on_preemption": _check_bool(self.save_on_preemption, "save_on_preemption"),
+            "meta_init": _check_bool(self.meta_init, "meta_init"),
         }
         for name, value in normalized.items():
             object.__setattr__(self, name, value)

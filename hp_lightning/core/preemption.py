@@ -44,6 +44,7 @@ class PreemptionWatch:
     """
 
     def __init__(self, signals: tuple[int, ...] = (signal.SIGTERM,)) -> None:
+        #: The signals :meth:`install` takes over (a front end may add a scheduler's requeue signal).
         self.signals = signals
         #: The last preemption signal received by this process (0: none).
         self.received = 0

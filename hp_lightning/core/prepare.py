@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from hp_lightning.core import agreement
-from hp_lightning.core.materialize import materialize, move_unsharded_states
+from hp_lightning.core.materialize import link_construction, materialize, move_unsharded_states, refuse_metrics_on_meta
 from hp_lightning.core.parallelize import ShardedModel, ShardingPlan, parallelize
+from hp_lightning.core.units import zero_units_warning
+from hp_lightning.fully_shard import divergence
 
 _PREPARED = "_hp_sharded_model"
 
@@ -27,6 +32,8 @@ def prepare_model(
     user sharded already are kept), a check that every rank built the same model and units
     (before the first collective that depends on them), materialization of meta tensors (always,
     also when the user sharded everything), then whole parameters and buffers moved to ``device``.
+    Also warns when the plan has no unit besides the root, and installs the check that names
+    rank-divergent backward passes (:mod:`hp_lightning.fully_shard.divergence`).
     Idempotent: a model prepared before (``fit`` then ``test``) is only re-placed.
 
     Args:
@@ -38,10 +45,24 @@ def prepare_model(
     """
     sharded = prepared(model)
     if sharded is None:
+        refuse_metrics_on_meta(model)  # same on every rank, before any collective
+        # Before fully_shard replaces the parameters: which recorded construction step made each one.
+        link_construction(model)
         sharded = parallelize(model, mesh, plan)
         # fully_shard does not communicate; materialize does: compare the models and units first.
         agreement.check_rank_agreement(agreement.sharding_settings(model, sharded), stage="sharding")
         model.__dict__[_PREPARED] = sharded
+        warn_without_units(model, sharded, mesh)
+        # Before every backward: do all ranks reach the same units and parameters? (one small all-reduce)
+        divergence.install(model, sharded.units, sharded.replicated, mesh.device_type)
     materialize(model, mesh, init_device)
     move_unsharded_states(model, device)
     return sharded
+
+
+def warn_without_units(model: nn.Module, sharded: ShardedModel, mesh: DeviceMesh) -> None:
+    """Warn (once, from rank 0) when the plan has no unit but the root: sharding then saves little."""
+    if sharded.units or not any(True for _ in model.parameters()):
+        return
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        warnings.warn(zero_units_warning(model, mesh.size()), UserWarning, stacklevel=3)

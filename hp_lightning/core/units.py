@@ -13,7 +13,9 @@ Units are named by:
   the outermost matches count, so ``"layers.*"`` selects the layers, not their sublayers.
 
 With nothing named, the units are the classes in HF's ``_no_split_modules`` when the model has
-it, else the blocks of the model's repeated ``nn.ModuleList`` s.
+it, else the repeated blocks of its containers (``nn.ModuleList``, ``nn.Sequential``,
+``nn.ModuleDict``, nested at any depth); see :func:`auto_units`. A plan that ends with no unit
+at all gathers the whole model on every rank: :func:`zero_units_warning` says so at setup.
 """
 
 from __future__ import annotations
@@ -151,28 +153,97 @@ def _has_params(module: nn.Module) -> bool:
     return any(True for _ in module.parameters())
 
 
+#: Containers whose children may be a model's repeated blocks.
+CONTAINERS: tuple[type[nn.Module], ...] = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+
+
+def _has_submodules_with_params(module: nn.Module) -> bool:
+    return any(_has_params(child) for child in module.children())
+
+
+def _container_blocks(container: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The repeated blocks among a container's children (see :func:`auto_units`)."""
+    children = [(name, child) for name, child in container.named_children() if _has_params(child)]
+    # Lists and dicts are searched, never chosen (they have no forward); a Sequential is a block.
+    blocks = [(n, c) for n, c in children if not isinstance(c, (nn.ModuleList, nn.ModuleDict))]
+    by_type: dict[type, list[tuple[str, nn.Module]]] = {}
+    for name, child in blocks:
+        by_type.setdefault(user_class(child), []).append((name, child))
+    if isinstance(container, nn.ModuleList) and len(blocks) == len(children) >= 2 and len(by_type) == 1:
+        return blocks  # the historical rule: a list of >= 2 same-typed modules (leaf layers included)
+    # Otherwise a type that repeats, and is a block (has layers of its own): a Sequential of blocks
+    # between an embedding and a head, a ModuleDict of encoders; not nn.Sequential(Linear, ReLU, Linear).
+    return [
+        (n, c) for group in by_type.values() if len(group) >= 2 for n, c in group if _has_submodules_with_params(c)
+    ]
+
+
 def auto_units(model: nn.Module) -> list[nn.Module]:
-    """Units chosen without user input: HF ``_no_split_modules`` classes, else repeated ModuleList blocks."""
+    """Units chosen without user input: HF ``_no_split_modules`` classes, else repeated blocks.
+
+    Repeated blocks are found in every container: ``nn.ModuleList``, ``nn.Sequential`` and
+    ``nn.ModuleDict``, at any depth (lists and dicts of containers are searched, never chosen;
+    an ``nn.Sequential`` of layers can itself be a block). In a
+    ``ModuleList`` all children of one type are blocks (as before); elsewhere the children whose
+    type repeats and that have layers of their own (so an MLP's ``Linear`` s stay together). The
+    walk is pre-order, and the inside of a chosen block is not searched again: a block is one unit.
+    """
     named = [(name, module) for name, module in model.named_modules() if name]
     no_split: set[str] = set()
     for _, module in [("", model), *named]:
         no_split.update(getattr(module, "_no_split_modules", None) or ())
     if no_split:
-        units = [m for _, m in named if type(m).__name__ in no_split and _has_params(m)]
+        units = [m for _, m in named if user_class(m).__name__ in no_split and _has_params(m)]
         if units:
             return bottom_up(model, units)
-    # Pre-order walk: an outer ModuleList is seen before any list nested inside its blocks,
-    # and lists inside an already chosen block are skipped (a block is one unit).
     block_names: list[str] = []
     blocks: list[nn.Module] = []
-    for name, module in named:
-        if not isinstance(module, nn.ModuleList) or any(name.startswith(b + ".") for b in block_names):
+    for name, module in [("", model), *named]:
+        if not isinstance(module, CONTAINERS) or any(name.startswith(b + ".") for b in block_names):
             continue
-        children = [(f"{name}.{i}", c) for i, c in enumerate(module) if _has_params(c)]
-        if len(children) >= 2 and len({user_class(c) for _, c in children}) == 1:
-            block_names.extend(n for n, _ in children)
-            blocks.extend(c for _, c in children)
-    return bottom_up(model, blocks)
+        for child_name, child in _container_blocks(module):
+            if any(child is b for b in blocks):
+                continue
+            block_names.append(f"{name}.{child_name}" if name else child_name)
+            blocks.append(child)
+    return bottom_up(model, [b for b in blocks if b is not model])
+
+
+def _user_class_name(module: nn.Module) -> str:
+    """The user's class name, not the wrapper ``fully_shard`` swaps in (``FSDPMyModel``)."""
+    return user_class(module).__name__
+
+
+def _size(num_bytes: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if num_bytes >= scale:
+            return f"{num_bytes / scale:.1f} {unit}"
+    return f"{num_bytes} bytes"
+
+
+def zero_units_warning(model: nn.Module, world_size: int) -> str:
+    """What a plan without sharding units costs, and how to name the blocks (the setup warning)."""
+    total = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
+    candidates: dict[str, list[int]] = {}  # class -> [count, parameters]
+    for module in model.modules():
+        if module is model or isinstance(module, CONTAINERS) or not _has_submodules_with_params(module):
+            continue
+        entry = candidates.setdefault(_user_class_name(module), [0, 0])
+        entry[0] += 1
+        entry[1] += sum(p.numel() for p in module.parameters())
+    # Blocks are parts of the model: classes holding well under all of it, the most numerous first.
+    total_numel = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    parts = [c for c in candidates if candidates[c][1] < 0.9 * total_numel * candidates[c][0]]
+    ranked = sorted(parts, key=lambda c: (-candidates[c][0], -candidates[c][1]))[:3]
+    example = ranked[0] if ranked else "MyBlock"
+    return (
+        f"{_user_class_name(model)} has no sharding units: found no repeated blocks (in nn.ModuleList, nn.Sequential "
+        f"or nn.ModuleDict) and no Hugging Face _no_split_modules, so the whole model is one unit. Every rank then "
+        f"all-gathers all parameters ({_size(total)}) for the entire forward and backward, so sharding over "
+        f"{world_size} ranks saves optimizer and gradient memory only, not parameter memory. Name the blocks: "
+        f"HSDPStrategy(shard_modules=[{example!r}]) (a class name, a dotted class path or a module-name glob such "
+        f"as 'model.layers.*')" + (f"; submodule classes with layers here: {ranked}." if ranked else ".")
+    )
 
 
 def select_params(model: nn.Module, patterns: Sequence[str] | None, option: str) -> list[tuple[str, nn.Parameter]]:

@@ -20,21 +20,31 @@ seed                       here
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, UnshardHandle
 from torch.distributed.fsdp import fully_shard as _torch_fully_shard
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+from hp_lightning.fully_shard.errors import ArgumentTypeError
 from hp_lightning.fully_shard.policies import MixedPrecisionPolicy, OffloadPolicy
 from hp_lightning.fully_shard.replicate import ReplicatedParamSync
 
-__all__ = ["HSDPModule", "REDUCE_OPS", "adopt_sharded", "fully_shard", "hsdp_modules", "validate_scaling_factor"]
+__all__ = [
+    "ArgumentTypeError",
+    "HSDPModule",
+    "REDUCE_OPS",
+    "adopt_sharded",
+    "fully_shard",
+    "hsdp_modules",
+    "to_model_placements",
+    "validate_scaling_factor",
+]
 
 #: Gradient reduce ops: "avg" divides the summed gradients by the data-parallel size.
 REDUCE_OPS = ("avg", "sum")
@@ -42,7 +52,7 @@ REDUCE_OPS = ("avg", "sum")
 
 def _require_bool(value: Any, what: str) -> bool:
     if not isinstance(value, bool):
-        raise TypeError(f"{what} expects a bool (True or False); got {type(value).__name__} {value!r}.")
+        raise ArgumentTypeError(f"{what} expects a bool (True or False); got {type(value).__name__} {value!r}.")
     return value
 
 
@@ -56,7 +66,7 @@ def validate_scaling_factor(factor: Any, owner: str) -> float | None:
     if factor is None:
         return None
     if isinstance(factor, bool) or not isinstance(factor, (int, float)):
-        raise TypeError(f"{owner} expects a finite number > 0 or None (no scaling); got {type(factor).__name__} {factor!r}.")
+        raise ArgumentTypeError(f"{owner} expects a finite number > 0 or None (no scaling); got {type(factor).__name__} {factor!r}.")
     if not math.isfinite(factor) or factor <= 0:
         raise ValueError(f"{owner} expects a finite number > 0 or None (no scaling); got {factor!r}.")
     return float(factor)
@@ -64,14 +74,14 @@ def validate_scaling_factor(factor: Any, owner: str) -> float | None:
 
 def _require_fsdp_modules(modules: Any, what: str) -> list[FSDPModule]:
     if isinstance(modules, nn.Module) or not isinstance(modules, Iterable):
-        raise TypeError(
+        raise ArgumentTypeError(
             f"{what} expects a list of modules returned by fully_shard; got {type(modules).__name__}. "
             f"Wrap a single module in a list: {what}([module])."
         )
     modules = list(modules)
     for module in modules:
         if not isinstance(module, FSDPModule):
-            raise TypeError(
+            raise ArgumentTypeError(
                 f"{what} expects modules that fully_shard has sharded; got an unsharded "
                 f"{type(module).__name__}. Call hp_lightning.fully_shard on it first."
             )
@@ -123,14 +133,20 @@ class HSDPModule(FSDPModule):
 
         With False, gradients are still reduce-scattered inside each shard group every backward,
         and the cross-group all-reduce waits for a backward with True: the middle road between
-        syncing every micro-batch and syncing only the last.
+        syncing every micro-batch and syncing only the last. On a 1-D (FSDP) mesh there is no
+        such all-reduce: True is what already happens (a no-op, as in HyperParallel); only False
+        is refused, since it cannot be honoured.
         """
         _require_bool(requires_all_reduce, "set_requires_all_reduce")
         _require_bool(recurse, "set_requires_all_reduce(recurse=...)")
         if self._hp_mesh.ndim != 2:
+            if requires_all_reduce:
+                return
             raise ValueError(
-                f"set_requires_all_reduce expects an HSDP unit (2-D (replicate, shard) mesh); got a unit on a "
-                f"{self._hp_mesh.ndim}-D mesh {tuple(self._hp_mesh.shape)}. Use set_requires_gradient_sync for FSDP."
+                f"set_requires_all_reduce(False) expects an HSDP unit (2-D (replicate, shard) mesh), whose all-reduce "
+                f"across replicate groups it defers; got a unit on a {self._hp_mesh.ndim}-D mesh "
+                f"{tuple(self._hp_mesh.shape)}, which has none (True is a no-op there). Use "
+                f"set_requires_gradient_sync(False) to skip gradient reduction on FSDP."
             )
         super().set_requires_all_reduce(requires_all_reduce, recurse=recurse)
         for unit in self._hp_units(recurse):
@@ -172,7 +188,7 @@ class HSDPModule(FSDPModule):
     def set_reduce_op_type(self, reduce_op: str) -> None:
         """Reduce gradients by ``"avg"`` (default: mean over data-parallel ranks) or ``"sum"``."""
         if not isinstance(reduce_op, str):
-            raise TypeError(f"set_reduce_op_type expects 'avg' or 'sum'; got {type(reduce_op).__name__} {reduce_op!r}.")
+            raise ArgumentTypeError(f"set_reduce_op_type expects 'avg' or 'sum'; got {type(reduce_op).__name__} {reduce_op!r}.")
         op = reduce_op.lower()
         if op not in REDUCE_OPS:
             raise ValueError(f"set_reduce_op_type expects one of {REDUCE_OPS}; got {reduce_op!r}.")
@@ -202,6 +218,20 @@ class HSDPModule(FSDPModule):
             self._hp_replicated.reduce_op = self._hp_reduce_op
             self._hp_replicated.scaling_factor = self._hp_scaling_factor
 
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        """Load a state dict whose sharded entries may be DTensors, full tensors or this rank's shards.
+
+        HyperParallel's ``load_state_dict`` takes all three; FSDP2 only DTensors. Full tensors (the
+        parameter's global shape: what ``torch.save(model.state_dict())`` of an unsharded model
+        holds, given to every rank) keep this rank's slice; plain tensors of the local shard's
+        shape are this rank's shard. ``assign=True`` makes the (converted) tensors the parameters
+        themselves, ``assign=False`` copies into the existing ones; FSDP2 re-registers either way.
+
+        Raises:
+            ValueError: an entry whose shape is neither the parameter's global nor its local shape.
+        """
+        return super().load_state_dict(to_model_placements(self, state_dict), strict=strict, assign=assign)
+
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """All-gather this unit's parameters now; with ``async_op=True`` return a handle to wait on."""
         _require_bool(async_op, "unshard(async_op=...)")
@@ -225,7 +255,17 @@ def _extend_with_controls(module: nn.Module) -> None:
     module.__class__ = _HP_CLASSES[cls]
 
 
-def _default_mesh() -> DeviceMesh:
+def _device_type(device: Any) -> str | None:
+    if device is None:
+        return None
+    if isinstance(device, torch.device):
+        return device.type
+    if isinstance(device, str) and device.strip():
+        return torch.device(device.strip()).type
+    raise ArgumentTypeError(f"fully_shard(device=...) expects a torch.device, a string like 'cpu' or None; got {device!r}.")
+
+
+def _default_mesh(device_type: str | None = None) -> DeviceMesh:
     from hp_lightning.core.mesh import build_device_mesh, default_device_type
 
     if not dist.is_initialized():
@@ -234,21 +274,21 @@ def _default_mesh() -> DeviceMesh:
             "torch.distributed is not initialized. Call torch.distributed.init_process_group "
             "first, or pass mesh=hp_lightning.init_device_mesh(...)."
         )
-    return build_device_mesh(default_device_type(), (dist.get_world_size(),))
+    return build_device_mesh(device_type or default_device_type(), (dist.get_world_size(),))
 
 
 def _param_set(params: Iterable[nn.Parameter] | None, what: str) -> list[nn.Parameter]:
     if params is None:
         return []
     if isinstance(params, (torch.Tensor, nn.Module)) or not isinstance(params, Iterable):
-        raise TypeError(
+        raise ArgumentTypeError(
             f"fully_shard({what}=...) expects a set or list of nn.Parameter; got {type(params).__name__}. "
             f"Pass for example {what}={{model.head.weight}}."
         )
     out: list[nn.Parameter] = []
     for p in params:
         if not isinstance(p, nn.Parameter):
-            raise TypeError(f"fully_shard({what}=...) expects nn.Parameter items; got {type(p).__name__}.")
+            raise ArgumentTypeError(f"fully_shard({what}=...) expects nn.Parameter items; got {type(p).__name__}.")
         if not any(p is q for q in out):
             out.append(p)
     return out
@@ -258,7 +298,7 @@ def _validate_placement_fn(fn: Callable[[nn.Parameter], Shard | None]) -> Callab
     def checked(param: nn.Parameter) -> Shard | None:
         placement = fn(param)
         if placement is not None and not isinstance(placement, Shard):
-            raise TypeError(
+            raise ArgumentTypeError(
                 f"shard_placement_fn must return torch.distributed.tensor.Shard(dim) or None; got "
                 f"{type(placement).__name__} {placement!r} for a parameter of shape {tuple(param.shape)}."
             )
@@ -279,10 +319,11 @@ def fully_shard(
     reshard_after_forward: bool = True,
     shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
-    offload_policy: OffloadPolicy = OffloadPolicy(),
+    offload_policy: OffloadPolicy | None = OffloadPolicy(),
     ignored_params: set[nn.Parameter] | None = None,
     replicate_params: set[nn.Parameter] | None = None,
     comm_fusion: bool = False,
+    device: str | torch.device | None = None,
 ) -> nn.Module | list[nn.Module]:
     """Shard ``module`` in place with FSDP (1-D mesh) or HSDP (2-D ``(replicate, shard)`` mesh).
 
@@ -298,12 +339,15 @@ def fully_shard(
         shard_placement_fn: ``param -> Shard(dim) | None``; None → dim 0.
         mp_policy: compute (``param_dtype``) and gradient-reduction (``reduce_dtype``) dtypes.
         offload_policy: ``CPUOffloadPolicy()`` keeps shards, gradients and optimizer state on
-            the host; ``OffloadPolicy()`` keeps them on the device.
+            the host; ``OffloadPolicy()`` or None keeps them on the device.
         ignored_params: left alone: not sharded, gradients not synchronized (each rank keeps its own).
         replicate_params: kept whole on every rank, gradients all-reduced over the whole
             data-parallel domain, honouring every control below.
         comm_fusion: reduce the unit's replicate-parameter gradients in one bucketed all-reduce
             instead of one per parameter.
+        device: the device (type) to shard onto, as in HyperParallel: with ``mesh=None`` the
+            default mesh is built on it; with a mesh it must match the mesh's device type.
+            None: the mesh's device (the accelerator when there is one).
 
     Returns:
         The same module (or list), extended with :class:`HSDPModule`'s runtime controls.
@@ -316,24 +360,26 @@ def fully_shard(
         raise ValueError("fully_shard expects a module or a non-empty list of modules; got [].")
     for m in modules:
         if not isinstance(m, nn.Module):
-            raise TypeError(f"fully_shard expects nn.Module or list[nn.Module]; got {type(m).__name__}.")
+            raise ArgumentTypeError(f"fully_shard expects nn.Module or list[nn.Module]; got {type(m).__name__}.")
         if isinstance(m, FSDPModule):
             raise ValueError(
                 f"fully_shard expects a module it has not sharded yet; got {type(m).__name__}, already sharded. "
                 f"Apply it once per unit, bottom-up: the blocks first, then the root."
             )
     if mesh is not None and not isinstance(mesh, DeviceMesh):
-        raise TypeError(f"fully_shard(mesh=...) expects a DeviceMesh or None; got {type(mesh).__name__}.")
+        raise ArgumentTypeError(f"fully_shard(mesh=...) expects a DeviceMesh or None; got {type(mesh).__name__}.")
     _require_bool(reshard_after_forward, "fully_shard(reshard_after_forward=...)")
     _require_bool(comm_fusion, "fully_shard(comm_fusion=...)")
     if shard_placement_fn is not None and not callable(shard_placement_fn):
-        raise TypeError(f"fully_shard(shard_placement_fn=...) expects a callable or None; got {type(shard_placement_fn).__name__}.")
+        raise ArgumentTypeError(f"fully_shard(shard_placement_fn=...) expects a callable or None; got {type(shard_placement_fn).__name__}.")
     if not isinstance(mp_policy, MixedPrecisionPolicy):
-        raise TypeError(
+        raise ArgumentTypeError(
             f"fully_shard(mp_policy=...) expects hp_lightning.MixedPrecisionPolicy; got {type(mp_policy).__name__}."
         )
+    if offload_policy is None:
+        offload_policy = OffloadPolicy()
     if not isinstance(offload_policy, OffloadPolicy):
-        raise TypeError(
+        raise ArgumentTypeError(
             f"fully_shard(offload_policy=...) expects OffloadPolicy() or CPUOffloadPolicy(); got "
             f"{type(offload_policy).__name__}."
         )
@@ -347,13 +393,26 @@ def fully_shard(
             f"(replicate): remove it from one of the sets."
         )
 
-    mesh = mesh if mesh is not None else _default_mesh()
+    device_type = _device_type(device)
+    if mesh is not None and device_type is not None and mesh.device_type != device_type:
+        raise ValueError(
+            f"fully_shard(device={device!r}) does not match the mesh, which is on {mesh.device_type!r}. Pass a mesh "
+            f"built on {device_type!r} (hp_lightning.init_device_mesh({device_type!r}, ...)), or drop device=."
+        )
+    mesh = mesh if mesh is not None else _default_mesh(device_type)
     if mesh.ndim not in (1, 2):
         raise ValueError(
             f"fully_shard expects a 1-D mesh (FSDP) or a 2-D (replicate, shard) mesh (HSDP); got a "
             f"{mesh.ndim}-D mesh of shape {tuple(mesh.shape)}. For FSDP+TP pass the data-parallel "
             f"sub-mesh, e.g. mesh['dp']."
         )
+
+    # Sharding by hand inside a recorded meta-device build (configure_model): remember which
+    # recorded tensors these parameters are, before FSDP replaces them, so setup can initialize them.
+    from hp_lightning.core.materialize import link_construction
+
+    for m in modules:
+        link_construction(m)
 
     _torch_fully_shard(
         module,
@@ -388,7 +447,7 @@ def adopt_sharded(module: nn.Module) -> HSDPModule:
     if isinstance(module, HSDPModule):
         return module
     if not isinstance(module, FSDPModule):
-        raise TypeError(f"adopt_sharded expects a module sharded by fully_shard; got an unsharded {type(module).__name__}.")
+        raise ArgumentTypeError(f"adopt_sharded expects a module sharded by fully_shard; got an unsharded {type(module).__name__}.")
     mesh = next((p.device_mesh for p in module.parameters() if isinstance(p, DTensor)), None)
     if mesh is None:
         raise ValueError(f"adopt_sharded: {type(module).__name__} is sharded but holds no sharded parameter to read its mesh from.")
@@ -403,3 +462,37 @@ def adopt_sharded(module: nn.Module) -> HSDPModule:
 def hsdp_modules(module: nn.Module) -> list[HSDPModule]:
     """All sharding units in ``module``'s tree (root included), outermost first."""
     return [m for m in module.modules() if isinstance(m, HSDPModule)]
+
+
+def to_model_placements(model: nn.Module, state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """``state_dict`` with each plain tensor for a sharded parameter turned into a DTensor like it.
+
+    Full tensors (the global shape) keep this rank's slice, without communication (every rank is
+    expected to pass the same full tensor, as with a full state dict); tensors of the local shard's
+    shape are taken as this rank's shard. DTensors and entries for unsharded tensors pass through.
+
+    Raises:
+        ValueError: a plain tensor whose shape is neither the global nor the local shape.
+    """
+    if not isinstance(state_dict, Mapping):
+        raise ArgumentTypeError(f"load_state_dict expects a mapping of names to tensors; got {type(state_dict).__name__}.")
+    current = dict(model.named_parameters(remove_duplicate=False))
+    out = dict(state_dict)
+    for key, value in state_dict.items():
+        param = current.get(key)
+        if not isinstance(param, DTensor) or not isinstance(value, torch.Tensor) or isinstance(value, DTensor):
+            continue
+        local = param.to_local()
+        value = value.detach().to(device=local.device, dtype=local.dtype)
+        if tuple(value.shape) == tuple(param.shape):
+            out[key] = distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None)
+        elif tuple(value.shape) == tuple(local.shape):
+            out[key] = DTensor.from_local(
+                value, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+            )
+        else:
+            raise ValueError(
+                f"load_state_dict: {key!r} has shape {tuple(value.shape)}; expected the full shape "
+                f"{tuple(param.shape)} or this rank's shard {tuple(local.shape)} (placements {param.placements})."
+            )
+    return out

@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
+from hp_lightning.fully_shard.errors import ArgumentTypeError
+
 __all__ = [
     "CPUOffloadPolicy",
     "DTYPE_NAMES",
@@ -60,7 +62,7 @@ def parse_dtype(value: str | torch.dtype | None, *, name: str) -> torch.dtype | 
             )
         dtype = DTYPE_NAMES[key]
     else:
-        raise TypeError(f"{name} must be a string like 'bf16', a torch.dtype or None; got {type(value).__name__} {value!r}.")
+        raise ArgumentTypeError(f"{name} must be a string like 'bf16', a torch.dtype or None; got {type(value).__name__} {value!r}.")
     if not dtype.is_floating_point:
         raise ValueError(f"{name} must be a floating dtype; got {dtype}. Use 'bf16', 'fp16' or 'fp32'.")
     return dtype

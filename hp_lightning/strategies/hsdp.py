@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Generator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
@@ -11,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.fabric.utilities.data import has_len
 from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.seed import reset_seed
@@ -44,7 +46,7 @@ from hp_lightning.core.mesh import build_device_mesh, describe, resolve_mesh_sha
 from hp_lightning.core.options import DEFAULT_TIMEOUT, STATE_DICT_TYPES, HSDPOptions
 from hp_lightning.core.parallelize import ShardedModel, ShardingPlan
 from hp_lightning.core.prepare import prepare_model
-from hp_lightning.core.materialize import move_unsharded_states
+from hp_lightning.core.materialize import meta_init_context, move_unsharded_states
 from hp_lightning.fully_shard import HSDPModule
 from hp_lightning.core.preemption import Preempted, PreemptionWatch
 from hp_lightning.strategies.precision import HSDPPrecision, precision_from_lightning
@@ -118,6 +120,11 @@ class HSDPStrategy(ParallelStrategy):
             ``ModelCheckpoint`` folder before stopping, so ``fit(ckpt_path="last")`` resumes at
             that step. Either way every rank stops at the same batch, at the end of its
             accumulation window, with exit code 143 (see :mod:`hp_lightning.core.preemption`).
+        meta_init: build ``configure_model`` (and ``trainer.init_module()``) on the meta device,
+            recording construction, and initialize after sharding by replaying it and the
+            modules' own rules: the model never exists whole on a rank, and equals the one a
+            real build would give; a tensor nothing initializes is an error at setup (see
+            ``docs/models.md``). False builds on the host: every rank holds the whole model once.
     """
 
     strategy_name = "hsdp"
@@ -155,6 +162,7 @@ class HSDPStrategy(ParallelStrategy):
         heartbeat_timeout: float = 120.0,
         failure_exit_grace: float = 30.0,
         save_on_preemption: bool = False,
+        meta_init: bool = True,
     ) -> None:
         # Validate everything here: this runs in Trainer(...) before any process or group exists.
         self.options = HSDPOptions(
@@ -183,6 +191,7 @@ class HSDPStrategy(ParallelStrategy):
             heartbeat_timeout=heartbeat_timeout,
             failure_exit_grace=failure_exit_grace,
             save_on_preemption=save_on_preemption,
+            meta_init=meta_init,
         )
         self._process_group_backend = self.options.process_group_backend
         self._accumulation_mode = self.options.accumulation_mode
@@ -381,8 +390,11 @@ class HSDPStrategy(ParallelStrategy):
     def _add_preemption_stop(self, trainer: pl.Trainer) -> None:
         if self.options.save_on_preemption:
             preemption_checkpoint_path(trainer)  # refuse a setup that could not save, now
+        environment = self.cluster_environment
+        requeue = environment.requeue_signal if isinstance(environment, SLURMEnvironment) and environment.auto_requeue else None
+        self._preemption.signals = (signal.SIGTERM,) if requeue is None else (signal.SIGTERM, requeue)
         if not any(isinstance(cb, PreemptionStop) for cb in trainer.callbacks):
-            trainer.callbacks.append(PreemptionStop(self._preemption, save=self.options.save_on_preemption))
+            trainer.callbacks.append(PreemptionStop(self._preemption, save=self.options.save_on_preemption, requeue_signal=requeue))
 
     def sharding_summary(self) -> ShardingSummary:
         """The per-unit table of what was sharded (a collective: every rank must call it)."""
@@ -413,9 +425,16 @@ class HSDPStrategy(ParallelStrategy):
     @contextmanager
     @override
     def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
-        # Parameters are created on the meta device unless the user opts out with
-        # empty_init=False; setup() shards them, then allocates only the local shards.
-        device_context = torch.device("meta") if empty_init is not False else nullcontext()
+        """Where ``configure_model`` and ``trainer.init_module(empty_init=...)`` create tensors.
+
+        On the meta device, with construction recorded (:func:`hp_lightning.core.materialize.meta_init_context`),
+        unless ``empty_init=False`` or ``HSDPStrategy(meta_init=False)`` (None follows the option;
+        ``empty_init=True`` always builds on meta). Whatever is built on meta is initialized at
+        setup, after sharding, by replaying its construction and its modules' rules, so no
+        combination trains on uninitialized memory; loaded weights then overwrite it.
+        """
+        on_meta = empty_init is True or (empty_init is None and self.options.meta_init)
+        device_context = meta_init_context() if on_meta else nullcontext()
         with device_context, self.precision_plugin.tensor_init_context():
             yield
 

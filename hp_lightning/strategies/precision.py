@@ -16,8 +16,7 @@ clear message; so are fp64, transformer-engine and bitsandbytes.
 
 from __future__ import annotations
 
-from collections.abc import Generator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -29,28 +28,10 @@ from typing_extensions import override
 
 from hp_lightning.core import devices
 from hp_lightning.core.gradients import clip_grad_norm_, clip_grad_value_
+from hp_lightning.core.precision_flags import SUPPORTED_PRECISION, normalize_precision
+from hp_lightning.core.precision_flags import default_dtype as _default_dtype
 
-#: Precision flags HSDPStrategy accepts, and what each means for (param_dtype, reduce_dtype).
-SUPPORTED_PRECISION: dict[str, tuple[torch.dtype | None, torch.dtype | None]] = {
-    "32-true": (None, None),
-    "bf16-mixed": (torch.bfloat16, torch.float32),
-    "bf16-true": (None, None),
-}
-_ALIASES = {"32": "32-true", 32: "32-true", "bf16": "bf16-mixed"}
-
-
-def normalize_precision(value: Any) -> str:
-    """Return the canonical flag for ``value`` or raise a ValueError that lists the choices."""
-    flag = _ALIASES.get(value, value)
-    if flag not in SUPPORTED_PRECISION:
-        hint = ""
-        if flag in ("16-mixed", "16", 16):
-            hint = " fp16 mixed precision needs a sharded gradient scaler; use 'bf16-mixed' (same memory, no scaler)."
-        raise ValueError(
-            f"HSDPStrategy supports precision {sorted(SUPPORTED_PRECISION)}; got {value!r}.{hint} "
-            f"Set Trainer(precision='bf16-mixed') or '32-true'."
-        )
-    return flag
+__all__ = ["SUPPORTED_PRECISION", "HSDPPrecision", "normalize_precision", "precision_from_lightning"]
 
 
 class HSDPPrecision(Precision):
@@ -117,16 +98,6 @@ class HSDPPrecision(Precision):
 
 def _cast_floating(data: Any, dtype: torch.dtype) -> Any:
     return apply_to_collection(data, torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t)
-
-
-@contextmanager
-def _default_dtype(dtype: torch.dtype) -> Generator[None, None, None]:
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)
 
 
 def precision_from_lightning(plugin: Precision) -> HSDPPrecision:

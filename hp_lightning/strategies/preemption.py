@@ -2,10 +2,12 @@
 
 :class:`HSDPStrategy` replaces Lightning's SIGTERM handler (which starts a collective inside the
 handler and can hang the job) with :class:`~hp_lightning.core.preemption.PreemptionWatch`, and
-adds :class:`PreemptionStop` to the trainer's callbacks. After each training batch the ranks
-agree, in one all-reduce of one number, whether any of them was signalled; at the end of the
-accumulation window they save ``last.ckpt`` (with ``save_on_preemption=True``) and raise
-:class:`~hp_lightning.core.preemption.Preempted` together.
+adds :class:`PreemptionStop` to the trainer's callbacks. After each optimizer step (the last
+micro-batch of an accumulation window) the ranks agree, in one all-reduce of one number, whether
+any of them was signalled; if so they save ``last.ckpt`` (with ``save_on_preemption=True``) and raise
+:class:`~hp_lightning.core.preemption.Preempted` together. Under ``SLURMEnvironment(auto_requeue=True)``
+SLURM's requeue signal (``SIGUSR1`` by default) takes the same path and then runs Lightning's own
+requeue (the ``hpc_ckpt`` save and ``scontrol requeue``) at that batch.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from hp_lightning._lightning_private import should_accumulate
+from hp_lightning._lightning_private import should_accumulate, slurm_save_and_requeue
 from hp_lightning.core.preemption import Preempted, PreemptionWatch
 
 if TYPE_CHECKING:
@@ -49,21 +51,27 @@ class PreemptionStop(Callback):
         save: save ``last.ckpt`` before stopping.
     """
 
-    def __init__(self, watch: PreemptionWatch, save: bool) -> None:
+    def __init__(self, watch: PreemptionWatch, save: bool, requeue_signal: Optional[int] = None) -> None:
         self.watch = watch
         self.save = save
+        self.requeue_signal = requeue_signal
         #: The checkpoint written on preemption, once written.
         self.saved: Optional[Path] = None
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if pl_module.automatic_optimization and should_accumulate(trainer):
+            return  # only at the end of a window (its gradients would be lost): one agreement per step
         signum = self.watch.agreed(trainer.strategy.root_device)
         if not signum:
             return
-        if pl_module.automatic_optimization and should_accumulate(trainer):
-            return  # finish the accumulation window first: its gradients would be lost
         detail = f"stopped at step {trainer.global_step}"
-        if self.save:
+        if signum == self.requeue_signal:
+            # SLURM's warning before the time limit: Lightning's own requeue (hpc checkpoint,
+            # `scontrol requeue`), run here, where every rank is, instead of in the signal handler.
+            slurm_save_and_requeue(trainer, signum)
+            detail += ", saved the hpc checkpoint and requeued the job (SLURM auto-requeue)"
+        elif self.save:
             self.saved = preemption_checkpoint_path(trainer)
             trainer.save_checkpoint(self.saved)
             detail += f", saved {self.saved} (resume with ckpt_path='last')"

@@ -69,7 +69,7 @@ def validation_worker() -> list[tuple[str, str, str]]:
         try:
             call()
         except (TypeError, ValueError) as exc:
-            out.append((name, type(exc).__name__, str(exc)))
+            out.append((name, "TypeError" if isinstance(exc, TypeError) else "ValueError", str(exc)))
         else:
             out.append((name, "no error", ""))
     # Valid calls still work after all that.

@@ -67,6 +67,15 @@ class BuildsAndShardsOnMeta(RegressionModule):
             hp_lightning.fully_shard(block, mesh=self.device_mesh)
 
 
+class MetricOnMeta(RegressionModule):
+    """A torchmetrics metric created in configure_model: its defaults would have no values."""
+
+    def configure_model(self) -> None:
+        import torchmetrics
+
+        self.val_mse = torchmetrics.MeanSquaredError()
+
+
 def reference() -> dict:
     seed_everything(0)
     model = RegressionModule(depth=2)
@@ -106,6 +115,11 @@ def worker() -> dict:
         out[which] = _fit(ShardsItsBlocks(which), **options)
     seed_everything(0)
     out["meta"] = _fit(BuildsAndShardsOnMeta())
+    try:
+        _fit(MetricOnMeta(), fault_watchdog=False)
+        out["metric"] = "trained"
+    except ValueError as exc:
+        out["metric"] = str(exc)
     return out
 
 
@@ -132,6 +146,13 @@ def test_unhonourable_option_warns(runs):
     for res in results:
         assert any("net.blocks.0.norm.weight" in w for w in res["half"]["warnings"]), res["half"]["warnings"]
         assert res["all"]["warnings"] == []
+
+
+def test_metric_built_on_meta_is_refused_with_the_fix(runs):
+    _, results = runs
+    for res in results:
+        assert "'val_mse' (MeanSquaredError) was created on the meta device" in res["metric"], res["metric"]
+        assert "Create metrics in your LightningModule's __init__" in res["metric"]
 
 
 def test_meta_built_user_units_are_materialized(runs):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -90,12 +91,25 @@ def launch(out: Path, *script_args: str, launcher: str = "lightning", timeout: f
     if launcher == "lightning":
         env["MASTER_ADDR"], env["MASTER_PORT"] = "127.0.0.1", port
         cmd = [sys.executable, str(SCRIPT), str(out), *script_args]
+    elif launcher == "slurm":
+        # What `srun --ntasks=2` does on one node: start every task with SLURM's variables set;
+        # Lightning then picks SLURMEnvironment (with auto_requeue, its default).
+        env.update(
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=port, SLURM_NTASKS=str(WORLD), SLURM_NTASKS_PER_NODE=str(WORLD),
+            SLURM_NODEID="0", SLURM_JOB_ID="4242", SLURM_JOB_NAME="hp_lightning_faults", SLURM_NODELIST="127.0.0.1",
+        )
+        tasks = " ".join(
+            f"SLURM_PROCID={r} SLURM_LOCALID={r} {shlex.quote(sys.executable)} {shlex.quote(str(SCRIPT))} "
+            f"{' '.join(shlex.quote(a) for a in (str(out), *script_args))} &"
+            for r in range(WORLD)
+        )
+        cmd = ["bash", "-c", f"{tasks} wait"]
     elif launcher == "torchrun":
         torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which("torchrun")
         assert torchrun is not None, "torchrun ships with torch and must be on PATH next to the interpreter"
         cmd = [torchrun, "--nproc-per-node", str(WORLD), "--master-port", port, str(SCRIPT), str(out), *script_args]
     else:
-        raise ValueError(f"launcher must be 'lightning' or 'torchrun'; got {launcher!r}")
+        raise ValueError(f"launcher must be 'lightning', 'slurm' or 'torchrun'; got {launcher!r}")
     log = out / "output.txt"
     with open(log, "wb") as sink:
         proc = subprocess.Popen(cmd, env=env, cwd=out, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)

@@ -27,12 +27,19 @@ def expect_clean_preemption(run: FaultRun) -> None:
     assert run.count(r"^\[hp_lightning\] preempted by SIGTERM: stopped at step 3") == 1, run.tail()
 
 
-@pytest.mark.parametrize(("fault", "launcher"), [("sigterm_rank", "lightning"), ("sigterm_rank", "torchrun"), ("sigterm_job", "torchrun")])
+@pytest.mark.parametrize(
+    ("fault", "launcher"),
+    [("sigterm_rank", "lightning"), ("sigterm_rank", "torchrun"), ("sigterm_job", "torchrun"), ("sigterm_job", "slurm")],
+)
 def test_sigterm_stops_every_rank_at_the_same_step(tmp_path, fault, launcher):
     run = launch(tmp_path, "--fault", fault, "--rank", "1", "--step", "2", launcher=launcher)
     expect_clean_preemption(run)
+    if launcher == "slurm":
+        assert run.count(r"cluster environment SLURMEnvironment") == 2, run.tail()
     if launcher == "lightning":
         assert run.returncode == PREEMPTED_EXIT_CODE, run.tail()
+    elif launcher == "slurm":
+        assert run.returncode != 0, run.tail()  # the srun stand-in (bash) ends by the same SIGTERM
     else:
         assert run.returncode != 0 and f"exitcode  : {PREEMPTED_EXIT_CODE}" in run.output, run.tail()
     assert not list(tmp_path.glob("finished.*")), "training went on after the preemption"
@@ -55,3 +62,16 @@ def test_sigterm_to_the_job_saves_and_resumes_to_the_exact_step(tmp_path):
     assert a["global_step"] == b["global_step"] == 6
     for name, value in b["params"].items():
         assert torch.equal(a["params"][name], value), name
+
+
+def test_slurm_requeue_signal_saves_the_hpc_checkpoint_at_a_common_batch(tmp_path):
+    # Lightning's own SIGUSR1 handler saves (a collective, for a sharded model) inside the signal
+    # handler; here every rank reaches the save together, then Lightning's requeue runs
+    # (`scontrol` is not installed here, so it reports a failed requeue, as it would off SLURM).
+    run = launch(tmp_path, "--fault", "sigusr1_job", "--rank", "1", "--step", "2", launcher="slurm")
+    expect_bounded(run, BOUND)
+    assert run.tracebacks() == [], run.tail()
+    assert run.count(r"cluster environment SLURMEnvironment") == 2, run.tail()
+    assert run.count(r"^\[hp_lightning\] preempted by SIGUSR1: stopped at step 3, saved the hpc checkpoint and requeued") == 1, run.tail()
+    assert sorted(p.name for p in tmp_path.glob("hpc_ckpt_*.ckpt")) == ["hpc_ckpt_1.ckpt"], run.tail()
+    assert "Requeuing SLURM job 4242 failed" in run.output or "requeue" in run.output.lower(), run.tail()

@@ -24,6 +24,7 @@ Faults (on rank R at global step S):
 * ``junk_ckpt``: every rank resumes from a file of random bytes (a checkpoint error on every rank);
 * ``bad_mesh`` / ``bad_backend``: every rank asks for a mesh of 3 ranks, or for NCCL on CPUs
   (configuration errors raised before the process group exists);
+* ``sigusr1_job``: SLURM's requeue signal to the whole job (run under the ``slurm`` launcher);
 * ``sigterm_rank`` / ``sigterm_job``: SIGTERM (preemption) to rank R alone, or to the whole job
   (its process group: under torchrun the agent too), as a scheduler sends it;
 * ``none``: a clean run, then ``validate`` in the same processes (exit code 0 expected).
@@ -53,13 +54,18 @@ from tests.helpers import RegressionModule, make_dataset, rank_loader, trainer_k
 
 FAULTS = (
     "none", "training_step", "callback", "data", "sigkill", "sigstop", "stuck", "nan", "nan_clip", "save_kill", "disagree",
-    "sigterm_rank", "sigterm_job", "deadlock", "caught", "bad_mesh", "bad_backend", "junk_ckpt", "sleepy",
+    "sigterm_rank", "sigterm_job", "deadlock", "caught", "bad_mesh", "bad_backend", "junk_ckpt", "sleepy", "sigusr1_job",
 )
 GLOBAL_BATCH = 16
 
 
 def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", 0)))
+    return dist.get_rank() if dist.is_initialized() else _launch_rank()
+
+
+def _launch_rank() -> int:
+    """This process's rank as its launcher set it: torchrun RANK, srun SLURM_PROCID, Lightning LOCAL_RANK."""
+    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", os.environ.get("LOCAL_RANK", 0))))
 
 
 def mark_fault(out: Path, kind: str) -> None:
@@ -120,6 +126,9 @@ class Injector(Callback):
         if a.fault == "sigterm_job":
             mark_fault(a.out, a.fault)
             os.killpg(os.getpgid(0), signal.SIGTERM)
+        if a.fault == "sigusr1_job":  # SLURM's requeue warning (#SBATCH --signal=USR1@90)
+            mark_fault(a.out, a.fault)
+            os.killpg(os.getpgid(0), signal.SIGUSR1)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         a = self.args
@@ -185,7 +194,7 @@ def main() -> None:
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     # Lightning's launcher sets LOCAL_RANK in the ranks it starts; torchrun sets RANK (one node: the same).
-    launch_rank = int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", 0)))
+    launch_rank = _launch_rank()
     (args.out / f"pid.{launch_rank}").write_text(str(os.getpid()))
     torch.set_num_threads(1)
     seed_everything(0)
@@ -224,6 +233,7 @@ def main() -> None:
         gradient_clip_val=1.0 if args.fault == "nan_clip" else None,
         **trainer_kwargs(enable_checkpointing=checkpointing),
     )
+    print(f"rank {launch_rank}: cluster environment {type(trainer.strategy.cluster_environment).__name__}", flush=True)
     workers = 1 if args.fault == "data" else 0
     if disagreeing:
         mark_fault(args.out, "disagree")  # the mismatch exists from here on; setup must catch it

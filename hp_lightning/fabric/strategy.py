@@ -1,0 +1,781 @@
+"""HSDPStrategy for Lightning Fabric: Fabric's hooks over the same engine as the Trainer strategy.
+
+Everything that shards, initializes, clips, accumulates or checkpoints is in
+:mod:`hp_lightning.core` and :mod:`hp_lightning.checkpoint`; this module only answers Fabric's
+calls (``launch``, ``init_module``, ``setup``, ``no_backward_sync``, ``clip_gradients``,
+``save`` / ``load``, collectives) and keeps the objects Fabric hands it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import sys
+import weakref
+from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager, ExitStack, nullcontext
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Literal, Optional, Union
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.accelerators import Accelerator
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.precision import Precision
+from lightning.fabric.strategies import ParallelStrategy
+from lightning.fabric.strategies.strategy import TBroadcast
+from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import Optimizable, ReduceOp
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from hp_lightning import checkpoint as checkpoint_io
+from hp_lightning._lightning_private import (
+    BackwardSyncControl,
+    FabricSubprocessScriptLauncher,
+    PathLike,
+    distributed_is_initialized,
+    init_dist_connection,
+    sync_ddp_if_available,
+)
+from hp_lightning.checkpoint.collective import on_rank0
+from hp_lightning.core import agreement, devices, watchdog
+from hp_lightning.core.accumulation import check_mode, no_gradient_sync
+from hp_lightning.core.gradients import clip_grad_norm_, clip_grad_value_
+from hp_lightning.core.introspection import ShardingSummary, summarize, units_in_order
+from hp_lightning.core.materialize import meta_init_context, move_unsharded_states
+from hp_lightning.core.mesh import build_device_mesh, describe, resolve_mesh_shape, set_collective_timeout
+from hp_lightning.core.options import DEFAULT_TIMEOUT, HSDPOptions
+from hp_lightning.core.parallelize import ShardedModel, ShardingPlan
+from hp_lightning.core.prepare import prepare_model, prepared
+from hp_lightning.fabric import state as fabric_state
+from hp_lightning.fabric.precision import HSDPPrecision, precision_from_fabric
+from hp_lightning.fully_shard import HSDPModule
+from hp_lightning.fully_shard.divergence import check_before_backward
+
+if TYPE_CHECKING:
+    from torch.optim.lr_scheduler import LRScheduler
+
+__all__ = ["HSDPStrategy"]
+
+
+class HSDPStrategy(ParallelStrategy):
+    """FSDP / HSDP training with PyTorch FSDP2 under Lightning Fabric.
+
+    ``Fabric(strategy="hsdp")`` shards every model passed to ``fabric.setup`` with the same plan
+    as ``Trainer(strategy="hsdp")``: each repeated block becomes a sharding unit, the rest
+    (embeddings, heads, norms) belongs to the root unit. Gradients are reduce-scattered inside
+    shard groups of consecutive ranks and all-reduced across replicate groups; under
+    ``fabric.no_backward_sync(model)`` the non-final micro-batches communicate what
+    ``accumulation_mode`` says (nothing, by default). Checkpoints use the Trainer's layout, so
+    either front end resumes the other's.
+
+    The keyword arguments are the Trainer strategy's (:class:`hp_lightning.HSDPStrategy`), with
+    the same meaning and validation; they are documented there and summarized here.
+
+    Args:
+        accelerator, parallel_devices, cluster_environment, precision: set by Fabric's connector
+            from ``Fabric(accelerator=..., devices=..., num_nodes=..., precision=...)``.
+        checkpoint_io: not supported: checkpoints go through :mod:`hp_lightning.checkpoint`.
+        mesh_shape: None → HSDP ``(num_nodes, devices_per_node)``; ``[N]`` → FSDP; ``[R, S]`` →
+            R replicas of S shards (S consecutive ranks each); one size may be -1.
+        shard_modules: sharding units (classes, dotted paths, class names, module-name globs);
+            None → HF ``_no_split_modules``, else the blocks of repeated ``nn.ModuleList`` s.
+        reshard_after_forward: free gathered unit parameters after forward (less memory) or keep
+            them for backward (one all-gather fewer per unit and step).
+        param_dtype / reduce_dtype: override what ``Fabric(precision=...)`` implies.
+        cpu_offload: sharded parameters, gradients and optimizer state on the host.
+        activation_checkpointing: blocks whose activations are recomputed in backward.
+        ignored_params: parameter-name globs left alone (not sharded, gradients not synchronized).
+        replicate_params: parameter-name globs kept whole on every rank, gradients all-reduced.
+        comm_fusion: bucket the replicate-parameter all-reduces of each unit into one.
+        reduce_op: ``"avg"`` (mean over data-parallel ranks) or ``"sum"``.
+        gradient_scaling_factor: multiply reduced gradients by this factor (None: off).
+        shard_placement: parameter-name glob → dim to shard on (default dim 0).
+        prefetch: each unit all-gathers the next N units in forward, the previous N in backward.
+        forward_methods: extra model methods that run the model outside ``forward`` (e.g.
+            ``generate``, registered automatically when present).
+        accumulation_mode: what ``fabric.no_backward_sync(model)`` lets non-final micro-batches
+            communicate: ``"skip"`` (nothing; full-size gradients held between micro-batches),
+            ``"every"`` (reduce-scatter and all-reduce; sharded gradients only) or
+            ``"defer_all_reduce"`` (reduce-scatter only; the HSDP all-reduce once per window).
+            :meth:`set_accumulation_mode` changes it later.
+        state_dict_type: what ``fabric.save`` writes: ``"sharded"`` (a directory, one shard per
+            rank, fast) or ``"full"`` (one file rank 0 writes, loadable on a single process).
+        sharding_report: log the table of units, bytes per rank, placements and dtypes at setup.
+        process_group_backend: None → gloo for CPU, nccl for CUDA, hccl for NPU.
+        timeout: collective timeout, in seconds or as a timedelta: until the first optimizer
+            step, and for the whole run unless ``train_timeout`` is set.
+        train_timeout: a shorter collective timeout from the first ``optimizer.step()`` on, once
+            rendezvous and checkpoint loading are behind. None keeps ``timeout``.
+        fault_watchdog: when one rank fails, stop every rank within seconds with the failure
+            named once (see :mod:`hp_lightning.core.watchdog`). Fabric has no teardown hook: the
+            watchdog is stopped at interpreter exit, or by :meth:`teardown`.
+        heartbeat_timeout: seconds without a heartbeat before a rank counts as lost.
+        failure_exit_grace: seconds a failed rank gets to print its traceback and exit.
+        save_on_preemption: the Trainer's option (save ``last.ckpt`` on SIGTERM); accepted so
+            both front ends read the same configuration, but only ``False`` is valid here: a
+            Fabric loop has no ModelCheckpoint to save to.
+        meta_init: build under ``fabric.init_module()`` on the meta device, recording
+            construction, and initialize after sharding (see :meth:`module_init_context`). False
+            builds real tensors: every rank holds the whole model until it is sharded.
+
+    Raises:
+        TypeError / ValueError: for any option of the wrong type or value, in ``Fabric(...)``;
+            ValueError for ``save_on_preemption=True``; TypeError for a ``checkpoint_io`` plugin.
+    """
+
+    def __init__(
+        self,
+        accelerator: Optional[Accelerator] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision: Optional[Precision] = None,
+        *,
+        mesh_shape: Optional[Sequence[int]] = None,
+        shard_modules: Optional[Sequence[Union[str, type]]] = None,
+        reshard_after_forward: bool = True,
+        param_dtype: Optional[str] = None,
+        reduce_dtype: Optional[str] = None,
+        cpu_offload: bool = False,
+        activation_checkpointing: Optional[Sequence[Union[str, type]]] = None,
+        ignored_params: Optional[Sequence[str]] = None,
+        replicate_params: Optional[Sequence[str]] = None,
+        comm_fusion: bool = False,
+        reduce_op: Literal["avg", "sum"] = "avg",
+        gradient_scaling_factor: Optional[float] = None,
+        shard_placement: Optional[Mapping[str, int]] = None,
+        prefetch: int = 1,
+        forward_methods: Optional[Sequence[str]] = None,
+        accumulation_mode: Literal["skip", "every", "defer_all_reduce"] = "skip",
+        state_dict_type: Literal["sharded", "full"] = "sharded",
+        sharding_report: bool = False,
+        process_group_backend: Optional[str] = None,
+        timeout: Union[float, timedelta] = DEFAULT_TIMEOUT,
+        fault_watchdog: bool = True,
+        heartbeat_timeout: float = 120.0,
+        failure_exit_grace: float = 30.0,
+        save_on_preemption: bool = False,
+        train_timeout: Optional[Union[float, timedelta]] = None,
+        meta_init: bool = True,
+    ) -> None:
+        # Validate everything here: this runs in Fabric(...) before any process or group exists.
+        self.options = HSDPOptions(
+            mesh_shape=mesh_shape,
+            shard_modules=shard_modules,
+            reshard_after_forward=reshard_after_forward,
+            param_dtype=param_dtype,
+            reduce_dtype=reduce_dtype,
+            cpu_offload=cpu_offload,
+            activation_checkpointing=activation_checkpointing,
+            ignored_params=ignored_params,
+            replicate_params=replicate_params,
+            comm_fusion=comm_fusion,
+            reduce_op=reduce_op,
+            gradient_scaling_factor=gradient_scaling_factor,
+            shard_placement=shard_placement,
+            prefetch=prefetch,
+            forward_methods=forward_methods,
+            accumulation_mode=accumulation_mode,
+            state_dict_type=state_dict_type,
+            sharding_report=sharding_report,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            fault_watchdog=fault_watchdog,
+            heartbeat_timeout=heartbeat_timeout,
+            failure_exit_grace=failure_exit_grace,
+            save_on_preemption=save_on_preemption,
+            train_timeout=train_timeout,
+            meta_init=meta_init,
+        )
+        if self.options.save_on_preemption:
+            raise ValueError(
+                "HSDPStrategy(save_on_preemption=True) is a Trainer option: it saves the ModelCheckpoint's 'last.ckpt' "
+                "at the end of an accumulation window, and a Fabric loop has neither. Leave it False with Fabric and "
+                "save from your loop, e.g. fabric.save(path, state) when your SIGTERM handler has set a flag."
+            )
+        if checkpoint_io is not None:
+            raise TypeError(_NO_CHECKPOINT_IO.format(got=type(checkpoint_io).__name__))
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            precision=precision,
+        )
+        self._num_nodes = 1
+        self._process_group_backend = self.options.process_group_backend
+        self._accumulation_mode = self.options.accumulation_mode
+        self._backward_sync_control = _NoGradientSync(self)
+        self._device_mesh: Optional[DeviceMesh] = None
+        self._models: list[nn.Module] = []
+        # Parameters sharding replaced (by id, weakly held): an optimizer still holding one is stale.
+        self._replaced: dict[int, weakref.ref] = {}
+        self._watchdog: Optional[watchdog.FaultWatchdog] = None
+        self._train_timeout_set = False
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        """The data-parallel mesh (``("shard",)`` or ``("replicate", "shard")``), once ``fabric.launch()`` ran."""
+        if self._device_mesh is None:
+            raise RuntimeError("HSDPStrategy.device_mesh is available once the processes are set up (after fabric.launch()).")
+        return self._device_mesh
+
+    @property
+    def sharded_model(self) -> Optional[ShardedModel]:
+        """The root and units of the last model set up (None before)."""
+        return prepared(self._models[-1]) if self._models else None
+
+    @property
+    def state_dict_type(self) -> str:
+        return self.options.state_dict_type
+
+    @property
+    def cpu_offload(self) -> bool:
+        return self.options.cpu_offload
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # Every rank of the mesh (both axes) sees different data.
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+    @property
+    def process_group_backend(self) -> Optional[str]:
+        return self._process_group_backend
+
+    @property  # type: ignore[override]
+    @override
+    def precision(self) -> HSDPPrecision:
+        plugin = self._precision
+        if plugin is None:
+            plugin = self._precision = HSDPPrecision("32-true")
+        return plugin  # type: ignore[return-value]
+
+    @precision.setter
+    @override
+    def precision(self, precision: Optional[Precision]) -> None:
+        # Fabric's connector hands us the plugin for Fabric(precision=...) inside Fabric(...):
+        # converting here refuses unsupported precisions before any process starts.
+        self._precision = None if precision is None else precision_from_fabric(precision)
+
+    @property
+    @override
+    def checkpoint_io(self) -> CheckpointIO:
+        return super().checkpoint_io  # never used for saving: see save_checkpoint
+
+    @checkpoint_io.setter
+    @override
+    def checkpoint_io(self, io: CheckpointIO) -> None:
+        raise TypeError(_NO_CHECKPOINT_IO.format(got=type(io).__name__))
+
+    # ------------------------------------------------------------------ launch and process group
+
+    @override
+    def _configure_launcher(self) -> None:
+        # Fabric calls this inside Fabric(...) once devices and nodes are known: the last moment
+        # to refuse a mesh that cannot cover the world before any process starts.
+        resolve_mesh_shape(
+            self.options.mesh_shape,
+            world_size=self.num_nodes * self.num_processes,
+            num_nodes=self.num_nodes,
+            devices_per_node=self.num_processes,
+        )
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = FabricSubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self._setup_distributed()
+        if self.options.fault_watchdog:
+            # First thing once the process group exists: from here on, a failure anywhere stops every rank.
+            self._watchdog = self._watchdog or watchdog.FaultWatchdog(
+                heartbeat_timeout=self.options.heartbeat_timeout, exit_grace=self.options.failure_exit_grace
+            )
+            self._watchdog.start(self.global_rank, self.world_size, watchdog.local_ranks(self.node_rank, self.num_processes))
+            atexit.unregister(self._leave_at_exit)  # once per strategy, however often Fabric launches
+            atexit.register(self._leave_at_exit)
+        shape = resolve_mesh_shape(
+            self.options.mesh_shape, world_size=self.world_size, num_nodes=self.num_nodes, devices_per_node=self.num_processes
+        )
+        # Before the mesh's groups exist: ranks that disagree would build different groups and hang.
+        settings = agreement.setup_settings(self.options.settings(), self.precision.precision, None, shape)
+        agreement.check_rank_agreement(settings, stage="setup")
+        self._device_mesh = build_device_mesh(self.root_device.type, shape)
+        self.precision.device_type = self.root_device.type
+
+    def _setup_distributed(self) -> None:
+        reset_seed()
+        self._set_world_ranks()
+        # Under CPU offload whole parameters are initialized on the host and broadcast from
+        # there, so accelerator ranks also get gloo ("cpu:gloo,cuda:nccl").
+        self._process_group_backend = self._process_group_backend or devices.process_group_backend(
+            self.root_device.type, host_collectives=self.options.cpu_offload
+        )
+        assert self.cluster_environment is not None
+        device_id = self.root_device if devices.is_accelerator(self.root_device.type) else None
+        init_dist_connection(
+            self.cluster_environment, self._process_group_backend, timeout=self.options.timeout, device_id=device_id
+        )
+
+    def _set_world_ranks(self) -> None:
+        # Fabric's connector calls this too (by this name) before launching.
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    # ------------------------------------------------------------------ model and optimizers
+
+    def sharding_plan(self) -> ShardingPlan:
+        """The plan :func:`hp_lightning.core.parallelize.parallelize` applies, from this strategy's options."""
+        return self.options.sharding_plan(
+            derived_param_dtype=self.precision.derived_param_dtype,
+            derived_reduce_dtype=self.precision.derived_reduce_dtype,
+            device_type=self.root_device.type,
+        )
+
+    @override
+    def module_init_context(self, empty_init: Optional[bool] = None) -> AbstractContextManager:
+        """Where ``fabric.init_module(empty_init=...)`` creates the model's tensors.
+
+        On the meta device, with construction recorded
+        (:func:`hp_lightning.core.materialize.meta_init_context`), unless ``empty_init=False`` or
+        ``HSDPStrategy(meta_init=False)`` (None follows the option; ``empty_init=True`` always
+        builds on meta), as the Trainer strategy does: nothing is allocated until ``fabric.setup``
+        has sharded the model, then each rank allocates and initializes only its shards. Real
+        tensors (``empty_init=False``) suit loading weights before setup, at the cost of every
+        rank holding the whole model until it is sharded.
+        """
+        on_meta = empty_init is True or (empty_init is None and self.options.meta_init)
+        stack = ExitStack()
+        stack.enter_context(meta_init_context() if on_meta else self._init_device())
+        stack.enter_context(self.precision.module_init_context())
+        return stack
+
+    def _init_device(self) -> torch.device:
+        return devices.cpu_device() if self.options.cpu_offload else self.root_device
+
+    @override
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        """Shard ``module`` in place with :meth:`sharding_plan` and initialize what is on the meta device.
+
+        Units the user sharded already (``hp_lightning.fully_shard`` or torch's ``fully_shard``)
+        are kept. Sharding replaces the module's parameters with sharded ones: create optimizers
+        afterwards, or pass them to ``fabric.setup(model, optimizer)``, which rebinds them.
+
+        Raises:
+            TypeError: for a module wrapped in FSDP1 (``FullyShardedDataParallel``).
+        """
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        if any(isinstance(m, FullyShardedDataParallel) for m in module.modules()):
+            raise TypeError(
+                f"{type(module).__name__} contains FullyShardedDataParallel (FSDP1) modules; HSDPStrategy shards with "
+                f"FSDP2. Pass the plain module (or one sharded with hp_lightning.fully_shard / torch's fully_shard)."
+            )
+        before = list(module.parameters())
+        prepare_model(module, self.device_mesh, self.sharding_plan(), init_device=self._init_device(), device=self.root_device)
+        current = {id(p) for p in module.parameters()}
+        for param in before:
+            if id(param) not in current:
+                self._replaced[id(param)] = weakref.ref(param)
+        if all(m is not module for m in self._models):
+            self._models.append(module)
+        if self.options.sharding_report:
+            summary = self.sharding_summary(module)
+            rank_zero_info(summary.table())
+        return module
+
+    @override
+    def setup_module_and_optimizers(
+        self, module: nn.Module, optimizers: list[Optimizer], scheduler: Optional[LRScheduler] = None
+    ) -> tuple[nn.Module, list[Optimizer], Optional[LRScheduler]]:
+        """Shard ``module``, then point ``optimizers`` at the sharded parameters (``fabric.setup(model, optimizer)``).
+
+        Sharding replaces every parameter (FSDP2 registers new DTensor parameters), so an
+        optimizer created before setup would update tensors the model no longer uses. Each of its
+        parameters is swapped for the sharded one of the same name; its hyperparameters and
+        param groups are kept.
+
+        Raises:
+            ValueError: when an optimizer holds a parameter that is not the model's, or already
+                holds state (it stepped before setup): create it after ``fabric.setup_module(model)``.
+        """
+        names_before = {id(p): (name, p) for name, p in module.named_parameters()}
+        module = self.setup_module(module)
+        after = dict(module.named_parameters())
+        for index, optimizer in enumerate(optimizers):
+            _rebind_optimizer(optimizer, names_before, after, index)
+        return module, optimizers, scheduler
+
+    @override
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        """Check that ``optimizer`` (``fabric.setup_optimizers``) holds the sharded parameters.
+
+        Raises:
+            ValueError: when no model was set up yet, or the optimizer holds parameters that
+                sharding replaced (it was created before ``fabric.setup_module(model)``).
+        """
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        stale = [p for p in params if self._was_replaced(p)]
+        if not self._models or stale:
+            reason = (
+                "no model was set up yet" if not self._models
+                else f"it holds {len(stale)} of the model's parameters from before sharding, which the model no longer uses"
+            )
+            raise ValueError(
+                f"fabric.setup_optimizers(optimizer): {reason}. HSDPStrategy replaces the parameters when it shards "
+                f"the model, so create the optimizer afterwards: model = fabric.setup_module(model); "
+                f"optimizer = torch.optim.AdamW(model.parameters()); optimizer = fabric.setup_optimizers(optimizer). "
+                f"Or pass both to fabric.setup(model, optimizer), which points the optimizer at the sharded parameters."
+            )
+        return optimizer
+
+    def _was_replaced(self, param: Tensor) -> bool:
+        ref = self._replaced.get(id(param))
+        return ref is not None and ref() is param
+
+    @override
+    def module_to_device(self, module: nn.Module) -> None:
+        # Before setup the model stays where it is (meta or host): sharding places the shards and
+        # allocates only them. Afterwards only unsharded state (buffers, whole parameters) moves.
+        if prepared(module) is not None:
+            move_unsharded_states(module, self.root_device)
+
+    def sharding_summary(self, module: Optional[nn.Module] = None) -> ShardingSummary:
+        """The per-unit table of what was sharded (a collective: every rank must call it).
+
+        Args:
+            module: a model this strategy set up (default: the last one).
+
+        Raises:
+            RuntimeError: before ``fabric.setup`` has sharded a model.
+        """
+        module = module if module is not None else (self._models[-1] if self._models else None)
+        sharded = prepared(module) if module is not None else None
+        if module is None or sharded is None or not isinstance(module, HSDPModule):
+            raise RuntimeError("HSDPStrategy.sharding_summary() is available once fabric.setup(...) has sharded the model.")
+        return summarize(
+            module, units_in_order(module, sharded.units), self.device_mesh, [*sharded.ignored, *sharded.replicated], self.root_device
+        )
+
+    def reshard_all(self) -> None:
+        """Free every gathered unit, so ``model.parameters()`` are the sharded DTensors again.
+
+        A forward under ``torch.no_grad()`` (evaluation) has no backward to free what it gathered,
+        and the root keeps its parameters after forward by design; call this after evaluation to
+        release that memory. Saving and loading call it themselves.
+        """
+        for model in self._models:
+            for unit in model.modules():
+                if isinstance(unit, HSDPModule):
+                    unit.reshard()
+
+    # ------------------------------------------------------------------ gradient accumulation and clipping
+
+    @property
+    def accumulation_mode(self) -> str:
+        """What non-final micro-batches communicate under ``fabric.no_backward_sync``: ``"skip"``, ``"every"`` or ``"defer_all_reduce"``."""
+        return self._accumulation_mode
+
+    def set_accumulation_mode(self, mode: str) -> str:
+        """Change :attr:`accumulation_mode` from the next micro-batch on; returns the previous mode.
+
+        Raises:
+            TypeError / ValueError: for anything but one of the three mode strings.
+        """
+        previous = self._accumulation_mode
+        self._accumulation_mode = check_mode(mode, "HSDPStrategy.set_accumulation_mode(...)")
+        return previous
+
+    @override
+    def backward(self, tensor: Tensor, module: Optional[nn.Module], *args: Any, **kwargs: Any) -> None:
+        """``fabric.backward(loss)``: first compare across ranks which parameters this backward reaches.
+
+        Ranks whose backward would reach different parameters (rank-dependent control flow)
+        would issue different gradient collectives and hang or mix gradients; they raise together
+        instead, naming the parameters (:mod:`hp_lightning.fully_shard.divergence`; one small
+        all-reduce per backward). Call ``fabric.backward(loss)``, not ``loss.backward()``.
+
+        Raises:
+            RankDivergenceError: on every rank, when some rank's backward reaches other parameters.
+        """
+        for model in [module] if module is not None else self._models:
+            check_before_backward(model, tensor)
+        super().backward(tensor, module, *args, **kwargs)
+
+    @override
+    def optimizer_step(self, optimizer: Optimizable, **kwargs: Any) -> Any:
+        output = super().optimizer_step(optimizer, **kwargs)
+        if self.options.train_timeout is not None and not self._train_timeout_set:
+            # After the first step every rank is in step: a collective that waits longer is a hang.
+            set_collective_timeout(self.device_mesh, self.options.train_timeout)
+            self._train_timeout_set = True
+        return output
+
+    @override
+    def clip_gradients_norm(
+        self,
+        module: nn.Module,
+        optimizer: Optimizer,
+        max_norm: Union[float, int],
+        norm_type: Union[float, int] = 2.0,
+        error_if_nonfinite: bool = True,
+    ) -> Tensor:
+        """Scale the optimizer's gradients so their global norm (over every shard) is at most ``max_norm``.
+
+        Returns:
+            The global norm before clipping, the same on every rank.
+        """
+        self.precision.unscale_gradients(optimizer)
+        return clip_grad_norm_(self.precision.main_params(optimizer), max_norm, norm_type, error_if_nonfinite)
+
+    @override
+    def clip_gradients_value(self, module: nn.Module, optimizer: Optimizer, clip_val: Union[float, int]) -> None:
+        self.precision.unscale_gradients(optimizer)
+        clip_grad_value_(self.precision.main_params(optimizer), clip_val)
+
+    # ------------------------------------------------------------------ collectives
+
+    @override
+    def all_reduce(
+        self, tensor: Union[Tensor, Any], group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean"
+    ) -> Union[Tensor, Any]:
+        if isinstance(tensor, Tensor):
+            return sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    @override
+    def barrier(self, name: Optional[str] = None) -> None:
+        if not distributed_is_initialized():
+            return
+        dist.barrier(device_ids=devices.barrier_device_ids(self.root_device))
+
+    @override
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        if not distributed_is_initialized():
+            return obj
+        container = [obj]
+        dist.broadcast_object_list(container, src, group=_group.WORLD)
+        return container[0]
+
+    # ------------------------------------------------------------------ checkpoints
+
+    @override
+    def save_checkpoint(
+        self,
+        path: PathLike,
+        state: dict[str, Union[nn.Module, Optimizer, Any]],
+        storage_options: Optional[Any] = None,
+        filter: Optional[dict[str, Callable[[str, Any], bool]]] = None,
+    ) -> None:
+        """Write ``state`` in the Trainer's checkpoint layout (see :mod:`hp_lightning.fabric.state`), from every rank.
+
+        ``state_dict_type="sharded"`` writes a directory in which every rank saves its own shards
+        (fast, light on memory, loads into any mesh); ``"full"`` gathers one tensor at a time to
+        rank 0, which writes a single file (portable, loadable on one CPU process). Either way the
+        save appears whole or not at all.
+
+        Raises:
+            TypeError: for ``storage_options`` (no CheckpointIO plugin is involved).
+            ValueError: for ``filter`` (the Trainer's layout stores whole states), for a
+                ``state`` without exactly one sharded model, or one using a reserved key.
+        """
+        if storage_options is not None:
+            raise TypeError(f"HSDPStrategy.save_checkpoint does not take storage_options (no CheckpointIO plugin is used); got {storage_options!r}.")
+        if filter is not None:
+            raise ValueError(
+                f"fabric.save(..., filter=...) is not supported by HSDPStrategy: checkpoints hold whole model and optimizer "
+                f"states, as the Trainer's do, so either front end can resume them. Got a filter for {sorted(filter)}; "
+                f"save without it (hp_lightning.checkpoint.load_weights(..., strict=False) loads a subset later)."
+            )
+        parts = fabric_state.split_state(state, "fabric.save")
+        self.reshard_all()
+        target = Path(self.broadcast(str(path)))
+        full = self.options.state_dict_type == "full"
+        checkpoint_io.save_checkpoint(fabric_state.to_checkpoint(parts, full=full), target, sharded=not full)
+
+    @override
+    def load_checkpoint(
+        self,
+        path: PathLike,
+        state: Optional[Union[nn.Module, Optimizer, dict[str, Union[nn.Module, Optimizer, Any]]]] = None,
+        strict: bool = True,
+        weights_only: Optional[bool] = None,
+    ) -> dict[str, Any]:
+        """Restore ``state`` from a checkpoint of either front end (or any format hp_lightning reads).
+
+        The model and optimizers are loaded in place, resharded to this mesh whatever the mesh of
+        the save; LR schedulers and objects with ``load_state_dict`` are restored in place, other
+        entries replaced in ``state``.
+
+        Args:
+            path: a sharded checkpoint directory or a single file (Fabric's, the Trainer's,
+                Lightning's ``.ckpt``, a bare state dict, ``.safetensors``).
+            state: ``{"model": model, "optimizer": optimizer, ...}``; a module alone
+                (``fabric.load_raw(path, model)``) loads its weights only; None returns a
+                single-file checkpoint's whole contents.
+            strict: missing or unexpected entries are errors (else they are left as they are).
+            weights_only: passed to ``torch.load`` for the pickled parts (None: False).
+
+        Returns:
+            What the checkpoint holds beyond what ``state`` asked for.
+
+        Raises:
+            ValueError: for ``state=None`` on a sharded directory (it has no meaning without a
+                model), an optimizer alone, or a ``state`` without exactly one sharded model.
+            FileNotFoundError, KeyError, CorruptCheckpointError: as :func:`hp_lightning.checkpoint.load_checkpoint`.
+        """
+        source = Path(self.broadcast(str(path)))
+        if not state:
+            if source.is_dir():
+                raise ValueError(
+                    f"fabric.load({str(source)!r}) without state: a sharded checkpoint is read into a model. Pass "
+                    f"state={{'model': model, ...}}, or make one file first: python -m hp_lightning.checkpoint consolidate {source} full.ckpt"
+                )
+            return checkpoint_io.read_full_file(source, weights_only=weights_only)
+        self.reshard_all()
+        if isinstance(state, nn.Module):
+            checkpoint_io.load_weights(state, source, strict=strict, weights_only=weights_only)
+            return {}
+        if isinstance(state, Optimizer):
+            raise ValueError(
+                "fabric.load(path, optimizer): an optimizer's sharded state is keyed by the model's parameter names; "
+                "pass both: fabric.load(path, {'model': model, 'optimizer': optimizer})."
+            )
+        parts = fabric_state.split_state(state, "fabric.load")
+        record = None
+        if len(parts.optimizers) > 1 or len(parts.schedulers) > 1:
+            record = on_rank0(lambda: fabric_state.read_record(source, weights_only))
+        label = repr(str(source))
+        optimizers = fabric_state.in_stored_order(parts.optimizers, (record or {}).get("optimizers"), "optimizers", label)
+        schedulers = fabric_state.in_stored_order(parts.schedulers, (record or {}).get("lr_schedulers"), "LR schedulers", label)
+        rest = checkpoint_io.load_checkpoint(
+            source, parts.model, [o for _, o in optimizers], strict=strict, weights_only=weights_only
+        )
+        return fabric_state.restore_rest(parts, rest, state, strict=strict, source=label, scheduler_order=schedulers)
+
+    # ------------------------------------------------------------------ teardown
+
+    def _leave_at_exit(self) -> None:
+        """At interpreter exit (Fabric has no teardown hook): report an uncaught error, else stop watching."""
+        fault_watchdog = self._watchdog
+        if fault_watchdog is None:
+            return
+        failure = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+        if isinstance(failure, BaseException):
+            fault_watchdog.report(failure)  # the other ranks stop instead of waiting for this one
+        else:
+            fault_watchdog.stop()
+
+    @override
+    def teardown(self) -> None:
+        """Stop the fault watchdog and release the environment (call it when the process goes on without Fabric)."""
+        if self._watchdog is not None:
+            self._watchdog.stop()
+            atexit.unregister(self._leave_at_exit)
+        super().teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register("hsdp", cls, description="HSDP over (nodes, devices per node) with FSDP2")
+        strategy_registry.register("hp_fsdp", cls, description="FSDP2 over all ranks (1-D mesh)", mesh_shape=[-1])
+        strategy_registry.register(
+            "hsdp_cpu_offload", cls, description="HSDP with shards, gradients and optimizer state on the host", cpu_offload=True
+        )
+
+    def __repr__(self) -> str:
+        mesh = describe(self._device_mesh) if self._device_mesh is not None else f"mesh_shape={self.options.mesh_shape}"
+        return f"{type(self).__name__}({mesh})"
+
+
+_NO_CHECKPOINT_IO = (
+    "The Fabric HSDPStrategy writes checkpoints with hp_lightning.checkpoint (sharded DCP directories or full files, "
+    "the Trainer's layout), so a CheckpointIO plugin would never be called; got {got}. Remove it from "
+    "Fabric(plugins=...) and choose the format with HSDPStrategy(state_dict_type='sharded' | 'full')."
+)
+
+
+class _NoGradientSync(BackwardSyncControl):
+    """``fabric.no_backward_sync(model)``: the strategy's accumulation mode for non-final micro-batches."""
+
+    def __init__(self, strategy: HSDPStrategy) -> None:
+        self._strategy = weakref.proxy(strategy)
+
+    @override
+    def no_backward_sync(self, module: nn.Module, enabled: bool) -> AbstractContextManager:
+        """Enter :func:`hp_lightning.core.accumulation.no_gradient_sync` with the strategy's mode (when ``enabled``).
+
+        Raises:
+            TypeError: for a module this strategy has not sharded.
+        """
+        if not enabled:
+            return nullcontext()
+        if not isinstance(module, HSDPModule):
+            raise TypeError(
+                f"fabric.no_backward_sync(model) needs the model set up with HSDPStrategy; got a {type(module).__name__} "
+                f"that is not sharded. Call model = fabric.setup(model, ...) first."
+            )
+        return no_gradient_sync(module, self._strategy.accumulation_mode)
+
+
+def _rebind_optimizer(
+    optimizer: Optimizer, before: Mapping[int, tuple[str, Tensor]], after: Mapping[str, Tensor], index: int
+) -> None:
+    """Swap each of ``optimizer``'s pre-sharding parameters for the sharded one of the same name."""
+    current = {id(p) for p in after.values()}
+    groups: list[list[Tensor]] = []
+    moved = 0
+    for group_index, group in enumerate(optimizer.param_groups):
+        params = []
+        for param in group["params"]:
+            if id(param) in current:
+                params.append(param)
+            elif id(param) in before:
+                params.append(after[before[id(param)][0]])
+                moved += 1
+            else:
+                raise ValueError(
+                    f"fabric.setup(model, optimizer): optimizer {index} (param group {group_index}) holds a parameter of "
+                    f"shape {tuple(param.shape)} that is not one of the model's, so it cannot be pointed at a sharded one. "
+                    f"Build the optimizer from model.parameters(), or create it after fabric.setup_module(model) and pass "
+                    f"it to fabric.setup_optimizers(optimizer)."
+                )
+        groups.append(params)
+    if moved and any(optimizer.state.values()):
+        raise ValueError(
+            f"fabric.setup(model, optimizer): optimizer {index} already holds state (it stepped before setup) for "
+            f"parameters that sharding replaced; that state cannot follow them. Create the optimizer after "
+            f"fabric.setup_module(model), then call fabric.setup_optimizers(optimizer)."
+        )
+    for group, params in zip(optimizer.param_groups, groups):
+        group["params"] = params

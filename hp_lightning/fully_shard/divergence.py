@@ -1,0 +1,281 @@
+"""Rank-divergent graphs named before they reach a collective.
+
+FSDP reduce-scatters, per unit, the gradients of the parameters that received one; replicate
+parameters are all-reduced one by one as their gradients arrive. When rank-dependent control flow
+gives a unit (or a parameter, or a replicate parameter) a gradient on some ranks and not on others,
+the ranks issue different collectives: gloo aborts with ``Received data size doesn't match
+expected size`` (naming nothing the user wrote), NCCL hangs until the timeout, and collectives of
+equal size silently mix gradients of different parameters.
+
+:class:`DivergenceCheck` looks at the autograd graph *before* backward starts, from the loss:
+which parameters of each unit, and which replicate parameters, it reaches. One small all-reduce
+compares that with every other rank; if any rank differs, every rank raises
+:class:`RankDivergenceError` (same message everywhere, within the step), naming the unit and
+parameters, the ranks on each side and the likely cause. Nothing else changes in the step.
+
+Cost when nothing diverges (measured in ``docs/models.md``): a walk over the autograd graph
+(Python, linear in its nodes) and one all-reduce of two integers per checked parameter, once
+per backward. Only when ranks differ are the per-rank masks gathered, to name them.
+
+Where it hooks: on a Lightning root, ``training_step`` (its returned loss) and
+``manual_backward``; any front end may call :func:`check_before_backward` itself.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+__all__ = ["DivergenceCheck", "RankDivergenceError", "check_before_backward", "divergence_check", "install"]
+
+_ATTR = "_hp_divergence_check"
+#: Root methods whose loss is checked before Lightning runs backward on it.
+_CHECKED_METHODS = ("training_step",)
+
+
+class RankDivergenceError(RuntimeError):
+    """Ranks are about to run different backward passes (raised on every rank alike)."""
+
+
+@dataclass
+class _Slot:
+    """A parameter whose gradient must exist on all ranks or on none."""
+
+    unit: str  # the sharding unit's module name ("<root>" for the root), or "replicate"
+    name: str  # the parameter's qualified name
+    module: nn.Module
+    attr: str
+
+
+def _unit_slots(root: nn.Module, units: Sequence[nn.Module], replicated: Iterable[str]) -> list[_Slot]:
+    """Every checked parameter, in a fixed order (identical on every rank)."""
+    names = {id(m): name for name, m in root.named_modules()}
+    owner: dict[int, str] = {}
+    for unit in sorted([root, *units], key=lambda u: -len(names.get(id(u), ""))):
+        unit_name = names.get(id(unit), "") or "<root>"
+        for module in unit.modules():
+            owner.setdefault(id(module), unit_name)
+    replicated = set(replicated)
+    slots: list[_Slot] = []
+    seen: set[int] = set()
+    for module_name, module in root.named_modules():
+        for attr, param in module._parameters.items():
+            if param is None or id(param) in seen or not param.requires_grad:
+                continue
+            seen.add(id(param))
+            name = f"{module_name}.{attr}" if module_name else attr
+            if isinstance(param, DTensor):
+                slots.append(_Slot(owner.get(id(module), "<root>"), name, module, attr))
+            elif name in replicated:
+                slots.append(_Slot("replicate", name, module, attr))
+    return slots
+
+
+def _reached_leaves(outputs: Sequence[torch.Tensor]) -> set[int]:
+    """Ids of the leaf tensors the graph from ``outputs`` accumulates gradients into."""
+    stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
+    leaves = {id(t) for t in outputs if t.grad_fn is None and t.requires_grad}
+    seen: set[int] = set()
+    keep: list[Any] = []  # keeps node wrappers alive, so their ids stay unique during the walk
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        keep.append(node)
+        variable = getattr(node, "variable", None)
+        if isinstance(variable, torch.Tensor):
+            leaves.add(id(variable))
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return leaves
+
+
+class DivergenceCheck:
+    """Compares, across ranks, which checked parameters the coming backward will reach.
+
+    Args:
+        root: the sharded root module.
+        units: its sharding units (the root excluded or included).
+        replicated: qualified names of replicate parameters.
+        device_type: the mesh's device type (where the all-reduce's tensor lives).
+        group: the process group spanning every rank that trains this model (None: the world).
+    """
+
+    def __init__(
+        self,
+        root: nn.Module,
+        units: Sequence[nn.Module],
+        replicated: Iterable[str],
+        device_type: str,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
+        self.slots = _unit_slots(root, [u for u in units if u is not root], replicated)
+        self.device_type = device_type
+        self.group = group
+        self.enabled = True
+        self._forward_params: dict[int, int] = {}  # id(parameter object seen in a unit's forward) -> slot index
+        self._checked: Callable[[], Any] = lambda: None  # weak: the last loss checked (compared once)
+        self._hooks = [
+            unit.register_forward_pre_hook(self._remember_unsharded) for unit in units if isinstance(unit, FSDPModule)
+        ]
+        self._slots_of_module: dict[int, list[int]] = {}
+        for i, slot in enumerate(self.slots):
+            self._slots_of_module.setdefault(id(slot.module), []).append(i)
+        self._unit_modules = {id(u): [m for m in u.modules() if id(m) in self._slots_of_module] for u in units}
+
+    def _remember_unsharded(self, unit: nn.Module, args: Any) -> None:
+        # FSDP's own pre-forward hook ran first: the unit's modules now hold the gathered parameters
+        # that this forward's graph will accumulate into.
+        for module in self._unit_modules.get(id(unit), ()):
+            for i in self._slots_of_module[id(module)]:
+                param = module._parameters.get(self.slots[i].attr)
+                if param is not None:
+                    self._forward_params[id(param)] = i
+
+    def _local_mask(self, outputs: Sequence[torch.Tensor]) -> torch.Tensor:
+        leaves = _reached_leaves(outputs)
+        mask = torch.zeros(len(self.slots), dtype=torch.uint8)
+        for leaf in leaves:
+            i = self._forward_params.get(leaf)
+            if i is not None:
+                mask[i] = 1
+        for i, slot in enumerate(self.slots):  # the root's gathered parameters, replicate parameters
+            param = slot.module._parameters.get(slot.attr)
+            if param is not None and id(param) in leaves:
+                mask[i] = 1
+        return mask
+
+    def check(self, loss: Any, *, skipped_counts: bool = False) -> None:
+        """Raise :class:`RankDivergenceError` on every rank if the coming backward differs across ranks.
+
+        A collective: every rank must call it once per backward (the front ends do).
+
+        Args:
+            loss: the loss (a tensor, or a mapping with ``"loss"``), or None.
+            skipped_counts: a step without a loss (Lightning skips backward when ``training_step``
+                returns None) takes part in the comparison as a backward that reaches nothing, so
+                a rank skipping a step that others run is named instead of hanging them.
+        """
+        outputs = [t for t in _tensors(loss) if t.requires_grad]
+        if not self.enabled or not torch.is_grad_enabled() or not dist.is_initialized():
+            return
+        if not outputs and not skipped_counts:
+            return
+        last = self._checked()
+        if last is not None and any(t is last for t in outputs):
+            return
+        if outputs:
+            self._checked = weakref.ref(outputs[0])
+        mask = self._local_mask(outputs)
+        self._forward_params.clear()
+        # One all-reduce (MAX) of [reached, not reached] per slot: a slot that some rank reaches
+        # and some rank does not has both set. Only then are the masks gathered, for the message.
+        both = torch.cat([mask, 1 - mask]).to(torch.int32).to(self.device_type)
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
+        both = both.cpu()
+        n = len(self.slots)
+        if not bool((both[:n] & both[n:]).any()):
+            return
+        masks: list[Any] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(masks, mask.tolist(), group=self.group)
+        raise RankDivergenceError(self._message(torch.tensor(masks, dtype=torch.uint8)))
+
+    def _message(self, masks: torch.Tensor) -> str:
+        differing = [i for i in range(len(self.slots)) if not bool((masks[:, i] == masks[0, i]).all())]
+        by_unit: dict[str, list[int]] = {}
+        for i in differing:
+            by_unit.setdefault(self.slots[i].unit, []).append(i)
+        parts = []
+        for unit, indices in by_unit.items():
+            with_grad = [r for r in range(masks.shape[0]) if masks[r, indices[0]]]
+            without = [r for r in range(masks.shape[0]) if not masks[r, indices[0]]]
+            names = [self.slots[i].name for i in indices]
+            what = "replicate parameter(s)" if unit == "replicate" else f"sharding unit {unit!r}, parameter(s)"
+            parts.append(
+                f"{what} {names[:6]}{' ...' if len(names) > 6 else ''}: backward reaches them on ranks {with_grad} "
+                f"but not on ranks {without}"
+            )
+        return (
+            "Ranks are about to run different backward passes, so their gradient collectives would not match "
+            "(gloo would abort with 'Received data size doesn't match', NCCL would hang, equal sizes would mix "
+            "gradients): " + "; ".join(parts) + ". Likely cause: control flow that depends on the rank or on "
+            "rank-local data (an `if self.global_rank == ...`, a branch or module used only for some batches, "
+            "an auxiliary loss computed on some ranks only, experts chosen by routing). Make every rank use the "
+            "same modules in every step: e.g. add the unused branch's output times zero to the loss "
+            "(`loss = loss + 0.0 * aux.sum()`), or exclude those parameters from gradient sync with "
+            "ignored_params. Stopped on every rank before backward."
+        )
+
+    def remove(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, Mapping):
+        loss = value.get("loss")
+        return [loss] if isinstance(loss, torch.Tensor) else []
+    return []
+
+
+def _checked_method(
+    check: DivergenceCheck, method: Callable[..., Any], loss_from_result: bool, root: nn.Module
+) -> Callable[..., Any]:
+    @functools.wraps(method)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        if not loss_from_result:
+            check.check(args[0] if args else kwargs.get("loss"))
+            return method(*args, **kwargs)
+        result = method(*args, **kwargs)
+        # Under automatic optimization the returned loss is what backward runs on (None: skipped).
+        check.check(result, skipped_counts=bool(getattr(root, "automatic_optimization", False)))
+        return result
+
+    return wrapped
+
+
+def install(
+    root: nn.Module, units: Sequence[nn.Module], replicated: Iterable[str], device_type: str
+) -> DivergenceCheck:
+    """Check every backward of ``root``: before Lightning's (the ``training_step`` loss, ``manual_backward``).
+
+    Idempotent. Other front ends call :func:`check_before_backward` with the loss instead.
+    """
+    existing = divergence_check(root)
+    if existing is not None:
+        return existing
+    check = DivergenceCheck(root, units, replicated, device_type)
+    root.__dict__[_ATTR] = check
+    for method in _CHECKED_METHODS:
+        if callable(getattr(root, method, None)):
+            setattr(root, method, _checked_method(check, getattr(root, method), loss_from_result=True, root=root))
+    if callable(getattr(root, "manual_backward", None)):
+        root.manual_backward = _checked_method(check, root.manual_backward, loss_from_result=False, root=root)  # type: ignore[method-assign]
+    return check
+
+
+def divergence_check(root: nn.Module) -> DivergenceCheck | None:
+    """The check :func:`install` put on ``root`` (None when there is none)."""
+    return root.__dict__.get(_ATTR)
+
+
+def check_before_backward(root: nn.Module, loss: Any) -> None:
+    """Compare the coming backward of ``loss`` across ranks (a collective; no-op without a check installed).
+
+    Raises:
+        RankDivergenceError: on every rank, when some rank's backward reaches different parameters.
+    """
+    check = divergence_check(root)
+    if check is not None:
+        check.check(loss)

@@ -1,0 +1,14 @@
+"""The exception the seed's API raises for arguments of the wrong type.
+
+HyperParallel raises ``ValueError`` for every bad argument; Python convention (and torch) raise
+``TypeError`` for a wrong type. :class:`ArgumentTypeError` is both, so code written against either
+(``except ValueError`` or ``except TypeError``) keeps catching it.
+"""
+
+from __future__ import annotations
+
+__all__ = ["ArgumentTypeError"]
+
+
+class ArgumentTypeError(TypeError, ValueError):
+    """An argument of the wrong type: a ``TypeError`` that ``except ValueError`` also catches."""
