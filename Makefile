@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # The CPU wheel of torch lies on disk; pinning it keeps pip from pulling a multi-GB CUDA build.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: install test test-fast demo bench gpu-check clean
+.PHONY: install test test-fast demo bench bench-cluster gpu-check clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,10 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m benchmarks.run
+
+# A simulated 2-node cluster (network namespaces + a tc-shaped veth link); needs root and iproute2.
+bench-cluster: $(STAMP)
+	$(PY) -m benchmarks.cluster
 
 gpu-check: $(STAMP)
 	bash scripts/gpu_check.sh

@@ -176,6 +176,11 @@ class MemoryProbe:
         """Most heap bytes in use in [start_ns, end_ns], relative to before the configuration."""
         return max((heap for _, heap, _ in self._window(start_ns, end_ns)), default=self.heap_before) - self.heap_before
 
+    def heap_peak_time(self, start_ns: int, end_ns: int) -> int | None:
+        """When (wall-clock ns) the heap peaked in [start_ns, end_ns]; None without samples."""
+        window = self._window(start_ns, end_ns)
+        return max(window, key=lambda s: s[1])[0] if window else None
+
     def heap_at(self, when_ns: int) -> int:
         """Heap bytes in use at the last sample before ``when_ns``, relative to before the configuration."""
         earlier = [heap for t, heap, _ in self.samples if t <= when_ns]
@@ -247,4 +252,21 @@ def collectives_per_step(counter: CollectiveCounter, marks: StepMarks, skip: int
     for kind in sorted({c.kind for c in calls}):
         out[f"{kind}_calls"] = sum(1 for c in calls if c.kind == kind) / steps
         out[f"{kind}_bytes"] = sum(c.bytes for c in calls if c.kind == kind) / steps
+    return out
+
+
+def collectives_by_group(counter: CollectiveCounter, marks: StepMarks, skip: int) -> dict[str, dict[str, float]]:
+    """Calls and payload bytes per optimizer step by process group (``"0,1"``: ranks 0 and 1), over the steps after ``skip``.
+
+    Which links a collective can use follows from its group: one whose ranks share a node stays
+    inside the node; the simulated cluster (``benchmarks.cluster``) compares these payloads
+    with the inter-node link's byte counters.
+    """
+    first, last = marks.calls[skip], marks.calls[-1]
+    steps = max(len(marks.calls) - 1 - skip, 1)
+    out: dict[str, dict[str, float]] = {}
+    for call in counter.calls[first:last]:
+        entry = out.setdefault(",".join(map(str, call.ranks)), {"calls": 0.0, "bytes": 0.0})
+        entry["calls"] += 1 / steps
+        entry["bytes"] += call.bytes / steps
     return out

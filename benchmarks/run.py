@@ -29,6 +29,7 @@ from typing import Any, Optional
 import lightning
 import torch
 
+from benchmarks.load import LoadMonitor, describe_load
 from benchmarks.plots import write_plots
 from benchmarks.report import (
     budget_table,
@@ -72,15 +73,12 @@ def _memory_gib() -> Optional[float]:
     return None
 
 
-def _load() -> Optional[float]:
-    try:
-        return os.getloadavg()[0]
-    except (OSError, AttributeError):
-        return None
+def describe_machine(device_type: str, load: Optional[dict[str, Any]], note: str) -> dict[str, Any]:
+    """What the results page says about where they were measured.
 
-
-def describe_machine(device_type: str, load_before: Optional[float], load_after: Optional[float], note: str) -> dict[str, Any]:
-    """What the results page says about where they were measured."""
+    ``load`` is :meth:`benchmarks.load.LoadMonitor.summary` of the run: it becomes the ``load``
+    line, and a busy run is marked (``_busy``; the report opens with a banner).
+    """
     cores = os.cpu_count() or 1
     memory = _memory_gib()
     info: dict[str, Any] = {
@@ -91,12 +89,10 @@ def describe_machine(device_type: str, load_before: Optional[float], load_after:
         "threads per rank": "1 (torch.set_num_threads(1), OMP_NUM_THREADS=1)",
         "_cores": cores,
     }
-    if load_before is not None and load_after is not None:
-        busy = max(load_before, load_after) > 0.5 * cores
-        info["load"] = (
-            f"1-min load average {load_before:.2f} before, {load_after:.2f} after the run"
-            + (" — other processes shared the machine; absolute times are noisy, the interleaved ratios less so" if busy else "")
-        )
+    if load is not None:
+        info["load"] = describe_load(load) + (" — **busy**: " + "; ".join(load["busy_reasons"]) if load["busy"] else " — quiet")
+        info["_load"] = load
+        info["_busy"] = load["busy"]
     if note:
         info["note"] = note
     return info
@@ -127,16 +123,16 @@ def run(settings: Settings, device_type: str, out_dir: Path, note: str = "") -> 
     """Run every launch, write the results and return the summary."""
     from tests.helpers import run_distributed
 
-    load_before = _load()
     started = time.monotonic()
     launches = []
-    for world in settings.world_sizes:
-        t0 = time.monotonic()
-        print(f"world {world}: {len(settings.configurations(world))} configurations x {settings.rounds} rounds ...", flush=True)
-        launches.append(run_distributed(rank_main, world, settings, world, device_type, timeout=LAUNCH_TIMEOUT_S))
-        print(f"world {world}: done in {time.monotonic() - t0:.0f} s", flush=True)
+    with LoadMonitor() as load:
+        for world in settings.world_sizes:
+            t0 = time.monotonic()
+            print(f"world {world}: {len(settings.configurations(world))} configurations x {settings.rounds} rounds ...", flush=True)
+            launches.append(run_distributed(rank_main, world, settings, world, device_type, timeout=LAUNCH_TIMEOUT_S))
+            print(f"world {world}: done in {time.monotonic() - t0:.0f} s", flush=True)
     elapsed = time.monotonic() - started
-    machine = describe_machine(device_type, load_before, _load(), note)
+    machine = describe_machine(device_type, load.summary(), note)
     machine["benchmark wall time"] = f"{elapsed / 60:.1f} min"
     return render(launches, settings, machine, elapsed, out_dir)
 
@@ -153,6 +149,7 @@ def render(
         "machine": machine,
         "model_params": largest_unit_bytes(settings.model)["params"],
         "elapsed_s": elapsed,
+        "busy": bool(machine.get("_busy", False)),
         "worlds": worlds,
         "sweep": sweep,
         "budget": budget_table(sweep, settings),
@@ -207,6 +204,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     print()
     for line in target_lines(summary["targets"]):
         print(line)
+    if summary["busy"]:
+        print(f"\nBUSY MACHINE: {summary['machine']['load']}")
     print(f"\nwrote {args.out / 'results.md'} (+ results.json, plots, raw/{RAW_FILE}) in {summary['elapsed_s'] / 60:.1f} min")
     return 0
 

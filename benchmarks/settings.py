@@ -9,7 +9,16 @@ same global batch; :func:`configurations` lists them for a world size.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Optional
+
+#: Accumulation modes (:mod:`hp_lightning.core.accumulation`); "skip" is every family's default.
+SKIP = "skip"
+DEFER_ALL_REDUCE = "defer_all_reduce"
+#: Sharding plans of the FSDP2 configurations: hp_lightning's default (each block a unit, the
+#: root keeps embeddings, final norm and head) and the LLM-aware one of issue 18, item 3
+#: (embeddings, each block, final norm + head: units of their own; see benchmarks.trainers).
+BLOCKS_PLAN = "blocks"
+LLM_PLAN = "llm_units"
 
 #: Configuration families, in the order each round runs them.
 RAW = "raw_fsdp2"
@@ -34,16 +43,23 @@ MIN_ACCUMULATION_SPEEDUP_OVER_MPS = 1.10
 
 @dataclass(frozen=True)
 class ModelShape:
-    """A :class:`examples.gpt.GPTConfig` without the vocabulary (fixed by the corpus)."""
+    """A :class:`examples.gpt.GPTConfig`.
+
+    ``vocab_size`` None is the corpus alphabet (96 characters). A larger one gives the model an
+    LLM's large embedding and output head; the data still only uses the first 96 ids, which
+    changes nothing about the cost of a step (every logit is computed and every row of the
+    embedding gets its gradient slot).
+    """
 
     n_layer: int
     n_embd: int
     n_head: int
     block_size: int
+    vocab_size: Optional[int] = None
 
     @property
     def label(self) -> str:
-        return f"L{self.n_layer}-E{self.n_embd}"
+        return f"L{self.n_layer}-E{self.n_embd}" + (f"-V{self.vocab_size}" if self.vocab_size else "")
 
 
 @dataclass(frozen=True)
@@ -54,11 +70,17 @@ class Configuration:
         family: one of :data:`FAMILIES`.
         mesh_shape: ``(W,)`` for FSDP (and for DDP / ModelParallelStrategy), ``(R, S)`` for HSDP.
         accumulate: micro-batches per optimizer step (``accumulate_grad_batches``).
+        accumulation_mode: what non-final micro-batches communicate (:data:`SKIP` or
+            :data:`DEFER_ALL_REDUCE`); hp_lightning sets it with ``GradientAccumulationSync``, the
+            raw loop with ``set_requires_gradient_sync`` / ``set_requires_all_reduce``.
+        plan: :data:`BLOCKS_PLAN` or :data:`LLM_PLAN` (raw loop only).
     """
 
     family: str
     mesh_shape: tuple[int, ...]
     accumulate: int = 1
+    accumulation_mode: str = SKIP
+    plan: str = BLOCKS_PLAN
 
     @property
     def world_size(self) -> int:
@@ -79,12 +101,13 @@ class Configuration:
 
     @property
     def name(self) -> str:
-        return f"{self.family}[{self.sharding}, k={self.accumulate}]"
+        extra = "".join(f", {v}" for v, default in ((self.accumulation_mode, SKIP), (self.plan, BLOCKS_PLAN)) if v != default)
+        return f"{self.family}[{self.sharding}, k={self.accumulate}{extra}]"
 
     def reference(self) -> Configuration:
-        """The raw FSDP2 loop every figure of this configuration is divided by (same mesh, same k)."""
+        """The raw FSDP2 loop every figure of this configuration is divided by (same mesh, k and mode, default plan)."""
         mesh = self.mesh_shape if (self.family in (RAW, HP) and self.is_hsdp) else (self.world_size,)
-        return Configuration(RAW, mesh, self.accumulate)
+        return Configuration(RAW, mesh, self.accumulate, self.accumulation_mode)
 
 
 @dataclass(frozen=True)

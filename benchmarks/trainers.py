@@ -30,9 +30,10 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from typing_extensions import override
 
 from benchmarks.measure import StepMarks
-from benchmarks.settings import DDP, HP, MPS, RAW, Configuration, ModelShape
+from benchmarks.settings import DDP, HP, LLM_PLAN, MPS, RAW, SKIP, Configuration, ModelShape
 from examples.gpt import GPT, VOCAB_SIZE, GPTConfig, GPTLightningModule
 from hp_lightning import HSDPStrategy
+from hp_lightning.callbacks import GradientAccumulationSync
 from hp_lightning.core.mesh import dim_names_for
 
 #: Optimizer hyper-parameters shared by every configuration (GPTLightningModule's defaults).
@@ -52,7 +53,8 @@ class RunRecord:
 
 def gpt_config(shape: ModelShape) -> GPTConfig:
     return GPTConfig(
-        vocab_size=VOCAB_SIZE, block_size=shape.block_size, n_layer=shape.n_layer, n_head=shape.n_head, n_embd=shape.n_embd
+        vocab_size=shape.vocab_size or VOCAB_SIZE, block_size=shape.block_size, n_layer=shape.n_layer,
+        n_head=shape.n_head, n_embd=shape.n_embd,
     )
 
 
@@ -81,6 +83,32 @@ def shard_by_hand(gpt: GPT, mesh: DeviceMesh) -> None:
             block.set_modules_to_forward_prefetch([blocks[i + 1]])
         if i > 0:
             block.set_modules_to_backward_prefetch([blocks[i - 1]])
+
+
+def shard_llm_aware(gpt: GPT, mesh: DeviceMesh) -> None:
+    """The LLM-aware plan (issue 18, item 3), by hand: what hp_lightning's automatic units could become.
+
+    Units in forward order: the embeddings (token + position, one unit), each block, then the
+    final norm with the head (one unit). The root keeps no parameters, so nothing stays gathered
+    for the whole step. The last unit is not resharded after forward: backward needs it first,
+    so resharding it would only gather it again at once. Each unit prefetches the next in
+    forward and the previous in backward. With a large vocabulary this trades the root's
+    gathered embeddings + head (held from the first forward to the last backward, together
+    with their full-size gradients) for one of them at a time.
+    """
+    fully_shard([gpt.tok_emb, gpt.pos_emb], mesh=mesh, reshard_after_forward=True)
+    blocks = list(gpt.blocks)
+    for block in blocks:
+        fully_shard(block, mesh=mesh, reshard_after_forward=True)
+    fully_shard([gpt.ln_f, gpt.head], mesh=mesh, reshard_after_forward=False)
+    fully_shard(gpt, mesh=mesh, reshard_after_forward=False)
+    # A list unit's modules share one FSDP state: its first module stands for it in prefetch lists.
+    order = [gpt.tok_emb, *blocks, gpt.ln_f]
+    for i, unit in enumerate(order):
+        if i + 1 < len(order):
+            unit.set_modules_to_forward_prefetch([order[i + 1]])
+        if i > 0:
+            unit.set_modules_to_backward_prefetch([order[i - 1]])
 
 
 _MESHES: dict[tuple[str, tuple[int, ...]], DeviceMesh] = {}
@@ -120,12 +148,15 @@ def run_raw_loop(
     """(a) A training loop on ``torch.distributed.fsdp.fully_shard`` alone: the engine's limit.
 
     With accumulation, non-final micro-batches run under ``set_requires_gradient_sync(False)``
-    (no reduce-scatter until the last one), as hp_lightning does.
+    (no reduce-scatter until the last one), as hp_lightning does; in ``defer_all_reduce`` mode
+    under ``set_requires_all_reduce(False)`` instead (reduce-scatter every micro-batch, all-reduce
+    across replicas once), as hp_lightning's ``GradientAccumulationSync("defer_all_reduce")``.
     """
     seed_everything(0, verbose=False)
     with torch.device("meta"):
         model = GPT(gpt_config(shape))
-    shard_by_hand(model, data_parallel_mesh(device.type, config.mesh_shape))
+    shard = shard_llm_aware if config.plan == LLM_PLAN else shard_by_hand
+    shard(model, data_parallel_mesh(device.type, config.mesh_shape))
     model.to_empty(device=device)
     model.init_weights()
     model.train()
@@ -138,8 +169,10 @@ def run_raw_loop(
         marks.note("forward")
         for micro in range(k):
             inputs, targets = (t.to(device, non_blocking=True) for t in next(batches))
-            if k > 1:
+            if k > 1 and config.accumulation_mode == SKIP:
                 model.set_requires_gradient_sync(micro == k - 1)
+            elif k > 1:
+                model.set_requires_all_reduce(micro == k - 1)
             loss = next_token_loss(model(inputs), targets) / k
             marks.note("backward")
             loss.backward()
@@ -219,22 +252,35 @@ def run_lightning(
     device: torch.device,
     marks: StepMarks,
     extra_callbacks: Optional[Sequence[Callback]] = None,
+    num_nodes: int = 1,
 ) -> RunRecord:
-    """(b), (c), (d): ``Trainer.fit`` with the configuration's strategy for ``steps`` optimizer steps."""
+    """(b), (c), (d): ``Trainer.fit`` with the configuration's strategy for ``steps`` optimizer steps.
+
+    ``num_nodes`` > 1: the ranks are spread over that many nodes (``devices`` = world / nodes per
+    node), as the launcher's ``NODE_RANK`` / ``LOCAL_RANK`` say. A non-default accumulation mode
+    adds ``GradientAccumulationSync(mode)`` (hp_lightning only).
+    """
     seed_everything(0, verbose=False)
     module_class = ManualFSDP2GPT if config.family == MPS else GPTLightningModule
+    callbacks = list(extra_callbacks or [])
+    if config.accumulation_mode != SKIP:
+        if config.family != HP:
+            raise ValueError(f"accumulation_mode={config.accumulation_mode!r} needs the hp_lightning family; got {config.family!r}.")
+        callbacks.append(GradientAccumulationSync(config.accumulation_mode))
     module = module_class(
+        vocab_size=shape.vocab_size or VOCAB_SIZE,
         block_size=shape.block_size, n_layer=shape.n_layer, n_head=shape.n_head, n_embd=shape.n_embd,
         learning_rate=LEARNING_RATE, weight_decay=WEIGHT_DECAY, warmup_steps=WARMUP_STEPS,
     )
     trainer = Trainer(
         accelerator=device.type,
-        devices=config.world_size,
+        devices=config.world_size // num_nodes,
+        num_nodes=num_nodes,
         strategy=lightning_strategy(config),
         precision="32-true",
         max_steps=steps,
         accumulate_grad_batches=config.accumulate,
-        callbacks=[MarkSteps(marks, comm_hook=config.family == DDP and marks.counter is not None), *(extra_callbacks or [])],
+        callbacks=[MarkSteps(marks, comm_hook=config.family == DDP and marks.counter is not None), *callbacks],
         use_distributed_sampler=False,
         limit_val_batches=0,
         num_sanity_val_steps=0,
@@ -248,12 +294,13 @@ def run_lightning(
 
 
 def run_configuration(
-    config: Configuration, shape: ModelShape, loader: DataLoader, steps: int, device: torch.device, marks: StepMarks
+    config: Configuration, shape: ModelShape, loader: DataLoader, steps: int, device: torch.device, marks: StepMarks,
+    num_nodes: int = 1,
 ) -> RunRecord:
     """Train ``config`` for ``steps`` optimizer steps, marking each step's end in ``marks``."""
     if config.family == RAW:
         return run_raw_loop(config, shape, loader, steps, device, marks)
-    return run_lightning(config, shape, loader, steps, device, marks)
+    return run_lightning(config, shape, loader, steps, device, marks, num_nodes=num_nodes)
 
 
 def largest_unit_bytes(shape: ModelShape) -> dict[str, int]:
@@ -272,3 +319,30 @@ def largest_unit_bytes(shape: ModelShape) -> dict[str, int]:
         "largest_unit_bytes": max([root_bytes, *block_bytes]),
         "params": sum(p.numel() for p in model.parameters()),
     }
+
+
+def plan_units(shape: ModelShape, plan: str) -> dict[str, object]:
+    """Unsharded parameter bytes of each unit of a plan, in forward order, and what stays gathered.
+
+    Returns ``units`` (list of ``(name, bytes)`` in forward order, root excluded), ``root_bytes``
+    (the root's own parameters, gathered from the first forward to the end of backward under
+    the blocks plan) and ``gathered_bytes``: the most parameter bytes gathered at once with one
+    unit of prefetch, i.e. the root's plus the largest pair of consecutive units (the current
+    one and the one prefetched). Under the LLM plan the last unit (final norm + head) stays
+    gathered from its forward into backward, where backward prefetches the block before it.
+    """
+    with torch.device("meta"):
+        model = GPT(gpt_config(shape))
+    nbytes = lambda params: sum(p.numel() * p.element_size() for p in params)  # noqa: E731
+    blocks = [(f"blocks.{i}", nbytes(b.parameters())) for i, b in enumerate(model.blocks)]
+    if plan == LLM_PLAN:
+        units = [("tok_emb+pos_emb", nbytes([*model.tok_emb.parameters(), *model.pos_emb.parameters()])), *blocks,
+                 ("ln_f+head", nbytes([*model.ln_f.parameters(), *model.head.parameters()]))]
+        root = 0
+    else:
+        units = blocks
+        in_blocks = {id(p) for b in model.blocks for p in b.parameters()}
+        root = nbytes(p for p in model.parameters() if id(p) not in in_blocks)
+    sizes = [b for _, b in units]
+    pairs = [a + b for a, b in zip(sizes, sizes[1:])] or sizes
+    return {"units": units, "root_bytes": root, "gathered_bytes": root + max(pairs)}

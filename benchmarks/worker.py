@@ -22,6 +22,7 @@ from torch.utils.data import Dataset
 from benchmarks.measure import (
     MemoryProbe,
     StepMarks,
+    collectives_by_group,
     collectives_per_step,
     model_state_bytes,
     release_freed_memory,
@@ -34,6 +35,8 @@ from hp_lightning.core.diagnostics import CollectiveCounter
 
 #: Steps of a measurement pass not measured (the first creates the optimizer state).
 MEASURE_SKIP = 1
+#: Collectives smaller than this are control traffic (flags, agreement checks), not parameters or gradients.
+DATA_COLLECTIVE_BYTES = 4096
 
 
 class Progress:
@@ -73,7 +76,8 @@ def windows(settings: Settings, block_size: int) -> Dataset:
 
 
 def measure_configuration(
-    config: Configuration, shape: ModelShape, dataset: Dataset, micro_batch: int, steps: int, device: torch.device
+    config: Configuration, shape: ModelShape, dataset: Dataset, micro_batch: int, steps: int, device: torch.device,
+    num_nodes: int = 1,
 ) -> dict[str, Any]:
     """One untimed run with every probe on: memory, model state, collectives.
 
@@ -83,13 +87,15 @@ def measure_configuration(
     measured step.
     """
     counter = CollectiveCounter()
+    issued: list[tuple[int, str, int, tuple[int, ...]]] = []
+    counter.listeners.append(lambda call: issued.append((time.time_ns(), call.kind, call.bytes, call.ranks)))
     probe = MemoryProbe(device)
     marks = StepMarks(
         device, counter=counter, probe=probe, on_mark=lambda i: probe.reset_device_peak() if i == MEASURE_SKIP else None
     )
     loader = rank_loader(dataset, micro_batch, config.world_size, dist.get_rank())
     with probe, counter:
-        record = run_configuration(config, shape, loader, steps, device, marks)
+        record = run_configuration(config, shape, loader, steps, device, marks, num_nodes=num_nodes)
         state = model_state_bytes(record.module, record.optimizers)
     start, end = marks.wall_ns[MEASURE_SKIP], marks.wall_ns[-1]
     step = MEASURE_SKIP + 1
@@ -98,6 +104,7 @@ def measure_configuration(
     out: dict[str, Any] = {
         "state": state,
         "collectives": collectives_per_step(counter, marks, MEASURE_SKIP),
+        "collectives_by_group": collectives_by_group(counter, marks, MEASURE_SKIP),
         "rss_peak": probe.rss_peak(start, end),
         "rss_before": probe.rss_before,
         "held_at_step_start": probe.heap_at(start),
@@ -106,6 +113,7 @@ def measure_configuration(
         "forward_backward_peak": probe.heap_peak(start, optimizer) if optimizer else None,
         "per_step": [(probe.heap_at(a), probe.heap_peak(a, b)) for a, b in zip(marks.wall_ns[MEASURE_SKIP:], marks.wall_ns[MEASURE_SKIP + 1 :])],
         "memory_source": "heap",
+        "peak_context": peak_context(probe.heap_peak_time(start, end), marks, issued),
     }
     device_peak = probe.device_peak()
     if device_peak is not None:
@@ -113,6 +121,26 @@ def measure_configuration(
                    per_step=None, memory_source=f"{device.type} allocator")
     del record
     release_freed_memory()
+    return out
+
+
+def peak_context(peak_ns: int | None, marks: StepMarks, issued: list[tuple[int, str, int, tuple[int, ...]]]) -> dict[str, Any]:
+    """Where in the step the heap peaked: the phase, and the last collective issued before the peak.
+
+    FSDP2 issues each unit's all-gather / reduce-scatter as it reaches the unit, so the last
+    collective names the unit being worked on at the peak (its size tells which unit).
+    """
+    if peak_ns is None:
+        return {}
+    step = sum(1 for t in marks.wall_ns if t <= peak_ns)
+    phases = [(when, name) for s, name, when in marks.notes if s == step and when <= peak_ns]
+    # Control collectives (a few bytes: flags, loss checks) say nothing about which unit is at work.
+    before = [e for e in issued if e[0] <= peak_ns and e[2] >= DATA_COLLECTIVE_BYTES]
+    out: dict[str, Any] = {"step": step, "phase": phases[-1][1] if phases else "optimizer"}
+    if before:
+        when, kind, nbytes, ranks = before[-1]
+        out.update(last_collective=kind, last_collective_bytes=nbytes, last_collective_ranks=list(ranks),
+                   ms_after_last_collective=(peak_ns - when) / 1e6)
     return out
 
 
