@@ -25,31 +25,29 @@ from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.strategies import ParallelStrategy
 from lightning.fabric.strategies.strategy import TBroadcast
 from lightning.fabric.utilities.distributed import group as _group
-from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_only
-from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.rank_zero import rank_zero_info
 from lightning.fabric.utilities.types import Optimizable, ReduceOp
-from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from hp_lightning import _frontend as frontend
 from hp_lightning import checkpoint as checkpoint_io
 from hp_lightning._lightning_private import (
     BackwardSyncControl,
     FabricSubprocessScriptLauncher,
     PathLike,
     distributed_is_initialized,
-    init_dist_connection,
     sync_ddp_if_available,
 )
 from hp_lightning.checkpoint.collective import on_rank0
-from hp_lightning.core import agreement, devices, watchdog
+from hp_lightning.core import devices, watchdog
 from hp_lightning.core.accumulation import check_mode, no_gradient_sync
 from hp_lightning.core.gradients import clip_grad_norm_, clip_grad_value_
 from hp_lightning.core.introspection import ShardingSummary, summarize, units_in_order
 from hp_lightning.core.materialize import meta_init_context, move_unsharded_states
-from hp_lightning.core.mesh import build_device_mesh, describe, resolve_mesh_shape, set_collective_timeout
+from hp_lightning.core.mesh import describe, set_collective_timeout
 from hp_lightning.core.options import DEFAULT_TIMEOUT, HSDPOptions
 from hp_lightning.core.parallelize import ShardedModel, ShardingPlan
 from hp_lightning.core.prepare import prepare_model, prepared
@@ -300,12 +298,7 @@ class HSDPStrategy(ParallelStrategy):
     def _configure_launcher(self) -> None:
         # Fabric calls this inside Fabric(...) once devices and nodes are known: the last moment
         # to refuse a mesh that cannot cover the world before any process starts.
-        resolve_mesh_shape(
-            self.options.mesh_shape,
-            world_size=self.num_nodes * self.num_processes,
-            num_nodes=self.num_nodes,
-            devices_per_node=self.num_processes,
-        )
+        frontend.check_mesh_fits(self)
         assert self.cluster_environment is not None
         if not self.cluster_environment.creates_processes_externally:
             self._launcher = FabricSubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
@@ -313,44 +306,18 @@ class HSDPStrategy(ParallelStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        self._setup_distributed()
-        if self.options.fault_watchdog:
-            # First thing once the process group exists: from here on, a failure anywhere stops every rank.
-            self._watchdog = self._watchdog or watchdog.FaultWatchdog(
-                heartbeat_timeout=self.options.heartbeat_timeout, exit_grace=self.options.failure_exit_grace
-            )
-            self._watchdog.start(self.global_rank, self.world_size, watchdog.local_ranks(self.node_rank, self.num_processes))
+        self._process_group_backend = frontend.join_process_group(self, self._process_group_backend)
+        # First thing once the process group exists: from here on, a failure anywhere stops every rank.
+        self._watchdog = frontend.start_watchdog(self, self._watchdog)
+        if self._watchdog is not None:
             atexit.unregister(self._leave_at_exit)  # once per strategy, however often Fabric launches
             atexit.register(self._leave_at_exit)
-        shape = resolve_mesh_shape(
-            self.options.mesh_shape, world_size=self.world_size, num_nodes=self.num_nodes, devices_per_node=self.num_processes
-        )
-        # Before the mesh's groups exist: ranks that disagree would build different groups and hang.
-        settings = agreement.setup_settings(self.options.settings(), self.precision.precision, None, shape)
-        agreement.check_rank_agreement(settings, stage="setup")
-        self._device_mesh = build_device_mesh(self.root_device.type, shape)
+        self._device_mesh = frontend.agree_and_build_mesh(self, self.precision.precision)
         self.precision.device_type = self.root_device.type
-
-    def _setup_distributed(self) -> None:
-        reset_seed()
-        self._set_world_ranks()
-        # Under CPU offload whole parameters are initialized on the host and broadcast from
-        # there, so accelerator ranks also get gloo ("cpu:gloo,cuda:nccl").
-        self._process_group_backend = self._process_group_backend or devices.process_group_backend(
-            self.root_device.type, host_collectives=self.options.cpu_offload
-        )
-        assert self.cluster_environment is not None
-        device_id = self.root_device if devices.is_accelerator(self.root_device.type) else None
-        init_dist_connection(
-            self.cluster_environment, self._process_group_backend, timeout=self.options.timeout, device_id=device_id
-        )
 
     def _set_world_ranks(self) -> None:
         # Fabric's connector calls this too (by this name) before launching.
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+        frontend.set_world_ranks(self)
 
     # ------------------------------------------------------------------ model and optimizers
 

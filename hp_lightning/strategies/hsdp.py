@@ -15,34 +15,32 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.fabric.utilities.data import has_len
 from lightning.fabric.utilities.distributed import group as _group
-from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
-from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
+from hp_lightning import _frontend as frontend
 from hp_lightning import checkpoint as checkpoint_io
 from hp_lightning._lightning_private import (
     before_resume,
     PathLike,
     TrainerSubprocessScriptLauncher,
     distributed_is_initialized,
-    init_dist_connection,
     sync_ddp_if_available,
 )
 from hp_lightning.core import agreement, devices, watchdog
 from hp_lightning.core.accumulation import ACCUMULATION_MODES, check_mode, no_gradient_sync
 from hp_lightning.core.introspection import ShardingSummary, summarize, units_in_order
-from hp_lightning.core.mesh import build_device_mesh, describe, resolve_mesh_shape, set_collective_timeout
+from hp_lightning.core.mesh import describe, set_collective_timeout
 from hp_lightning.core.options import DEFAULT_TIMEOUT, STATE_DICT_TYPES, HSDPOptions
 from hp_lightning.core.parallelize import ShardedModel, ShardingPlan
 from hp_lightning.core.prepare import prepare_model
@@ -291,16 +289,7 @@ class HSDPStrategy(ParallelStrategy):
     def _configure_launcher(self) -> None:
         # Lightning calls this inside Trainer(...) once devices and nodes are known: the last
         # moment to refuse a mesh that cannot cover the world before any process starts.
-        try:
-            resolve_mesh_shape(
-                self.options.mesh_shape,
-                world_size=self.num_nodes * self.num_processes,
-                num_nodes=self.num_nodes,
-                devices_per_node=self.num_processes,
-            )
-        except ValueError as exc:
-            watchdog.print_once_per_job(exc)  # every torchrun worker raises it: one traceback per job
-            raise
+        frontend.check_mesh_fits(self)
         assert self.cluster_environment is not None
         if not self.cluster_environment.creates_processes_externally:
             self._launcher = TrainerSubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
@@ -308,51 +297,20 @@ class HSDPStrategy(ParallelStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        try:
-            self._setup_distributed()
-        except Exception as exc:
-            watchdog.print_once_per_job(exc)  # e.g. a backend that cannot start: the same on every rank
-            raise
-        if self.options.fault_watchdog:
-            # First thing once the process group exists: from here on, a failure anywhere stops every rank.
-            self._watchdog = self._watchdog or watchdog.FaultWatchdog(
-                heartbeat_timeout=self.options.heartbeat_timeout, exit_grace=self.options.failure_exit_grace
-            )
-            self._watchdog.start(self.global_rank, self.world_size, watchdog.local_ranks(self.node_rank, self.num_processes))
-        shape = resolve_mesh_shape(
-            self.options.mesh_shape, world_size=self.world_size, num_nodes=self.num_nodes, devices_per_node=self.num_processes
-        )
-        # Before the mesh's groups exist: ranks that disagree would build different groups and hang.
+        self._process_group_backend = frontend.join_process_group(self, self._process_group_backend)
+        # First thing once the process group exists: from here on, a failure anywhere stops every rank.
+        self._watchdog = frontend.start_watchdog(self, self._watchdog)
         trainer = getattr(self.lightning_module, "_trainer", None)
-        settings = agreement.setup_settings(self.options.settings(), self.precision_plugin.precision, trainer, shape)
-        agreement.check_rank_agreement(settings, stage="setup")
+        self._device_mesh = frontend.agree_and_build_mesh(self, self.precision_plugin.precision, trainer)
         if trainer is not None:
             # Every rank must resume from the same checkpoint, or from none: compared when known.
             before_resume(trainer, lambda path: agreement.check_rank_agreement(agreement.resume_settings(path), stage="resume"))
-        self._device_mesh = build_device_mesh(self.root_device.type, shape)
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
         self.precision_plugin.device_type = self.root_device.type
 
-    def _setup_distributed(self) -> None:
-        reset_seed()
-        self.set_world_ranks()
-        # Under CPU offload whole parameters are initialized on the host and broadcast from there,
-        # so accelerator ranks also get gloo ("cpu:gloo,cuda:nccl").
-        self._process_group_backend = self._process_group_backend or devices.process_group_backend(
-            self.root_device.type, host_collectives=self.options.cpu_offload
-        )
-        assert self.cluster_environment is not None
-        device_id = self.root_device if devices.is_accelerator(self.root_device.type) else None
-        init_dist_connection(
-            self.cluster_environment, self._process_group_backend, timeout=self.options.timeout, device_id=device_id
-        )
-
     def set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+        frontend.set_world_ranks(self)
 
     # ------------------------------------------------------------------ model setup
 

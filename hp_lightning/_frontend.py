@@ -1,0 +1,86 @@
+"""The steps both front ends (Trainer and Fabric strategies) take the same way, written once.
+
+Each takes the strategy (either kind: both have ``options``, ``cluster_environment``,
+``root_device``, ranks and world size) and does one thing: check the mesh against the world
+before launch, join the process group, start the fault watchdog, agree on the settings and build
+the mesh. The strategies keep only what differs between Trainer and Fabric.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from lightning.fabric.utilities.rank_zero import rank_zero_only
+from lightning.fabric.utilities.seed import reset_seed
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch.distributed.device_mesh import DeviceMesh
+
+from hp_lightning._lightning_private import init_dist_connection
+from hp_lightning.core import agreement, devices, watchdog
+from hp_lightning.core.mesh import build_device_mesh, resolve_mesh_shape
+
+
+def check_mesh_fits(strategy: Any) -> None:
+    """Refuse a mesh that cannot cover the world, in ``Trainer(...)`` / ``Fabric(...)`` (before launch).
+
+    Raises:
+        ValueError: the sizes do not multiply to ``num_nodes x devices``; printed once per job.
+    """
+    try:
+        resolve_mesh_shape(
+            strategy.options.mesh_shape,
+            world_size=strategy.num_nodes * strategy.num_processes,
+            num_nodes=strategy.num_nodes,
+            devices_per_node=strategy.num_processes,
+        )
+    except ValueError as exc:
+        watchdog.print_once_per_job(exc)  # every torchrun worker raises it: one traceback per job
+        raise
+
+
+def set_world_ranks(strategy: Any) -> None:
+    """Tell the cluster environment and the rank-zero helpers this process's global rank."""
+    if strategy.cluster_environment is not None:
+        strategy.cluster_environment.set_global_rank(strategy.node_rank * strategy.num_processes + strategy.local_rank)
+        strategy.cluster_environment.set_world_size(strategy.num_nodes * strategy.num_processes)
+    rank_zero_only.rank = utils_rank_zero_only.rank = strategy.global_rank
+
+
+def join_process_group(strategy: Any, backend: Optional[str]) -> str:
+    """Create the default process group (a configuration error is printed once per job); return the backend.
+
+    Under CPU offload whole parameters are initialized on the host and broadcast from there, so
+    accelerator ranks also get gloo (``"cpu:gloo,cuda:nccl"``).
+    """
+    try:
+        reset_seed()
+        set_world_ranks(strategy)
+        backend = backend or devices.process_group_backend(
+            strategy.root_device.type, host_collectives=strategy.options.cpu_offload
+        )
+        device_id = strategy.root_device if devices.is_accelerator(strategy.root_device.type) else None
+        init_dist_connection(strategy.cluster_environment, backend, timeout=strategy.options.timeout, device_id=device_id)
+    except Exception as exc:
+        watchdog.print_once_per_job(exc)  # e.g. a backend that cannot start: the same on every rank
+        raise
+    return backend
+
+
+def start_watchdog(strategy: Any, running: Optional[watchdog.FaultWatchdog]) -> Optional[watchdog.FaultWatchdog]:
+    """The fault watchdog, started once the process group exists (None when the option is off)."""
+    options = strategy.options
+    if not options.fault_watchdog:
+        return None
+    running = running or watchdog.FaultWatchdog(heartbeat_timeout=options.heartbeat_timeout, exit_grace=options.failure_exit_grace)
+    running.start(strategy.global_rank, strategy.world_size, watchdog.local_ranks(strategy.node_rank, strategy.num_processes))
+    return running
+
+
+def agree_and_build_mesh(strategy: Any, precision: Optional[str], trainer: Any = None) -> DeviceMesh:
+    """Compare the settings across ranks (before any group exists: a difference would hang), then build the mesh."""
+    shape = resolve_mesh_shape(
+        strategy.options.mesh_shape, world_size=strategy.world_size, num_nodes=strategy.num_nodes, devices_per_node=strategy.num_processes
+    )
+    settings = agreement.setup_settings(strategy.options.settings(), precision, trainer, shape)
+    agreement.check_rank_agreement(settings, stage="setup")
+    return build_device_mesh(strategy.root_device.type, shape)
