@@ -691,6 +691,12 @@ class FaultWatchdog:
         failed rank as the root cause.
         """
         with self._exit_lock:
+            # Tell a failed rank that lingers (its error caught) that the others are leaving for it;
+            # now, while the store is surely up (it may live in the failed rank's process).
+            try:
+                self._store_op(lambda s: s.add("stopped", 1))
+            except _StoreUnreachable:
+                pass
             if failure.kind == "error" and not self._wait_for_end_of(failure.rank):
                 return
             cause = failure.describe()
@@ -726,10 +732,6 @@ class FaultWatchdog:
     def _exit_peer_failed(self, cause: str) -> None:
         with self._exit_lock:  # one exit per process: the watchdog thread or the main thread
             _say(f"rank {self.rank}: stopping (exit code {PEER_FAILED_EXIT_CODE}) because {cause}.")
-            try:
-                self._store_op(lambda s: s.add("stopped", 1))  # lets a failed rank that lingers know
-            except Exception:  # noqa: BLE001 - leaving anyway
-                pass
             os._exit(PEER_FAILED_EXIT_CODE)
 
     def _peers_stopped(self) -> bool:
