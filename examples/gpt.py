@@ -31,6 +31,8 @@ from torch.utils.data import DataLoader, Dataset
 from torchmetrics import MeanMetric
 from typing_extensions import override
 
+from examples.moe import GroupedExperts, MoE
+
 # ---------------------------------------------------------------------------------------- text
 
 #: Newline plus the 95 printable ASCII characters. Tabs become four spaces; anything else ``?``.
@@ -95,6 +97,9 @@ class GPTConfig:
         n_head: attention heads per block; must divide ``n_embd``.
         n_embd: width of the residual stream.
         dropout: dropout probability on attention weights and residual branches.
+        n_experts: 0 for dense feed-forward blocks; otherwise each block's feed-forward is a
+            mixture of ``n_experts`` experts (:class:`examples.moe.MoE`) with ``top_k`` routing.
+        top_k: experts per token in MoE blocks.
     """
 
     vocab_size: int = VOCAB_SIZE
@@ -103,6 +108,8 @@ class GPTConfig:
     n_head: int = 4
     n_embd: int = 128
     dropout: float = 0.0
+    n_experts: int = 0
+    top_k: int = 2
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
@@ -123,20 +130,21 @@ class CausalSelfAttention(nn.Module):
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.n_head = config.n_head
+        self.head_dim = config.n_embd // config.n_head
         self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd)
         self.proj = nn.Linear(config.n_embd, config.n_embd)
         self.dropout = config.dropout
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: Tensor) -> Tensor:
-        batch, time, width = x.shape
-        # (B, T, 3C) → three (B, heads, T, C / heads) tensors.
-        q, k, v = self.qkv(x).view(batch, time, 3, self.n_head, width // self.n_head).permute(2, 0, 3, 1, 4)
+        batch, time, _ = x.shape
+        # (B, T, heads * 3 * head_dim) → three (B, heads, T, head_dim) tensors. The features are
+        # laid out head by head, so a column split (tensor parallelism) hands each rank whole heads.
+        q, k, v = self.qkv(x).view(batch, time, -1, 3, self.head_dim).permute(3, 0, 2, 1, 4)
         attended = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
         )
-        merged = attended.transpose(1, 2).reshape(batch, time, width)
+        merged = attended.transpose(1, 2).reshape(batch, time, -1)
         return self.resid_dropout(self.proj(merged))
 
 
@@ -161,7 +169,7 @@ class Block(nn.Module):
         self.ln_attn = nn.LayerNorm(config.n_embd)
         self.attn = CausalSelfAttention(config)
         self.ln_mlp = nn.LayerNorm(config.n_embd)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config) if not config.n_experts else MoE(config.n_embd, 4 * config.n_embd, config.n_experts, config.top_k)
 
     def forward(self, x: Tensor) -> Tensor:
         x = x + self.attn(self.ln_attn(x))
@@ -207,6 +215,8 @@ class GPT(nn.Module):
             elif isinstance(module, nn.LayerNorm):
                 nn.init.ones_(module.weight)
                 nn.init.zeros_(module.bias)
+            elif isinstance(module, GroupedExperts):
+                module.reset_parameters()
 
     def forward(self, idx: Tensor) -> Tensor:
         """Token ids ``(batch, time)`` → next-token logits ``(batch, time, vocab_size)``.
@@ -356,7 +366,7 @@ class GPTLightningModule(pl.LightningModule):
     """Trains a :class:`GPT` on next-character prediction.
 
     Args:
-        vocab_size, block_size, n_layer, n_head, n_embd, dropout: the :class:`GPTConfig`.
+        vocab_size, block_size, n_layer, n_head, n_embd, dropout, n_experts, top_k: the :class:`GPTConfig`.
         learning_rate: peak AdamW learning rate.
         weight_decay: AdamW weight decay, applied to matrices only (not biases, norms).
         warmup_steps: linear warm-up before a cosine decay to 10 % of the peak.
@@ -370,6 +380,8 @@ class GPTLightningModule(pl.LightningModule):
         n_head: int = 4,
         n_embd: int = 128,
         dropout: float = 0.0,
+        n_experts: int = 0,
+        top_k: int = 2,
         learning_rate: float = 3e-3,
         weight_decay: float = 0.1,
         warmup_steps: int = 20,
@@ -377,7 +389,7 @@ class GPTLightningModule(pl.LightningModule):
         super().__init__()
         self.save_hyperparameters()
         # Validate now (cheaply, before any process starts); the model itself is built in configure_model.
-        self.config = GPTConfig(vocab_size, block_size, n_layer, n_head, n_embd, dropout)
+        self.config = GPTConfig(vocab_size, block_size, n_layer, n_head, n_embd, dropout, n_experts, top_k)
         self.model: Optional[GPT] = None
         self.val_loss = MeanMetric()
 

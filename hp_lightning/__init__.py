@@ -28,6 +28,7 @@ from hp_lightning.fully_shard import (
     set_model_state_dict,
 )
 from hp_lightning.core.mesh import init_device_mesh
+from hp_lightning.parallel import ExpertParallel, parallelize_module
 from hp_lightning.fabric import HSDPStrategy as FabricHSDPStrategy
 from hp_lightning.strategies import HSDPPrecision, HSDPStrategy
 
@@ -46,6 +47,7 @@ _register()
 
 __all__ = [
     "CPUOffloadPolicy",
+    "ExpertParallel",
     "FabricHSDPStrategy",
     "HSDPModule",
     "HSDPPrecision",
@@ -60,5 +62,6 @@ __all__ = [
     "get_model_state_dict",
     "init_device_mesh",
     "load_weights",
+    "parallelize_module",
     "set_model_state_dict",
 ]

@@ -10,14 +10,51 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from torch.distributed.device_mesh import DeviceMesh
+
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.fabric.utilities.seed import reset_seed
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
-from torch.distributed.device_mesh import DeviceMesh
-
 from hp_lightning._lightning_private import init_dist_connection
 from hp_lightning.core import agreement, devices, watchdog
-from hp_lightning.core.mesh import build_device_mesh, resolve_mesh_shape
+from hp_lightning.core.mesh import MeshLayout, ParallelMesh, build_parallel_mesh, resolve_layout
+
+
+class MeshAccess:
+    """The mesh properties both strategies expose, over the ``ParallelMesh`` they keep in ``_mesh``."""
+
+    _mesh: Optional[ParallelMesh] = None
+    #: When the mesh exists, in the front end's words (for the error before that).
+    _mesh_available: str = "once the processes are set up"
+
+    @property
+    def parallel_mesh(self) -> ParallelMesh:
+        """The mesh and its per-technique sub-meshes."""
+        if self._mesh is None:
+            raise RuntimeError(f"HSDPStrategy.device_mesh is available {self._mesh_available}.")
+        return self._mesh
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        """The whole named mesh: ``("shard",)`` or ``("replicate", "shard")``, plus ``"tp"``/``"ep"`` when on."""
+        return self.parallel_mesh.world
+
+    @property
+    def data_parallel_mesh(self) -> DeviceMesh:
+        """What FSDP shards over (the whole mesh without TP/EP)."""
+        return self.parallel_mesh.dp
+
+    def data_parallel_sampler_kwargs(self, world_size: int, global_rank: int) -> dict[str, Any]:
+        """Every data-parallel rank reads different data; the ranks of one TP group the same."""
+        if self._mesh is None or self._mesh.layout.tp == 1:
+            return {"num_replicas": world_size, "rank": global_rank}
+        return {"num_replicas": self._mesh.dp_size, "rank": self._mesh.dp_rank}
+
+    def data_parallel_group(self, group: Any) -> Any:
+        """``group``, or the data-parallel group under TP when none is given (TP peers hold the same value)."""
+        if group is None and self._mesh is not None and self._mesh.layout.tp > 1:
+            return self._mesh.dp_group
+        return group
 
 
 def check_mesh_fits(strategy: Any) -> None:
@@ -27,15 +64,23 @@ def check_mesh_fits(strategy: Any) -> None:
         ValueError: the sizes do not multiply to ``num_nodes x devices``; printed once per job.
     """
     try:
-        resolve_mesh_shape(
-            strategy.options.mesh_shape,
-            world_size=strategy.num_nodes * strategy.num_processes,
-            num_nodes=strategy.num_nodes,
-            devices_per_node=strategy.num_processes,
-        )
+        layout(strategy, world_size=strategy.num_nodes * strategy.num_processes)
     except ValueError as exc:
         watchdog.print_once_per_job(exc)  # every torchrun worker raises it: one traceback per job
         raise
+
+
+def layout(strategy: Any, world_size: int) -> MeshLayout:
+    """The sizes of every mesh dim for this strategy's options and world (or the ValueError)."""
+    options = strategy.options
+    return resolve_layout(
+        options.mesh_shape,
+        world_size=world_size,
+        num_nodes=strategy.num_nodes,
+        devices_per_node=strategy.num_processes,
+        tensor_parallel_size=options.tensor_parallel_size,
+        expert_parallel_size=options.expert_parallel_size,
+    )
 
 
 def set_world_ranks(strategy: Any) -> None:
@@ -76,11 +121,9 @@ def start_watchdog(strategy: Any, running: Optional[watchdog.FaultWatchdog]) -> 
     return running
 
 
-def agree_and_build_mesh(strategy: Any, precision: Optional[str], trainer: Any = None) -> DeviceMesh:
+def agree_and_build_mesh(strategy: Any, precision: Optional[str], trainer: Any = None) -> ParallelMesh:
     """Compare the settings across ranks (before any group exists: a difference would hang), then build the mesh."""
-    shape = resolve_mesh_shape(
-        strategy.options.mesh_shape, world_size=strategy.world_size, num_nodes=strategy.num_nodes, devices_per_node=strategy.num_processes
-    )
-    settings = agreement.setup_settings(strategy.options.settings(), precision, trainer, shape)
+    sizes = layout(strategy, world_size=strategy.world_size)
+    settings = agreement.setup_settings(strategy.options.settings(), precision, trainer, sizes.shape)
     agreement.check_rank_agreement(settings, stage="setup")
-    return build_device_mesh(strategy.root_device.type, shape)
+    return build_parallel_mesh(strategy.root_device.type, sizes)

@@ -66,10 +66,10 @@ class GradientAccumulationSync(Callback):
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         strategy = require_hsdp_strategy(trainer, self)
-        if self.mode == "defer_all_reduce" and strategy.device_mesh.ndim != 2:
+        if self.mode == "defer_all_reduce" and strategy.data_parallel_mesh.ndim != 2:
             rank_zero_warn(
                 f"GradientAccumulationSync(mode='defer_all_reduce') needs an HSDP (replicate, shard) "
-                f"mesh to defer the all-reduce; this mesh is 1-D {tuple(strategy.device_mesh.shape)}, so "
+                f"mesh to defer the all-reduce; this mesh is 1-D {tuple(strategy.data_parallel_mesh.shape)}, so "
                 f"micro-batches reduce-scatter every time, as mode='every'. Use mesh_shape=[R, S] for HSDP."
             )
         previous = strategy.set_accumulation_mode(self.mode)

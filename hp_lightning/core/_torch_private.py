@@ -45,6 +45,7 @@ _PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
     ("torch.distributed.distributed_c10d", "_get_default_store"),
     ("torch.distributed.distributed_c10d", "_set_pg_timeout"),
     ("torch.distributed.distributed_c10d", "_resolve_process_group"),
+    ("torch.distributed.device_mesh", "DeviceMesh._flatten"),
     ("torch.utils._python_dispatch", "TorchDispatchMode"),
     ("torch.autograd.variable", "Variable._execution_engine.queue_callback"),
     ("torch.distributed.checkpoint.state_dict_loader", "_load_state_dict"),
@@ -153,6 +154,15 @@ def resolve_process_group(group_name: str) -> Any:
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     return _resolve_process_group(group_name)
+
+
+def flatten_mesh(mesh: Any, name: str) -> Any:
+    """A 1-D mesh over all ranks of ``mesh`` (a slice of a root mesh), registered on the root as ``name``.
+
+    torchtitan's way to give several mesh dims one process group (e.g. expert-parallel ranks that
+    are also data-parallel ranks); DeviceMesh has no public flatten.
+    """
+    return mesh._flatten(name)
 
 
 def set_collective_timeout(group: Any, timeout: Any) -> None:

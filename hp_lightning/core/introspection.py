@@ -49,6 +49,14 @@ def _placement(p: Any) -> str:
     return str(p)
 
 
+def _placements(param: Any) -> str:
+    """``S(0)`` / ``R,S(0)`` on data-parallel meshes; each named dim spelled out once TP/EP are in (``shard:S(0),tp:S(1)``)."""
+    names = tuple(param.device_mesh.mesh_dim_names or ())
+    if not any(dim in names for dim in ("tp", "ep")):
+        return ",".join(_placement(p) for p in param.placements)
+    return ",".join(f"{name}:{_placement(p)}" for name, p in zip(names, param.placements))
+
+
 @dataclass(frozen=True)
 class UnitReport:
     """One sharding unit as this rank sees it."""
@@ -147,7 +155,7 @@ def summarize(root: nn.Module, units: Sequence[nn.Module], mesh: DeviceMesh, uns
             tensors += 1
             elements += param.numel()
             local += shard.numel() * shard.element_size()
-            placements.add(",".join(_placement(p) for p in param.placements))
+            placements.add(_placements(param))
             frozen += not param.requires_grad
             trainable += bool(param.requires_grad)
             compute_dtype = mp_policy.param_dtype or param.dtype

@@ -380,9 +380,11 @@ def link_construction(model: nn.Module) -> None:
         group_of[key] = groups.setdefault(memory, len(groups))
     slots: dict[int, tuple[nn.Module, str]] = {}
     slot_groups: dict[tuple[int, str], int] = {}
-    # Links made earlier, when a submodule was sharded by hand: its parameters are DTensors now.
+    # Links made earlier (before a submodule was sharded by hand, or before tensor/expert
+    # parallelism replaced the model's parameters with DTensors): those slots cannot be matched
+    # by memory any more, so they are kept.
     for module in model.modules():
-        earlier: _Links | None = module.__dict__.get(_LINKS_ATTR) if module is not model else None
+        earlier: _Links | None = module.__dict__.get(_LINKS_ATTR)
         if earlier is not None and earlier.record is record:
             for group, slot in earlier.slots.items():
                 slots.setdefault(group, slot)

@@ -1,27 +1,48 @@
-"""Device meshes for FSDP (1-D) and HSDP (2-D ``(replicate, shard)``): shapes, validation, build.
+"""Device meshes: FSDP (1-D), HSDP (2-D ``(replicate, shard)``) and their compositions with TP and EP.
 
 The axis names live here and only here. Rank ``r`` of an HSDP mesh ``(R, S)`` sits at
 ``(r // S, r % S)``: each shard group is ``S`` consecutive ranks, which with ``S`` equal to the
 devices per node keeps every all-gather and reduce-scatter inside one node and sends only the
 gradient all-reduce across nodes.
+
+Composed meshes (:class:`MeshLayout`) order their named dims outermost to innermost::
+
+    ("pp",)  ("replicate",)  ("shard",) | ("expert_shard", "ep")  ("tp",)
+    next      across nodes    inside a node                        fastest links
+
+TP is innermost, so a TP group is consecutive ranks (one node). EP is carved out of the shard
+dim, as torchtitan does: the ``ep`` ranks are data-parallel ranks too (each sees its own batch),
+and ``shard`` is the flattened ``(expert_shard, ep)``. Dense parameters shard over
+``(replicate, shard)``; experts are split over ``ep`` and shard over ``(replicate, expert_shard)``.
+A size-1 ``tp``/``ep`` dim is left out, so plain FSDP/HSDP meshes are exactly the 1-D/2-D ones.
+The ``pp`` dim is reserved for pipeline parallelism (not built yet).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import timedelta
+from functools import cached_property
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.device_mesh import init_device_mesh as _torch_init_device_mesh
 
 from hp_lightning.core import devices
+from hp_lightning.core._torch_private import flatten_mesh
 from hp_lightning.core._torch_private import set_collective_timeout as set_group_timeout
 
 REPLICATE_DIM = "replicate"
 SHARD_DIM = "shard"
 FSDP_DIM_NAMES: tuple[str] = (SHARD_DIM,)
 HSDP_DIM_NAMES: tuple[str, str] = (REPLICATE_DIM, SHARD_DIM)
+TP_DIM = "tp"
+EP_DIM = "ep"
+#: The part of the shard dim that is not expert-parallel: experts shard over it.
+EXPERT_SHARD_DIM = "expert_shard"
+#: A flattened dim over every data-parallel rank (for sampler ranks and ``sync_dist`` reductions).
+DP_DIM = "dp"
 
 #: A mesh size of -1 means "whatever makes the product equal the world size" (as in reshape).
 INFER = -1
@@ -141,6 +162,190 @@ def init_device_mesh(
     return _torch_init_device_mesh(device_type or default_device_type(), tuple(shape), mesh_dim_names=names)
 
 
+def _check_parallel_size(value: object, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"HSDPStrategy({name}=...) expects an int >= 1; got {type(value).__name__} {value!r}.")
+    if value < 1:
+        raise ValueError(f"HSDPStrategy({name}=...) expects an int >= 1 (1 = off); got {value}.")
+    return value
+
+
+def validate_parallel_sizes(tensor_parallel_size: object, expert_parallel_size: object) -> tuple[int, int]:
+    """Check the TP and EP sizes for type and range, before any process exists."""
+    tp = _check_parallel_size(tensor_parallel_size, "tensor_parallel_size")
+    ep = _check_parallel_size(expert_parallel_size, "expert_parallel_size")
+    if tp > 1 and ep > 1:
+        raise ValueError(
+            f"HSDPStrategy(tensor_parallel_size={tp}, expert_parallel_size={ep}): TP and EP in one model are not "
+            f"supported yet (experts would need their own TP plan). Use one of them with FSDP/HSDP."
+        )
+    return tp, ep
+
+
+@dataclass(frozen=True)
+class MeshLayout:
+    """Concrete sizes of every parallelism; the product is the world size.
+
+    Attributes:
+        dp: the data-parallel shape, ``(S,)`` (FSDP) or ``(R, S)`` (HSDP).
+        tp: tensor-parallel size (ranks of one TP group see the same batch).
+        ep: expert-parallel size, a divisor of ``S`` (EP ranks are data-parallel ranks).
+    """
+
+    dp: tuple[int, ...]
+    tp: int = 1
+    ep: int = 1
+
+    @property
+    def dp_size(self) -> int:
+        size = 1
+        for s in self.dp:
+            size *= s
+        return size
+
+    @property
+    def world_size(self) -> int:
+        return self.dp_size * self.tp
+
+    @property
+    def composed(self) -> bool:
+        return self.tp > 1 or self.ep > 1
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Dim names of the root mesh, outermost first."""
+        names = [REPLICATE_DIM] if len(self.dp) == 2 else []
+        names += [EXPERT_SHARD_DIM, EP_DIM] if self.ep > 1 else [SHARD_DIM]
+        return (*names, *([TP_DIM] if self.tp > 1 else []))
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        shape = [self.dp[0]] if len(self.dp) == 2 else []
+        shape += [self.dp[-1] // self.ep, self.ep] if self.ep > 1 else [self.dp[-1]]
+        return (*shape, *([self.tp] if self.tp > 1 else []))
+
+
+def resolve_layout(
+    mesh_shape: Sequence[int] | None,
+    *,
+    world_size: int,
+    num_nodes: int,
+    devices_per_node: int,
+    tensor_parallel_size: int = 1,
+    expert_parallel_size: int = 1,
+) -> MeshLayout:
+    """Concrete sizes of every dim for this world, or the error saying which size to change.
+
+    ``mesh_shape`` describes the data-parallel dims only: their product is the world size divided
+    by ``tensor_parallel_size``; None is HSDP ``(num_nodes, devices_per_node / tp)``.
+
+    Raises:
+        ValueError: TP that does not divide the world (or a node's devices, by default), data-parallel
+            sizes that do not cover the rest, or EP that does not divide the shard dim.
+    """
+    tp, ep = validate_parallel_sizes(tensor_parallel_size, expert_parallel_size)
+    if world_size % tp:
+        raise ValueError(
+            f"tensor_parallel_size={tp} does not divide the world size {world_size} ({num_nodes} node(s) x "
+            f"{devices_per_node} device(s)). Choose a TP size that divides the devices per node, e.g. 2."
+        )
+    dp_world = world_size // tp
+    if mesh_shape is None and tp > 1:
+        if devices_per_node % tp:
+            raise ValueError(
+                f"tensor_parallel_size={tp} does not divide the {devices_per_node} devices per node, so a TP group "
+                f"would cross nodes. Choose a divisor of {devices_per_node}, or set mesh_shape explicitly."
+            )
+        mesh_shape = [num_nodes, devices_per_node // tp]
+    dp = resolve_mesh_shape(mesh_shape, world_size=dp_world, num_nodes=num_nodes, devices_per_node=devices_per_node // tp or 1)
+    if dp[-1] % ep:
+        raise ValueError(
+            f"expert_parallel_size={ep} does not divide the shard dim ({dp[-1]} ranks of mesh {list(dp)}); EP ranks "
+            f"are carved out of it. Choose an EP size that divides {dp[-1]}."
+        )
+    return MeshLayout(dp=tuple(dp), tp=tp, ep=ep)
+
+
+@dataclass(frozen=True, eq=False)
+class ParallelMesh:
+    """The root mesh and the sub-meshes each technique runs on.
+
+    Without TP/EP the root *is* the data-parallel mesh (1-D or 2-D), exactly as before.
+    """
+
+    world: DeviceMesh
+    layout: MeshLayout
+
+    @classmethod
+    def of(cls, mesh: DeviceMesh | ParallelMesh) -> ParallelMesh:
+        """Wrap a plain data-parallel mesh (the seed's ``fully_shard`` world) as one without TP/EP."""
+        if isinstance(mesh, ParallelMesh):
+            return mesh
+        return cls(world=mesh, layout=MeshLayout(dp=tuple(mesh.shape)))
+
+    @property
+    def device_type(self) -> str:
+        return self.world.device_type
+
+    @cached_property
+    def dp(self) -> DeviceMesh:
+        """What FSDP shards over: ``(replicate, shard)`` or ``(shard,)``."""
+        if not self.layout.composed:
+            return self.world
+        if self.layout.ep > 1 and SHARD_DIM not in (self.world.mesh_dim_names or ()):
+            flatten_mesh(self.world[EXPERT_SHARD_DIM, EP_DIM], SHARD_DIM)
+        return self.world[HSDP_DIM_NAMES if len(self.layout.dp) == 2 else FSDP_DIM_NAMES]
+
+    @property
+    def tp(self) -> DeviceMesh | None:
+        return self.world[TP_DIM] if self.layout.tp > 1 else None
+
+    @property
+    def ep(self) -> DeviceMesh | None:
+        return self.world[EP_DIM] if self.layout.ep > 1 else None
+
+    @property
+    def expert_dp(self) -> DeviceMesh | None:
+        """What FSDP shards experts over: the data-parallel dims without ``ep``."""
+        if self.layout.ep == 1:
+            return None
+        return self.world[(REPLICATE_DIM, EXPERT_SHARD_DIM) if len(self.layout.dp) == 2 else (EXPERT_SHARD_DIM,)]
+
+    @cached_property
+    def dp_group(self) -> dist.ProcessGroup:
+        """One process group over every data-parallel rank (the world group without TP)."""
+        if self.layout.tp == 1:
+            return dist.group.WORLD
+        dp = self.dp
+        return dp.get_group() if dp.ndim == 1 else flatten_mesh(dp, DP_DIM).get_group()
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's index among the data-parallel ranks (TP peers share it: they see the same batch)."""
+        rank = 0
+        for coordinate, size in zip(self.dp.get_coordinate() or (), self.dp.shape):
+            rank = rank * size + coordinate
+        return rank
+
+    @property
+    def dp_size(self) -> int:
+        return self.layout.dp_size
+
+
+def build_parallel_mesh(device_type: str, layout: MeshLayout) -> ParallelMesh:
+    """Create the root mesh for ``layout`` (a collective call) and its sub-meshes."""
+    if not layout.composed:
+        return ParallelMesh(build_device_mesh(device_type, layout.dp), layout)
+    if layout.world_size != dist.get_world_size():
+        raise ValueError(f"A mesh of shape {list(layout.shape)} needs world size {layout.world_size}; the process group has {dist.get_world_size()}.")
+    world = _torch_init_device_mesh(device_type, layout.shape, mesh_dim_names=layout.names)
+    mesh = ParallelMesh(world, layout)
+    mesh.dp  # noqa: B018 - flattened dims are created on every rank together, here
+    if layout.tp > 1:
+        mesh.dp_group  # noqa: B018
+    return mesh
+
+
 def set_collective_timeout(mesh: DeviceMesh, timeout: timedelta) -> None:
     """Give the world group and every group of ``mesh`` a new collective timeout.
 
@@ -154,12 +359,24 @@ def set_collective_timeout(mesh: DeviceMesh, timeout: timedelta) -> None:
 
 
 def describe(mesh: DeviceMesh) -> str:
-    kind = "HSDP" if mesh.ndim == 2 else "FSDP"
+    names = tuple(mesh.mesh_dim_names or ())
+    composed = any(dim in names for dim in (TP_DIM, EP_DIM))
+    kind = "HSDP" if (REPLICATE_DIM in names if composed else mesh.ndim == 2) else "FSDP"
+    kind += "".join(f" x {dim.upper()}" for dim in (EP_DIM, TP_DIM) if dim in names)
     dims = ", ".join(f"{name}={size}" for name, size in zip(mesh.mesh_dim_names or (), mesh.shape))
     return f"{kind} mesh ({dims}) on {mesh.device_type}"
 
 
 __all__ = [
+    "DP_DIM",
+    "EP_DIM",
+    "EXPERT_SHARD_DIM",
+    "MeshLayout",
+    "ParallelMesh",
+    "TP_DIM",
+    "build_parallel_mesh",
+    "resolve_layout",
+    "validate_parallel_sizes",
     "FSDP_DIM_NAMES",
     "HSDP_DIM_NAMES",
     "INFER",

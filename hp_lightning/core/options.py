@@ -19,9 +19,10 @@ import torch
 from hp_lightning.core import devices
 from hp_lightning.core.accumulation import check_mode
 from hp_lightning.core.watchdog import check_seconds
-from hp_lightning.core.mesh import validate_mesh_shape
+from hp_lightning.core.mesh import validate_mesh_shape, validate_parallel_sizes
 from hp_lightning.core.parallelize import ShardingPlan
 from hp_lightning.core.units import UnitSpec, validate_unit_specs
+from hp_lightning.parallel.tensor import validate_tp_plan
 from hp_lightning.fully_shard import REDUCE_OPS, CPUOffloadPolicy, OffloadPolicy, build_mp_policy, parse_dtype, validate_scaling_factor
 
 STATE_DICT_TYPES = ("sharded", "full")
@@ -100,6 +101,10 @@ class HSDPOptions:
     """
 
     mesh_shape: Optional[Sequence[int]] = None
+    tensor_parallel_size: int = 1
+    expert_parallel_size: int = 1
+    tp_plan: Optional[Mapping[str, Any]] = None
+    expert_modules: Optional[Sequence[str]] = None
     shard_modules: Optional[Sequence[UnitSpec]] = None
     reshard_after_forward: bool = True
     param_dtype: Optional[Union[str, torch.dtype]] = None
@@ -127,8 +132,13 @@ class HSDPOptions:
     meta_init: bool = True
 
     def __post_init__(self) -> None:
+        tp, ep = validate_parallel_sizes(self.tensor_parallel_size, self.expert_parallel_size)
         normalized = {
             "mesh_shape": validate_mesh_shape(self.mesh_shape),
+            "tensor_parallel_size": tp,
+            "expert_parallel_size": ep,
+            "tp_plan": validate_tp_plan(self.tp_plan),
+            "expert_modules": _check_patterns(self.expert_modules, "expert_modules"),
             "shard_modules": validate_unit_specs(self.shard_modules, "shard_modules") or None,
             "reshard_after_forward": _check_bool(self.reshard_after_forward, "reshard_after_forward"),
             "param_dtype": parse_dtype(self.param_dtype, name="param_dtype"),
@@ -188,8 +198,13 @@ class HSDPOptions:
             reduce_op=self.reduce_op,
             gradient_scaling_factor=self.gradient_scaling_factor,
             forward_methods=self.forward_methods,
+            tp_plan=self.tp_plan,
+            expert_modules=self.expert_modules,
         )
 
     def settings(self, owner: str = "HSDPStrategy") -> dict[str, Any]:
         """Every option as ``"HSDPStrategy(name=...)" -> value``: what all ranks must agree on."""
-        return {f"{owner}({f.name}=...)": getattr(self, f.name) for f in fields(self)}
+        settings = {f"{owner}({f.name}=...)": getattr(self, f.name) for f in fields(self)}
+        if self.tp_plan:  # style objects compare by name: their default repr holds an address
+            settings[f"{owner}(tp_plan=...)"] = {k: v if isinstance(v, str) else type(v).__name__ for k, v in self.tp_plan.items()}
+        return settings

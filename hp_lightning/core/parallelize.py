@@ -2,15 +2,19 @@
 
 :func:`parallelize` is the whole recipe; the strategy calls it once per setup:
 
-1. activation checkpointing on the chosen blocks (before sharding, so FSDP's gather/free hooks
+1. tensor parallelism on the ``tp`` dim (torch's ``parallelize_module``): before sharding, so
+   FSDP shards TP's DTensors further over the data-parallel dims (FSDP2's 2-D composition);
+2. expert parallelism on the ``ep`` dim: experts split over EP ranks, tokens moved by all-to-all;
+3. activation checkpointing on the chosen blocks (before sharding, so FSDP's gather/free hooks
    sit outside the recomputed region and recomputation sees gathered parameters);
-2. ``fully_shard`` on each unit, bottom-up, each with only the replicate/ignored parameters it owns;
-3. ``fully_shard`` on the root, which takes every parameter no unit owns (embeddings, heads,
+4. ``fully_shard`` on each unit, bottom-up, each with only the replicate/ignored parameters it
+   owns; expert modules are units of their own on the data-parallel dims without ``ep``;
+5. ``fully_shard`` on the root, which takes every parameter no unit owns (embeddings, heads,
    final norms) and drives lazy initialization;
-4. forward-method registration on the root, so the root's parameters are gathered whichever
+6. forward-method registration on the root, so the root's parameters are gathered whichever
    method the user's code enters through (``training_step``, ``generate``, ...);
-5. explicit prefetch between consecutive units;
-6. reduce op and gradient scaling.
+7. explicit prefetch between consecutive units;
+8. reduce op and gradient scaling.
 
 Materialization of meta-device parameters is a separate step (:func:`materialize`), run after
 the model is sharded, so that no rank ever allocates the whole model.
@@ -23,16 +27,21 @@ import functools
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.parallel import parallelize_module as torch_parallelize_module
 from torch.utils.checkpoint import checkpoint
 
 from hp_lightning.core._torch_private import prefetch_targets, wrap_as_forward
+from hp_lightning.core.mesh import ParallelMesh
 from hp_lightning.core.units import UnitSpec, auto_units, bottom_up, select_modules, select_params
 from hp_lightning.fully_shard import HSDPModule, MixedPrecisionPolicy, OffloadPolicy, adopt_sharded, fully_shard
+from hp_lightning.parallel.expert import ExpertParallel, check_expert_split, find_expert_modules
+from hp_lightning.parallel.tensor import hf_tp_plan, resolve_tp_plan, tp_applied
 
 #: Methods of a LightningModule that run a forward pass and so must gather the root's parameters.
 STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
@@ -57,6 +66,11 @@ class ShardingPlan:
     reduce_op: str = "avg"
     gradient_scaling_factor: float | None = None
     forward_methods: Sequence[str] | None = None
+    tp_plan: Mapping[str, Any] | None = None
+    expert_modules: Sequence[str] | None = None
+
+#: Module-name glob that finds experts when ``expert_modules`` is not given (torchtitan's and HF's naming).
+DEFAULT_EXPERT_MODULES = ("*experts",)
 
 
 @dataclass
@@ -67,6 +81,55 @@ class ShardedModel:
     units: list[HSDPModule]
     ignored: list[str]
     replicated: list[str]
+
+
+def apply_tensor_parallel(model: nn.Module, mesh: ParallelMesh, plan: ShardingPlan) -> list[str]:
+    """Split the planned layers over the ``tp`` dim; returns the module names it parallelized.
+
+    The plan is ``plan.tp_plan`` or, without one, the Hugging Face models' own
+    ``base_model_tp_plan``. Nothing is applied when the user did TP in ``configure_model``.
+
+    Raises:
+        ValueError: TP requested without any plan, a pattern that matches nothing, a wrong style.
+    """
+    if mesh.tp is None or tp_applied(model, mesh.tp):
+        return []
+    tp_plan = plan.tp_plan or hf_tp_plan(model)
+    if not tp_plan:
+        raise ValueError(
+            f"tensor_parallel_size={mesh.layout.tp}, but there is no TP plan: {type(model).__name__} contains no "
+            f"Hugging Face model with a base_model_tp_plan and tp_plan was not given. Pass tp_plan="
+            f"{{'model.blocks.*.attn.qkv': 'colwise', 'model.blocks.*.attn.proj': 'rowwise', ...}}, or call "
+            f"hp_lightning.parallelize_module(module, self.device_mesh['tp'], plan) in configure_model."
+        )
+    resolved = resolve_tp_plan(model, tp_plan, "HSDPStrategy(tp_plan=...)")
+    torch_parallelize_module(model, mesh.tp, resolved)  # construction was linked by prepare_model
+    return list(resolved)
+
+
+def apply_expert_parallel(model: nn.Module, mesh: ParallelMesh, plan: ShardingPlan) -> list[nn.Module]:
+    """Split the expert modules over the ``ep`` dim; returns every expert-parallel module.
+
+    Raises:
+        ValueError: EP requested and no module matches ``expert_modules``.
+    """
+    if mesh.ep is None:
+        return []
+    patterns = tuple(plan.expert_modules or DEFAULT_EXPERT_MODULES)
+    named = [(n, m) for n, m in model.named_modules() if n and any(fnmatch.fnmatchcase(n, p) for p in patterns)]
+    already = find_expert_modules(model)
+    if not named and not already:
+        raise ValueError(
+            f"expert_parallel_size={mesh.layout.ep}, but no module of {type(model).__name__} matches expert_modules="
+            f"{list(patterns)}. Name the grouped-experts modules, e.g. expert_modules=['model.blocks.*.mlp.experts']."
+        )
+    for _, module in named:  # every module checked before any is split: an error leaves the model whole
+        if module not in already:
+            check_expert_split(module, mesh.layout.ep)
+    for _, module in named:
+        if module not in already:
+            ExpertParallel().apply(module, mesh.ep)
+    return find_expert_modules(model)
 
 
 def apply_activation_checkpointing(model: nn.Module, specs: Sequence[UnitSpec] | None) -> list[nn.Module]:
@@ -132,16 +195,19 @@ def _drop_already_sharded(
     return [(n, p) for n, p in selected if not isinstance(p, DTensor)]
 
 
-def shard_units(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan) -> tuple[list[nn.Module], list[str], list[str]]:
+def shard_units(
+    model: nn.Module, mesh: ParallelMesh, plan: ShardingPlan, experts: Sequence[nn.Module] = ()
+) -> tuple[list[nn.Module], list[str], list[str]]:
     """``fully_shard`` each unit bottom-up, then the root. Returns (units, ignored names, replicated names).
 
     Modules the user sharded already (in ``configure_model`` or Fabric code) keep their own
     settings and are not sharded again: the plan only shards what is left, and the returned
-    units include the user's, in bottom-up order.
+    units include the user's, in bottom-up order. Expert modules are units on ``mesh.expert_dp``.
     """
     user_units = _user_units(model)
     planned = select_modules(model, plan.shard_modules) if plan.shard_modules else auto_units(model)
-    units = bottom_up(model, {id(m): m for m in [*planned, *user_units] if m is not model}.values())
+    expert_ids = {id(m) for m in experts}
+    units = bottom_up(model, {id(m): m for m in [*planned, *experts, *user_units] if m is not model}.values())
     ignored = _drop_already_sharded(select_params(model, plan.ignored_params, "ignored_params"), "ignored_params")
     replicated = _drop_already_sharded(select_params(model, plan.replicate_params, "replicate_params"), "replicate_params")
     both = {n for n, _ in ignored} & {n for n, _ in replicated}
@@ -164,7 +230,7 @@ def shard_units(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan) -> tuple
         assigned.update(id(p) for p in unit.parameters())
         fully_shard(
             unit,
-            mesh=mesh,
+            mesh=mesh.expert_dp if id(unit) in expert_ids and mesh.expert_dp is not None else mesh.dp,
             # The root's parameters are needed again as soon as backward starts: keep them.
             reshard_after_forward=False if is_root else plan.reshard_after_forward,
             shard_placement_fn=placement,
@@ -220,21 +286,25 @@ def apply_reduction(root: HSDPModule, plan: ShardingPlan) -> None:
         root.set_gradient_scaling_factor(plan.gradient_scaling_factor)
 
 
-def parallelize(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan) -> ShardedModel:
-    """Shard ``model`` in place following the fixed order in this module's docstring."""
-    # 1. Activation checkpointing before sharding.
+def parallelize(model: nn.Module, mesh: ParallelMesh | DeviceMesh, plan: ShardingPlan) -> ShardedModel:
+    """Parallelize ``model`` in place following the fixed order in this module's docstring."""
+    mesh = ParallelMesh.of(mesh)
+    # 1. Tensor parallelism, then 2. expert parallelism: both before FSDP shards their DTensors.
+    apply_tensor_parallel(model, mesh, plan)
+    experts = apply_expert_parallel(model, mesh, plan) or find_expert_modules(model)
+    # 3. Activation checkpointing before sharding.
     apply_activation_checkpointing(model, plan.activation_checkpointing)
-    # 2 + 3. Units bottom-up, then the root.
-    units, ignored, replicated = shard_units(model, mesh, plan)
+    # 4 + 5. Units bottom-up, then the root.
+    units, ignored, replicated = shard_units(model, mesh, plan, experts)
     root = model
     if not isinstance(root, HSDPModule):  # pragma: no cover - shard_units always shards or adopts the root
         raise RuntimeError(f"parallelize left the root {type(root).__name__} unsharded.")
-    # 4. Step and generate methods gather the root's parameters.
+    # 6. Step and generate methods gather the root's parameters.
     register_forward_methods(root, plan.forward_methods)
-    # 5. Prefetch in forward order (units came bottom-up; reverse pre-order reversed is pre-order).
+    # 7. Prefetch in forward order (units came bottom-up; reverse pre-order reversed is pre-order).
     forward_order = list(reversed(units))
     wire_prefetch([u for u in forward_order if u is not root], plan.prefetch)  # type: ignore[misc]
-    # 6. Reduction semantics.
+    # 8. Reduction semantics.
     apply_reduction(root, plan)
     return ShardedModel(root=root, units=forward_order, ignored=ignored, replicated=replicated)  # type: ignore[arg-type]
 

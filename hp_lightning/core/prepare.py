@@ -10,6 +10,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from hp_lightning.core import agreement
+from hp_lightning.core.mesh import ParallelMesh
 from hp_lightning.core.materialize import link_construction, materialize, move_unsharded_states, refuse_metrics_on_meta
 from hp_lightning.core.parallelize import ShardedModel, ShardingPlan, parallelize
 from hp_lightning.core.units import zero_units_warning
@@ -24,7 +25,7 @@ def prepared(model: nn.Module) -> ShardedModel | None:
 
 
 def prepare_model(
-    model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan, *, init_device: torch.device, device: torch.device
+    model: nn.Module, mesh: ParallelMesh | DeviceMesh, plan: ShardingPlan, *, init_device: torch.device, device: torch.device
 ) -> ShardedModel:
     """Shard ``model`` per ``plan``, then allocate and initialize what is still on the meta device.
 
@@ -38,11 +39,13 @@ def prepare_model(
 
     Args:
         model: the module to shard in place (a LightningModule or any ``nn.Module``).
-        mesh: the data-parallel mesh.
+        mesh: the strategy's mesh (data-parallel dims, and ``tp``/``ep`` when composed), or a plain
+            data-parallel mesh.
         plan: what to shard and how.
         init_device: where meta tensors are allocated (the host under CPU offload).
         device: where unsharded state lives for training.
     """
+    mesh = ParallelMesh.of(mesh)
     sharded = prepared(model)
     if sharded is None:
         refuse_metrics_on_meta(model)  # same on every rank, before any collective
@@ -52,7 +55,7 @@ def prepare_model(
         # fully_shard does not communicate; materialize does: compare the models and units first.
         agreement.check_rank_agreement(agreement.sharding_settings(model, sharded), stage="sharding")
         model.__dict__[_PREPARED] = sharded
-        warn_without_units(model, sharded, mesh)
+        warn_without_units(model, sharded, mesh.dp)
         # Before every backward: do all ranks reach the same units and parameters? (one small all-reduce)
         divergence.install(model, sharded.units, sharded.replicated, mesh.device_type)
     materialize(model, mesh, init_device)

@@ -47,7 +47,7 @@ from hp_lightning.core.accumulation import check_mode, no_gradient_sync
 from hp_lightning.core.gradients import clip_grad_norm_, clip_grad_value_
 from hp_lightning.core.introspection import ShardingSummary, summarize, units_in_order
 from hp_lightning.core.materialize import meta_init_context, move_unsharded_states
-from hp_lightning.core.mesh import describe, set_collective_timeout
+from hp_lightning.core.mesh import ParallelMesh, describe, set_collective_timeout
 from hp_lightning.core.options import DEFAULT_TIMEOUT, HSDPOptions
 from hp_lightning.core.parallelize import ShardedModel, ShardingPlan
 from hp_lightning.core.prepare import prepare_model, prepared
@@ -62,7 +62,7 @@ if TYPE_CHECKING:
 __all__ = ["HSDPStrategy"]
 
 
-class HSDPStrategy(ParallelStrategy):
+class HSDPStrategy(frontend.MeshAccess, ParallelStrategy):
     """FSDP / HSDP training with PyTorch FSDP2 under Lightning Fabric.
 
     ``Fabric(strategy="hsdp")`` shards every model passed to ``fabric.setup`` with the same plan
@@ -80,8 +80,13 @@ class HSDPStrategy(ParallelStrategy):
         accelerator, parallel_devices, cluster_environment, precision: set by Fabric's connector
             from ``Fabric(accelerator=..., devices=..., num_nodes=..., precision=...)``.
         checkpoint_io: not supported: checkpoints go through :mod:`hp_lightning.checkpoint`.
-        mesh_shape: None → HSDP ``(num_nodes, devices_per_node)``; ``[N]`` → FSDP; ``[R, S]`` →
-            R replicas of S shards (S consecutive ranks each); one size may be -1.
+        mesh_shape: the data-parallel dims. None → HSDP ``(num_nodes, devices_per_node / tp)``;
+            ``[N]`` → FSDP; ``[R, S]`` → R replicas of S shards; one size may be -1.
+        tensor_parallel_size / expert_parallel_size: TP ranks (dim ``"tp"``, innermost, same
+            batch) and EP ranks (dim ``"ep"``, carved out of the shard dim); 1 = off.
+        tp_plan: module-name glob → style name or ``ParallelStyle`` (None → the Hugging Face
+            models' own ``base_model_tp_plan``).
+        expert_modules: module-name globs of grouped-experts modules (None → ``["*experts"]``).
         shard_modules: sharding units (classes, dotted paths, class names, module-name globs);
             None → HF ``_no_split_modules``, else the blocks of repeated ``nn.ModuleList`` s.
         reshard_after_forward: free gathered unit parameters after forward (less memory) or keep
@@ -128,6 +133,8 @@ class HSDPStrategy(ParallelStrategy):
             ValueError for ``save_on_preemption=True``; TypeError for a ``checkpoint_io`` plugin.
     """
 
+    _mesh_available = "once the processes are set up (after fabric.launch())"
+
     def __init__(
         self,
         accelerator: Optional[Accelerator] = None,
@@ -137,6 +144,10 @@ class HSDPStrategy(ParallelStrategy):
         precision: Optional[Precision] = None,
         *,
         mesh_shape: Optional[Sequence[int]] = None,
+        tensor_parallel_size: int = 1,
+        expert_parallel_size: int = 1,
+        tp_plan: Optional[dict[str, str]] = None,
+        expert_modules: Optional[Sequence[str]] = None,
         shard_modules: Optional[Sequence[Union[str, type]]] = None,
         reshard_after_forward: bool = True,
         param_dtype: Optional[str] = None,
@@ -166,6 +177,10 @@ class HSDPStrategy(ParallelStrategy):
         # Validate everything here: this runs in Fabric(...) before any process or group exists.
         self.options = HSDPOptions(
             mesh_shape=mesh_shape,
+            tensor_parallel_size=tensor_parallel_size,
+            expert_parallel_size=expert_parallel_size,
+            tp_plan=tp_plan,
+            expert_modules=expert_modules,
             shard_modules=shard_modules,
             reshard_after_forward=reshard_after_forward,
             param_dtype=param_dtype,
@@ -210,7 +225,7 @@ class HSDPStrategy(ParallelStrategy):
         self._process_group_backend = self.options.process_group_backend
         self._accumulation_mode = self.options.accumulation_mode
         self._backward_sync_control = _NoGradientSync(self)
-        self._device_mesh: Optional[DeviceMesh] = None
+        self._mesh: Optional[ParallelMesh] = None
         self._models: list[nn.Module] = []
         # Parameters sharding replaced (by id, weakly held): an optimizer still holding one is stale.
         self._replaced: dict[int, weakref.ref] = {}
@@ -218,13 +233,6 @@ class HSDPStrategy(ParallelStrategy):
         self._train_timeout_set = False
 
     # ------------------------------------------------------------------ properties
-
-    @property
-    def device_mesh(self) -> DeviceMesh:
-        """The data-parallel mesh (``("shard",)`` or ``("replicate", "shard")``), once ``fabric.launch()`` ran."""
-        if self._device_mesh is None:
-            raise RuntimeError("HSDPStrategy.device_mesh is available once the processes are set up (after fabric.launch()).")
-        return self._device_mesh
 
     @property
     def sharded_model(self) -> Optional[ShardedModel]:
@@ -261,7 +269,7 @@ class HSDPStrategy(ParallelStrategy):
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # Every rank of the mesh (both axes) sees different data.
-        return {"num_replicas": self.world_size, "rank": self.global_rank}
+        return self.data_parallel_sampler_kwargs(self.world_size, self.global_rank)
 
     @property
     def process_group_backend(self) -> Optional[str]:
@@ -312,7 +320,7 @@ class HSDPStrategy(ParallelStrategy):
         if self._watchdog is not None:
             atexit.unregister(self._leave_at_exit)  # once per strategy, however often Fabric launches
             atexit.register(self._leave_at_exit)
-        self._device_mesh = frontend.agree_and_build_mesh(self, self.precision.precision)
+        self._mesh = frontend.agree_and_build_mesh(self, self.precision.precision)
         self.precision.device_type = self.root_device.type
 
     def _set_world_ranks(self) -> None:
@@ -369,7 +377,7 @@ class HSDPStrategy(ParallelStrategy):
                 f"FSDP2. Pass the plain module (or one sharded with hp_lightning.fully_shard / torch's fully_shard)."
             )
         before = list(module.parameters())
-        prepare_model(module, self.device_mesh, self.sharding_plan(), init_device=self._init_device(), device=self.root_device)
+        prepare_model(module, self.parallel_mesh, self.sharding_plan(), init_device=self._init_device(), device=self.root_device)
         current = {id(p) for p in module.parameters()}
         for param in before:
             if id(param) not in current:
@@ -451,7 +459,7 @@ class HSDPStrategy(ParallelStrategy):
         if module is None or sharded is None or not isinstance(module, HSDPModule):
             raise RuntimeError("HSDPStrategy.sharding_summary() is available once fabric.setup(...) has sharded the model.")
         return summarize(
-            module, units_in_order(module, sharded.units), self.device_mesh, [*sharded.ignored, *sharded.replicated], self.root_device
+            module, units_in_order(module, sharded.units), self.parallel_mesh.world, [*sharded.ignored, *sharded.replicated], self.root_device
         )
 
     def reshard_all(self) -> None:
@@ -537,7 +545,7 @@ class HSDPStrategy(ParallelStrategy):
         self, tensor: Union[Tensor, Any], group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean"
     ) -> Union[Tensor, Any]:
         if isinstance(tensor, Tensor):
-            return sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+            return sync_ddp_if_available(tensor, self.data_parallel_group(group), reduce_op=reduce_op)
         return tensor
 
     @override
@@ -681,7 +689,7 @@ class HSDPStrategy(ParallelStrategy):
         )
 
     def __repr__(self) -> str:
-        mesh = describe(self._device_mesh) if self._device_mesh is not None else f"mesh_shape={self.options.mesh_shape}"
+        mesh = describe(self._mesh.world) if self._mesh is not None else f"mesh_shape={self.options.mesh_shape}"
         return f"{type(self).__name__}({mesh})"
 
 

@@ -104,6 +104,7 @@ class HSDPModule(FSDPModule):
     _hp_replicated: ReplicatedParamSync | None
     _hp_reduce_op: str
     _hp_scaling_factor: float | None
+    _hp_extra_divisor: int
 
     def _hp_units(self, recurse: bool) -> list[HSDPModule]:
         if not recurse:
@@ -201,15 +202,17 @@ class HSDPModule(FSDPModule):
 
         FSDP2 computes ``sum(local grads) / divide_factor``; "avg" with scaling ``f`` is
         ``divide_factor = N / f`` and "sum" is ``1 / f``, N being the data-parallel size
-        (both axes in HSDP). Sum-only collectives keep this exact on every backend, gloo
+        (both axes in HSDP; for expert-parallel experts also the ``ep`` size, whose ranks' tokens
+        all reach the experts). Sum-only collectives keep this exact on every backend, gloo
         included, at the cost of one in-place division after the collective.
         """
-        default = self._hp_reduce_op == "avg" and self._hp_scaling_factor is None
+        extra = getattr(self, "_hp_extra_divisor", 1)
+        default = self._hp_reduce_op == "avg" and self._hp_scaling_factor is None and extra == 1
         if default:
             super().set_gradient_divide_factor(None)  # type: ignore[arg-type]
             super().set_force_sum_reduction_for_comms(False)
         else:
-            divisor = float(self._hp_mesh.size()) if self._hp_reduce_op == "avg" else 1.0
+            divisor = float(self._hp_mesh.size() * extra) if self._hp_reduce_op == "avg" else 1.0
             if self._hp_scaling_factor is not None:
                 divisor /= self._hp_scaling_factor
             super().set_gradient_divide_factor(divisor)
@@ -410,9 +413,24 @@ def fully_shard(
     # Sharding by hand inside a recorded meta-device build (configure_model): remember which
     # recorded tensors these parameters are, before FSDP replaces them, so setup can initialize them.
     from hp_lightning.core.materialize import link_construction
+    from hp_lightning.parallel.expert import expert_parallel_size, find_expert_modules
 
     for m in modules:
         link_construction(m)
+
+    # Expert-parallel experts below this unit average their gradients over more ranks than the
+    # rest (every EP rank's tokens reach them): they become a unit of their own first.
+    for m in modules:
+        for experts in find_expert_modules(m):
+            if experts is not m and not isinstance(experts, FSDPModule):
+                fully_shard(
+                    experts,
+                    mesh=mesh,
+                    reshard_after_forward=reshard_after_forward,
+                    shard_placement_fn=shard_placement_fn,
+                    mp_policy=mp_policy,
+                    offload_policy=offload_policy,
+                )
 
     _torch_fully_shard(
         module,
@@ -430,6 +448,9 @@ def fully_shard(
         m._hp_replicated = sync
         m._hp_reduce_op = "avg"
         m._hp_scaling_factor = None
+        m._hp_extra_divisor = expert_parallel_size(m)
+        if m._hp_extra_divisor != 1:
+            m._hp_apply_reduction()
         sync = None  # the unit's sync lives on its first module; the others share the FSDP state
     return module
 
@@ -456,6 +477,11 @@ def adopt_sharded(module: nn.Module) -> HSDPModule:
     module._hp_replicated = None
     module._hp_reduce_op = "avg"
     module._hp_scaling_factor = None
+    from hp_lightning.parallel.expert import expert_parallel_size
+
+    module._hp_extra_divisor = expert_parallel_size(module)
+    if module._hp_extra_divisor != 1:
+        module._hp_apply_reduction()
     return module  # type: ignore[return-value]
 
 

@@ -40,7 +40,7 @@ from hp_lightning._lightning_private import (
 from hp_lightning.core import agreement, devices, watchdog
 from hp_lightning.core.accumulation import ACCUMULATION_MODES, check_mode, no_gradient_sync
 from hp_lightning.core.introspection import ShardingSummary, summarize, units_in_order
-from hp_lightning.core.mesh import describe, set_collective_timeout
+from hp_lightning.core.mesh import ParallelMesh, describe, set_collective_timeout
 from hp_lightning.core.options import DEFAULT_TIMEOUT, STATE_DICT_TYPES, HSDPOptions
 from hp_lightning.core.parallelize import ShardedModel, ShardingPlan
 from hp_lightning.core.prepare import prepare_model
@@ -56,7 +56,7 @@ if TYPE_CHECKING:
 __all__ = ["ACCUMULATION_MODES", "STATE_DICT_TYPES", "HSDPStrategy"]
 
 
-class HSDPStrategy(ParallelStrategy):
+class HSDPStrategy(frontend.MeshAccess, ParallelStrategy):
     """FSDP / HSDP training with PyTorch FSDP2 under the Lightning Trainer.
 
     ``Trainer(strategy="hsdp")`` shards every LightningModule: each repeated block becomes a
@@ -65,9 +65,19 @@ class HSDPStrategy(ParallelStrategy):
     groups; with gradient accumulation nothing is communicated until the last micro-batch.
 
     Args:
-        mesh_shape: None → HSDP ``(num_nodes, devices_per_node)``; ``[N]`` → FSDP over N ranks;
-            ``[R, S]`` → HSDP, R replicas of S shards (S consecutive ranks each). One size may be
-            -1 (inferred from the world size).
+        mesh_shape: the data-parallel dims. None → HSDP ``(num_nodes, devices_per_node / tp)``;
+            ``[N]`` → FSDP over N ranks; ``[R, S]`` → HSDP, R replicas of S shards (S consecutive
+            ranks each). One size may be -1 (inferred from the world size / tp).
+        tensor_parallel_size: ranks per tensor-parallel group (the innermost mesh dim ``"tp"``;
+            its ranks see the same batch). 1 = off.
+        expert_parallel_size: ranks the experts are split over (dim ``"ep"``, carved out of the
+            shard dim: EP ranks are data-parallel ranks too). 1 = off.
+        tp_plan: module-name glob → style name (``"colwise"``, ``"rowwise"``,
+            ``"colwise_gather_output"``, ``"embedding_rowwise"``, ``"sequence_parallel"``) or a
+            torch ``ParallelStyle``, applied before sharding. None → the Hugging Face models' own
+            ``base_model_tp_plan``. Unused when ``tensor_parallel_size=1``.
+        expert_modules: module-name globs of the grouped-experts modules to split over ``ep``
+            (None → ``["*experts"]``). Unused when ``expert_parallel_size=1``.
         shard_modules: sharding units as classes, dotted class paths, class names or module-name
             globs. None → HF ``_no_split_modules``, else the blocks of repeated ``nn.ModuleList`` s.
         reshard_after_forward: free gathered unit parameters after forward (less memory) or keep
@@ -126,6 +136,7 @@ class HSDPStrategy(ParallelStrategy):
     """
 
     strategy_name = "hsdp"
+    _mesh_available = "once the processes are set up (from configure_model on)"
 
     def __init__(
         self,
@@ -136,6 +147,10 @@ class HSDPStrategy(ParallelStrategy):
         precision_plugin: Optional[Precision] = None,
         *,
         mesh_shape: Optional[Sequence[int]] = None,
+        tensor_parallel_size: int = 1,
+        expert_parallel_size: int = 1,
+        tp_plan: Optional[dict[str, str]] = None,
+        expert_modules: Optional[Sequence[str]] = None,
         shard_modules: Optional[Sequence[Union[str, type]]] = None,
         reshard_after_forward: bool = True,
         param_dtype: Optional[str] = None,
@@ -165,6 +180,10 @@ class HSDPStrategy(ParallelStrategy):
         # Validate everything here: this runs in Trainer(...) before any process or group exists.
         self.options = HSDPOptions(
             mesh_shape=mesh_shape,
+            tensor_parallel_size=tensor_parallel_size,
+            expert_parallel_size=expert_parallel_size,
+            tp_plan=tp_plan,
+            expert_modules=expert_modules,
             shard_modules=shard_modules,
             reshard_after_forward=reshard_after_forward,
             param_dtype=param_dtype,
@@ -201,19 +220,13 @@ class HSDPStrategy(ParallelStrategy):
             precision_plugin=precision_plugin,
         )
         self.num_nodes = 1
-        self._device_mesh: Optional[DeviceMesh] = None
+        self._mesh: Optional[ParallelMesh] = None
         self._sharded: Optional[ShardedModel] = None
         self._watchdog: Optional[watchdog.FaultWatchdog] = None
         self._preemption = PreemptionWatch()
         self._train_timeout_set = False
 
     # ------------------------------------------------------------------ properties
-
-    @property
-    def device_mesh(self) -> DeviceMesh:
-        if self._device_mesh is None:
-            raise RuntimeError("HSDPStrategy.device_mesh is available once the processes are set up (from configure_model on).")
-        return self._device_mesh
 
     @property
     def sharded_model(self) -> Optional[ShardedModel]:
@@ -246,8 +259,7 @@ class HSDPStrategy(ParallelStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # Every rank of the mesh (both axes) sees different data.
-        return {"num_replicas": self.world_size, "rank": self.global_rank}
+        return self.data_parallel_sampler_kwargs(self.world_size, self.global_rank)
 
     @property
     def is_distributed(self) -> bool:
@@ -301,12 +313,12 @@ class HSDPStrategy(ParallelStrategy):
         # First thing once the process group exists: from here on, a failure anywhere stops every rank.
         self._watchdog = frontend.start_watchdog(self, self._watchdog)
         trainer = getattr(self.lightning_module, "_trainer", None)
-        self._device_mesh = frontend.agree_and_build_mesh(self, self.precision_plugin.precision, trainer)
+        self._mesh = frontend.agree_and_build_mesh(self, self.precision_plugin.precision, trainer)
         if trainer is not None:
             # Every rank must resume from the same checkpoint, or from none: compared when known.
             before_resume(trainer, lambda path: agreement.check_rank_agreement(agreement.resume_settings(path), stage="resume"))
         assert self.lightning_module is not None
-        self.lightning_module._device_mesh = self._device_mesh
+        self.lightning_module._device_mesh = self._mesh.world
         self.precision_plugin.device_type = self.root_device.type
 
     def set_world_ranks(self) -> None:
@@ -332,7 +344,7 @@ class HSDPStrategy(ParallelStrategy):
         # and whatever is still on the meta device is allocated and initialized.
         self._sharded = prepare_model(
             self.model,
-            self.device_mesh,
+            self.parallel_mesh,
             self.sharding_plan(),
             init_device=devices.cpu_device() if self.options.cpu_offload else self.root_device,
             device=self.root_device,
@@ -362,7 +374,7 @@ class HSDPStrategy(ParallelStrategy):
         return summarize(
             self.model,
             units_in_order(self.model, sharded.units),
-            self.device_mesh,
+            self.parallel_mesh.world,
             [*sharded.ignored, *sharded.replicated],
             self.root_device,
         )
@@ -509,7 +521,7 @@ class HSDPStrategy(ParallelStrategy):
         self, tensor: Union[Tensor, Any], group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean"
     ) -> Union[Tensor, Any]:
         if isinstance(tensor, Tensor):
-            return sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+            return sync_ddp_if_available(tensor, self.data_parallel_group(group), reduce_op=reduce_op)
         return tensor
 
     # ------------------------------------------------------------------ checkpoints
@@ -602,7 +614,7 @@ class HSDPStrategy(ParallelStrategy):
         )
 
     def __repr__(self) -> str:
-        mesh = describe(self._device_mesh) if self._device_mesh is not None else f"mesh_shape={self.options.mesh_shape}"
+        mesh = describe(self._mesh.world) if self._mesh is not None else f"mesh_shape={self.options.mesh_shape}"
         return f"{type(self).__name__}({mesh})"
 
 

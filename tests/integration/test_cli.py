@@ -166,8 +166,14 @@ def test_config_trains(tmp_path, name):
     assert len(val) == 1 and math.isfinite(val[0]) and 3.0 < val[0] < 5.0  # ~ln(96) = 4.56 after 3 steps
     # The sharding report shows the mesh the config asked for.
     report = next(tmp_path.rglob("sharding.txt")).read_text()
-    mesh_shape = strategy_args(config)["mesh_shape"]
-    expected = f"replicate={mesh_shape[0]}, shard={mesh_shape[1]}" if len(mesh_shape) == 2 else f"shard={world}"
+    init_args = strategy_args(config)
+    mesh_shape = init_args["mesh_shape"]
+    tp, ep = init_args.get("tensor_parallel_size", 1), init_args.get("expert_parallel_size", 1)
+    shard = mesh_shape[-1] if mesh_shape[-1] != -1 else world // tp // (mesh_shape[0] if len(mesh_shape) == 2 else 1)
+    dims = [f"replicate={mesh_shape[0]}"] if len(mesh_shape) == 2 else []
+    dims += [f"expert_shard={shard // ep}", f"ep={ep}"] if ep > 1 else [f"shard={shard}"]
+    dims += [f"tp={tp}"] if tp > 1 else []
+    expected = ", ".join(dims)
     assert expected in report.splitlines()[0], report
     if strategy_args(config).get("cpu_offload"):
         assert "cpu" in report.splitlines()[3].split()  # the offload column of the first unit

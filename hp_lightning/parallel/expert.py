@@ -1,0 +1,177 @@
+"""Expert parallelism: experts split over the ``ep`` mesh dim, tokens moved to them with all-to-all.
+
+The seed's ``ExpertParallel().apply(moe.experts, mesh["ep"])``. The experts module is a *grouped*
+experts module (as in torchtitan): every parameter has the experts as its leading dim
+(``[num_experts, ...]``) and its forward takes the tokens sorted by expert and the count per
+expert::
+
+    out = experts(tokens_sorted_by_expert, num_tokens_per_expert)   # [N, dim], [num_experts]
+
+``apply`` splits every parameter on dim 0 over the ``ep`` ranks (``Shard(0)``: rank ``j`` holds
+experts ``j*m .. j*m+m-1``) and wraps forward in three steps:
+
+1. **dispatch**: the counts are exchanged (one small all-to-all), then each token is sent to the
+   rank holding its expert (an all-to-all with uneven splits, differentiable);
+2. the module's own forward runs on the received tokens, regrouped by local expert, with its
+   local parameters (plain tensors: ``m`` experts) and the local counts;
+3. **combine**: the outputs go back to the tokens' ranks in the original order (the reverse
+   all-to-all).
+
+Gradients: an expert's gradient on its owner sums the contributions of every ``ep`` rank's tokens
+(the all-to-all's backward sends them there), so data-parallel averaging must divide by the
+``ep`` size too; :func:`expert_parallel_size` tells ``fully_shard`` to (experts become a sharding
+unit of their own whose divisor includes it).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.nn.functional as dist_autograd
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+__all__ = ["ExpertParallel", "check_expert_split", "expert_parallel_size", "find_expert_modules"]
+
+_EP_ATTR = "_hp_expert_parallel_mesh"
+
+
+def expert_parallel_size(module: nn.Module) -> int:
+    """The ``ep`` size ``module``'s experts are split over (1 when it is not expert-parallel)."""
+    mesh = module.__dict__.get(_EP_ATTR)
+    return 1 if mesh is None else mesh.size()
+
+
+def find_expert_modules(model: nn.Module) -> list[nn.Module]:
+    """Every expert-parallel module below ``model``, outermost first."""
+    return [m for m in model.modules() if _EP_ATTR in m.__dict__]
+
+
+def _expert_count(module: nn.Module) -> int:
+    leading = {p.shape[0] if p.dim() else 0 for p in module.parameters()}
+    if len(leading) != 1 or 0 in leading:
+        shapes = {n: tuple(p.shape) for n, p in module.named_parameters()}
+        raise ValueError(
+            f"ExpertParallel expects a grouped-experts module whose every parameter has the experts as dim 0 "
+            f"([num_experts, ...]); {type(module).__name__} has {shapes}. Stack the experts' weights (see "
+            f"examples/moe.py, GroupedExperts)."
+        )
+    return leading.pop()
+
+
+def check_expert_split(module: nn.Module, ep: int) -> int:
+    """The number of experts of a grouped-experts ``module``, checked to split evenly over ``ep`` ranks.
+
+    Raises:
+        ValueError: parameters without a common experts dim, or ``ep`` not dividing the experts.
+    """
+    experts = _expert_count(module)
+    if experts % ep:
+        raise ValueError(
+            f"expert_parallel_size={ep} does not divide the {experts} experts of {type(module).__name__}: each "
+            f"EP rank holds the same number of experts. Choose an EP size that divides {experts}."
+        )
+    return experts
+
+
+class ExpertParallel:
+    """Split a grouped-experts module over a 1-D ``ep`` mesh; dispatch and combine tokens with all-to-all."""
+
+    def apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        """Shard ``module``'s experts over ``device_mesh`` and wrap its forward; returns ``module``.
+
+        Raises:
+            TypeError: not a module, or not a 1-D mesh.
+            ValueError: parameters without a common experts dim, or an ``ep`` size that does not
+                divide the number of experts.
+        """
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"ExpertParallel().apply expects the experts nn.Module; got {type(module).__name__}.")
+        if not isinstance(device_mesh, DeviceMesh) or device_mesh.ndim != 1:
+            raise TypeError(
+                f"ExpertParallel().apply expects the 1-D expert-parallel sub-mesh (mesh['ep']); got "
+                f"{type(device_mesh).__name__} {getattr(device_mesh, 'shape', '')}."
+            )
+        if _EP_ATTR in module.__dict__:
+            raise ValueError(f"ExpertParallel().apply: {type(module).__name__} is expert-parallel already.")
+        check_expert_split(module, device_mesh.size())
+        from hp_lightning.core.materialize import link_construction
+
+        link_construction(module)  # inside a recorded meta build: keep each parameter's construction
+        for name, param in list(module.named_parameters(recurse=False)):
+            sharded = distribute_tensor(param.data, device_mesh, [Shard(0)], src_data_rank=None if param.is_meta else 0)
+            module.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+        for child_name, child in module.named_children():
+            raise ValueError(
+                f"ExpertParallel expects the experts' parameters directly on {type(module).__name__}; it has a "
+                f"submodule {child_name!r} ({type(child).__name__})."
+            )
+        module.__dict__[_EP_ATTR] = device_mesh
+        inner = module.forward
+
+        def forward(tokens: Tensor, num_tokens_per_expert: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+            return _expert_parallel_forward(module, inner, device_mesh, tokens, num_tokens_per_expert, args, kwargs)
+
+        module.forward = forward  # type: ignore[method-assign]
+        return module
+
+
+def _run_on_local_params(module: nn.Module, inner: Any, *args: Any, **kwargs: Any) -> Tensor:
+    """Call the module's own forward with each DTensor parameter replaced by its local experts.
+
+    ``to_local`` is differentiable, so gradients reach the (sharded or gathered) parameter; the
+    originals are put back before forward returns, so FSDP's post-forward sees its own parameters.
+    """
+    saved = dict(module._parameters)
+    try:
+        for name, param in saved.items():
+            if isinstance(param, DTensor):
+                module._parameters[name] = param.to_local()  # type: ignore[assignment]
+        return inner(*args, **kwargs)
+    finally:
+        module._parameters.update(saved)
+
+
+def _expert_parallel_forward(
+    module: nn.Module,
+    inner: Any,
+    mesh: DeviceMesh,
+    tokens: Tensor,
+    counts: Tensor,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Tensor:
+    group = mesh.get_group()
+    ep = mesh.size()
+    experts = counts.numel()
+    local = experts // ep
+    counts = counts.to(torch.int64)
+    # 1. Dispatch: who receives how many tokens for which of its experts, then the tokens themselves.
+    received_counts = torch.empty_like(counts)
+    dist.all_to_all_single(received_counts, counts, group=group)
+    send_splits = counts.view(ep, local).sum(1).tolist()
+    by_source = received_counts.view(ep, local)  # [source rank, local expert]
+    receive_splits = by_source.sum(1).tolist()
+    received = dist_autograd.all_to_all_single(
+        tokens.new_empty((sum(receive_splits), *tokens.shape[1:])), tokens.contiguous(), receive_splits, send_splits, group=group
+    )
+    # Received tokens are ordered (source, expert); the experts want them grouped by expert.
+    starts = torch.cumsum(by_source.flatten(), 0) - by_source.flatten()
+    order = torch.cat(
+        [
+            torch.arange(int(starts[s * local + e]), int(starts[s * local + e] + by_source[s, e]), device=tokens.device)
+            for e in range(local)
+            for s in range(ep)
+        ]
+        or [torch.empty(0, dtype=torch.int64, device=tokens.device)]
+    )
+    # 2. The experts' own forward, on this rank's experts and parameters.
+    out = _run_on_local_params(module, inner, received[order], by_source.sum(0), *args, **kwargs)
+    restored = torch.empty_like(out).index_copy(0, order, out) if order.numel() else out
+    # 3. Combine: outputs back to the tokens' ranks, in the order they were sent.
+    return dist_autograd.all_to_all_single(
+        out.new_empty((tokens.shape[0], *out.shape[1:])), restored.contiguous(), send_splits, receive_splits, group=group
+    )
