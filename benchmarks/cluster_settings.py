@@ -22,7 +22,7 @@ from benchmarks.settings import (
     DDP,
     DEFER_ALL_REDUCE,
     HP,
-    LLM_PLAN,
+    BLOCKS_PLAN,
     MPS,
     RAW,
     Configuration,
@@ -55,7 +55,7 @@ class ClusterSettings:
         launch_timeout_s: hard limit of the whole multi-process launch.
         link_check_mib: payload of the routing check's all-reduces.
         memory_pass: run the memory / collectives pass and the memory-at-the-bound analysis.
-        llm_plan_timed: also time the raw loop with the LLM-aware units (else only measured).
+        llm_plan_timed: also time the raw loop with the blocks-only units (the plan before LLM-aware units; else only measured).
         corpus_chars: characters of text to tokenize.
     """
 
@@ -99,15 +99,15 @@ class ClusterSettings:
             Configuration(DDP, w),
         ]
         if self.llm_plan_timed:
-            configs.insert(1, Configuration(RAW, w, plan=LLM_PLAN))
+            configs.insert(1, Configuration(RAW, w, plan=BLOCKS_PLAN))
         return [c for c in configs if not self.only or c.name in self.only]
 
     def measured_configurations(self) -> list[Configuration]:
-        """The memory-and-collectives pass: every timed configuration plus the LLM-aware plan (FSDP, HSDP, HSDP k=4)."""
+        """The memory-and-collectives pass: every timed configuration plus the blocks-only plan (FSDP, HSDP, HSDP k=4)."""
         out = self.configurations()
         w, hsdp = (self.world_size,), self.hsdp_mesh
-        for extra in (Configuration(RAW, w, plan=LLM_PLAN), Configuration(RAW, hsdp, plan=LLM_PLAN),
-                      Configuration(RAW, hsdp, 4, DEFER_ALL_REDUCE, plan=LLM_PLAN)):
+        for extra in (Configuration(RAW, w, plan=BLOCKS_PLAN), Configuration(RAW, hsdp, plan=BLOCKS_PLAN),
+                      Configuration(RAW, hsdp, 4, DEFER_ALL_REDUCE, plan=BLOCKS_PLAN)):
             if extra not in out and (not self.only or extra.name in self.only):
                 out.append(extra)
         return out

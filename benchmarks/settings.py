@@ -14,9 +14,12 @@ from typing import Any, Optional
 #: Accumulation modes (:mod:`hp_lightning.core.accumulation`); "skip" is every family's default.
 SKIP = "skip"
 DEFER_ALL_REDUCE = "defer_all_reduce"
-#: Sharding plans of the FSDP2 configurations: hp_lightning's default (each block a unit, the
-#: root keeps embeddings, final norm and head) and the LLM-aware one of issue 18, item 3
-#: (embeddings, each block, final norm + head: units of their own; see benchmarks.trainers).
+#: Sharding plans of the raw FSDP2 loop: hp_lightning's automatic choice for the model (the LLM
+#: plan when its embeddings / head are large next to a block, else the blocks plan), the blocks
+#: plan (each block a unit, the root keeps embeddings, final norm and head: hp_lightning's
+#: default before issue 18 item 3) and the LLM plan (embeddings, each block, final norm + head:
+#: units of their own; see benchmarks.trainers).
+AUTO_PLAN = "auto"
 BLOCKS_PLAN = "blocks"
 LLM_PLAN = "llm_units"
 
@@ -73,14 +76,14 @@ class Configuration:
         accumulation_mode: what non-final micro-batches communicate (:data:`SKIP` or
             :data:`DEFER_ALL_REDUCE`); hp_lightning sets it with ``GradientAccumulationSync``, the
             raw loop with ``set_requires_gradient_sync`` / ``set_requires_all_reduce``.
-        plan: :data:`BLOCKS_PLAN` or :data:`LLM_PLAN` (raw loop only).
+        plan: :data:`AUTO_PLAN` (hp_lightning's choice), :data:`BLOCKS_PLAN` or :data:`LLM_PLAN` (raw loop only).
     """
 
     family: str
     mesh_shape: tuple[int, ...]
     accumulate: int = 1
     accumulation_mode: str = SKIP
-    plan: str = BLOCKS_PLAN
+    plan: str = AUTO_PLAN
 
     @property
     def world_size(self) -> int:
@@ -101,7 +104,7 @@ class Configuration:
 
     @property
     def name(self) -> str:
-        extra = "".join(f", {v}" for v, default in ((self.accumulation_mode, SKIP), (self.plan, BLOCKS_PLAN)) if v != default)
+        extra = "".join(f", {v}" for v, default in ((self.accumulation_mode, SKIP), (self.plan, AUTO_PLAN)) if v != default)
         return f"{self.family}[{self.sharding}, k={self.accumulate}{extra}]"
 
     def reference(self) -> Configuration:

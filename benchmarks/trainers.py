@@ -2,10 +2,12 @@
 
 Every configuration trains :class:`examples.gpt.GPT` on the same windows of text, in the same
 order (a non-shuffling ``DistributedSampler`` over the world), with the same global batch,
-AdamW settings and learning-rate schedule. The sharded ones use one sharding plan, hp_lightning's
-defaults: each block one unit, the root (embeddings, final norm, head) kept gathered between
-forward and backward, one unit of explicit prefetch. So differences between them come from the
-training loop and strategy around the engine, not from a different plan.
+AdamW settings and learning-rate schedule. The raw loop uses the plan hp_lightning chooses
+automatically for the model (:func:`resolve_plan`): each block one unit and, when the embeddings
+and head are large next to a block (LLM-shaped), those as units too; else the root keeps them
+gathered between forward and backward; one unit of explicit prefetch. So differences between the
+raw loop and hp_lightning come from the training loop and strategy around the engine, not from a
+different plan. ``ModelParallelStrategy`` shards blocks by hand, as its users write it.
 
 Each run returns a :class:`RunRecord`: its step marks and, after the last step, the model and
 optimizers (for model-state bytes). All runs share one process group, created once per rank;
@@ -30,7 +32,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from typing_extensions import override
 
 from benchmarks.measure import StepMarks
-from benchmarks.settings import DDP, HP, LLM_PLAN, MPS, RAW, SKIP, Configuration, ModelShape
+from benchmarks.settings import AUTO_PLAN, BLOCKS_PLAN, DDP, HP, LLM_PLAN, MPS, RAW, SKIP, Configuration, ModelShape
 from examples.gpt import GPT, VOCAB_SIZE, GPTConfig, GPTLightningModule
 from hp_lightning import HSDPStrategy
 from hp_lightning.callbacks import GradientAccumulationSync
@@ -73,7 +75,7 @@ def next_token_loss(logits: Tensor, targets: Tensor) -> Tensor:
 
 
 def shard_by_hand(gpt: GPT, mesh: DeviceMesh) -> None:
-    """FSDP2 written by hand, the plan hp_lightning applies by default (see the module docstring)."""
+    """FSDP2 written by hand, blocks-only: each block a unit, the root keeps the rest (hp_lightning's plan when embeddings and head are small)."""
     blocks = list(gpt.blocks)
     for block in blocks:
         fully_shard(block, mesh=mesh, reshard_after_forward=True)
@@ -86,7 +88,7 @@ def shard_by_hand(gpt: GPT, mesh: DeviceMesh) -> None:
 
 
 def shard_llm_aware(gpt: GPT, mesh: DeviceMesh) -> None:
-    """The LLM-aware plan (issue 18, item 3), by hand: what hp_lightning's automatic units could become.
+    """The LLM-aware plan by hand: what hp_lightning's automatic units are for an LLM-shaped GPT.
 
     Units in forward order: the embeddings (token + position, one unit), each block, then the
     final norm with the head (one unit). The root keeps no parameters, so nothing stays gathered
@@ -155,7 +157,7 @@ def run_raw_loop(
     seed_everything(0, verbose=False)
     with torch.device("meta"):
         model = GPT(gpt_config(shape))
-    shard = shard_llm_aware if config.plan == LLM_PLAN else shard_by_hand
+    shard = shard_llm_aware if resolve_plan(shape, config.plan) == LLM_PLAN else shard_by_hand
     shard(model, data_parallel_mesh(device.type, config.mesh_shape))
     model.to_empty(device=device)
     model.init_weights()
@@ -321,6 +323,17 @@ def largest_unit_bytes(shape: ModelShape) -> dict[str, int]:
     }
 
 
+def resolve_plan(shape: ModelShape, plan: str) -> str:
+    """:data:`AUTO_PLAN` as hp_lightning resolves it for this model (its ``side_units`` rule); other plans as given."""
+    if plan != AUTO_PLAN:
+        return plan
+    from hp_lightning.core.units import auto_units, side_units
+
+    with torch.device("meta"):
+        model = GPT(gpt_config(shape))
+    return LLM_PLAN if side_units(model, auto_units(model)) else BLOCKS_PLAN
+
+
 def plan_units(shape: ModelShape, plan: str) -> dict[str, object]:
     """Unsharded parameter bytes of each unit of a plan, in forward order, and what stays gathered.
 
@@ -335,7 +348,7 @@ def plan_units(shape: ModelShape, plan: str) -> dict[str, object]:
         model = GPT(gpt_config(shape))
     nbytes = lambda params: sum(p.numel() * p.element_size() for p in params)  # noqa: E731
     blocks = [(f"blocks.{i}", nbytes(b.parameters())) for i, b in enumerate(model.blocks)]
-    if plan == LLM_PLAN:
+    if resolve_plan(shape, plan) == LLM_PLAN:
         units = [("tok_emb+pos_emb", nbytes([*model.tok_emb.parameters(), *model.pos_emb.parameters()])), *blocks,
                  ("ln_f+head", nbytes([*model.ln_f.parameters(), *model.head.parameters()]))]
         root = 0

@@ -14,18 +14,30 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from hp_lightning.core import devices
-from hp_lightning.core._torch_private import held_gradients, managed_params, prefetch_targets, reshards_after_forward
+from hp_lightning.core._torch_private import fsdp_state, held_gradients, managed_params, prefetch_targets, reshards_after_forward
 from hp_lightning.core.mesh import describe
 from hp_lightning.fully_shard import HSDPModule, hsdp_modules
 
 
 def unit_names(root: nn.Module) -> dict[int, str]:
-    """``id(module) -> qualified name`` below the root (``"<root>"`` for the root itself)."""
-    return {id(m): (name or "<root>") for name, m in root.named_modules()}
+    """``id(module) -> qualified name`` below the root (``"<root>"`` for the root itself).
+
+    The modules of one list unit (``fully_shard([ln_f, head])``) share the joined name ``ln_f+head``.
+    """
+    names = {id(m): (name or "<root>") for name, m in root.named_modules()}
+    by_state: dict[int, list[nn.Module]] = {}
+    for module in root.modules():
+        if isinstance(module, FSDPModule):
+            by_state.setdefault(id(fsdp_state(module)), []).append(module)
+    for members in by_state.values():
+        if len(members) > 1:
+            joined = "+".join(names[id(m)] for m in members)
+            names.update({id(m): joined for m in members})
+    return names
 
 
 def units_in_order(root: nn.Module, units: Optional[Sequence[nn.Module]] = None) -> list[HSDPModule]:
@@ -171,8 +183,8 @@ def summarize(root: nn.Module, units: Sequence[nn.Module], mesh: DeviceMesh, uns
             reduce_dtype="/".join(sorted(reduce)) or "-",
             offload=offload,
             reshard_after_forward=reshards_after_forward(unit),
-            forward_prefetch=tuple(names.get(id(m), "?") for m in prefetch_targets(unit, "forward")),
-            backward_prefetch=tuple(names.get(id(m), "?") for m in prefetch_targets(unit, "backward")),
+            forward_prefetch=tuple(dict.fromkeys(names.get(id(m), "?") for m in prefetch_targets(unit, "forward"))),
+            backward_prefetch=tuple(dict.fromkeys(names.get(id(m), "?") for m in prefetch_targets(unit, "backward"))),
             frozen=frozen,
             trainable=trainable,
         ))

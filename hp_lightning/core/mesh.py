@@ -346,14 +346,17 @@ def build_parallel_mesh(device_type: str, layout: MeshLayout) -> ParallelMesh:
     return mesh
 
 
-def set_collective_timeout(mesh: DeviceMesh, timeout: timedelta) -> None:
+def set_collective_timeout(mesh: DeviceMesh | ParallelMesh, timeout: timedelta) -> None:
     """Give the world group and every group of ``mesh`` a new collective timeout.
 
     torchtitan's split: a long timeout while ranks start at different speeds (rendezvous,
     compilation, checkpoint loading), a short one once training is in step, so a rank that
     stops answering in a collective ends the job in seconds to minutes instead of 30 minutes.
     """
-    groups = [dist.group.WORLD, *(mesh.get_group(dim) for dim in range(mesh.ndim))]
+    meshes = [mesh.world, mesh.dp, mesh.expert_dp] if isinstance(mesh, ParallelMesh) else [mesh]
+    groups = [dist.group.WORLD, *(m.get_group(dim) for m in meshes if m is not None for dim in range(m.ndim))]
+    if isinstance(mesh, ParallelMesh) and mesh.layout.tp > 1:
+        groups.append(mesh.dp_group)  # flattened: not a dim of the root mesh
     for group in {id(g): g for g in groups}.values():
         set_group_timeout(group, timeout)
 

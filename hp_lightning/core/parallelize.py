@@ -38,7 +38,7 @@ from torch.utils.checkpoint import checkpoint
 
 from hp_lightning.core._torch_private import prefetch_targets, wrap_as_forward
 from hp_lightning.core.mesh import ParallelMesh
-from hp_lightning.core.units import UnitSpec, auto_units, bottom_up, select_modules, select_params
+from hp_lightning.core.units import UnitSpec, auto_units, bottom_up, select_modules, select_params, side_units
 from hp_lightning.fully_shard import HSDPModule, MixedPrecisionPolicy, OffloadPolicy, adopt_sharded, fully_shard
 from hp_lightning.parallel.expert import ExpertParallel, check_expert_split, find_expert_modules
 from hp_lightning.parallel.tensor import hf_tp_plan, resolve_tp_plan, tp_applied
@@ -207,7 +207,11 @@ def shard_units(
     user_units = _user_units(model)
     planned = select_modules(model, plan.shard_modules) if plan.shard_modules else auto_units(model)
     expert_ids = {id(m) for m in experts}
-    units = bottom_up(model, {id(m): m for m in [*planned, *experts, *user_units] if m is not model}.values())
+    # Automatic plans only: large embeddings / head (+ final norm) as units, each group led by its first module.
+    groups = {} if plan.shard_modules or user_units else {id(g[0]): g for g in side_units(model, planned)}
+    last_group = max(groups, key=lambda key: order_of(model, groups[key][0]), default=None)
+    leaders = [g[0] for g in groups.values()]
+    units = bottom_up(model, {id(m): m for m in [*planned, *experts, *user_units, *leaders] if m is not model}.values())
     ignored = _drop_already_sharded(select_params(model, plan.ignored_params, "ignored_params"), "ignored_params")
     replicated = _drop_already_sharded(select_params(model, plan.replicate_params, "replicate_params"), "replicate_params")
     both = {n for n, _ in ignored} & {n for n, _ in replicated}
@@ -217,22 +221,24 @@ def shard_units(
     # Parameters of the user's units belong to those units already.
     assigned: set[int] = {id(p) for unit in user_units for p in unit.parameters()}
 
-    def owned(module: nn.Module, selected: list[tuple[str, nn.Parameter]]) -> set[nn.Parameter]:
-        mine = {id(p) for p in module.parameters()} - assigned
+    def owned(modules: list[nn.Module], selected: list[tuple[str, nn.Parameter]]) -> set[nn.Parameter]:
+        mine = {id(p) for module in modules for p in module.parameters()} - assigned
         return {p for _, p in selected if id(p) in mine}
 
     for unit in [*units, model]:
         if isinstance(unit, FSDPModule):
             adopt_sharded(unit)  # the user's unit: give it the runtime controls, keep its settings
             continue
-        is_root = unit is model
-        unit_ignored, unit_replicated = owned(unit, ignored), owned(unit, replicated)
-        assigned.update(id(p) for p in unit.parameters())
+        members = groups.get(id(unit), [unit])
+        unit_ignored, unit_replicated = owned(members, ignored), owned(members, replicated)
+        assigned.update(id(p) for m in members for p in m.parameters())
+        # The root's parameters, and the last unit's (the head), are needed again as soon as
+        # backward starts: keep them gathered.
+        keep = unit is model or (id(unit) == last_group and _is_head(members))
         fully_shard(
-            unit,
+            members if len(members) > 1 else unit,
             mesh=mesh.expert_dp if id(unit) in expert_ids and mesh.expert_dp is not None else mesh.dp,
-            # The root's parameters are needed again as soon as backward starts: keep them.
-            reshard_after_forward=False if is_root else plan.reshard_after_forward,
+            reshard_after_forward=False if keep else plan.reshard_after_forward,
             shard_placement_fn=placement,
             mp_policy=plan.mp_policy,
             offload_policy=plan.offload_policy,
@@ -241,6 +247,15 @@ def shard_units(
             comm_fusion=plan.comm_fusion,
         )
     return units, [n for n, _ in ignored], [n for n, _ in replicated]
+
+
+def order_of(model: nn.Module, module: nn.Module) -> int:
+    """``module``'s position in ``model.modules()`` (registration order, usually forward order)."""
+    return next(i for i, m in enumerate(model.modules()) if m is module)
+
+
+def _is_head(group: list[nn.Module]) -> bool:
+    return any(isinstance(m, nn.Linear) for m in group)
 
 
 def register_forward_methods(root: nn.Module, extra: Sequence[str] | None) -> list[str]:

@@ -14,8 +14,10 @@ Units are named by:
 
 With nothing named, the units are the classes in HF's ``_no_split_modules`` when the model has
 it, else the repeated blocks of its containers (``nn.ModuleList``, ``nn.Sequential``,
-``nn.ModuleDict``, nested at any depth); see :func:`auto_units`. A plan that ends with no unit
-at all gathers the whole model on every rank: :func:`zero_units_warning` says so at setup.
+``nn.ModuleDict``, nested at any depth); see :func:`auto_units`. Large embeddings and a large
+output head (with the final norm) then become units of their own (:func:`side_units`). A plan
+that ends with no unit at all gathers the whole model on every rank: :func:`zero_units_warning`
+says so at setup.
 """
 
 from __future__ import annotations
@@ -207,6 +209,60 @@ def auto_units(model: nn.Module) -> list[nn.Module]:
             block_names.append(f"{name}.{child_name}" if name else child_name)
             blocks.append(child)
     return bottom_up(model, [b for b in blocks if b is not model])
+
+
+#: Embeddings / the output head become units of their own when they hold at least this share of
+#: a block's parameter bytes (the median block); below it they stay in the root, where they cost little.
+SIDE_UNIT_RATIO = 0.5
+
+
+def _bytes(modules: Iterable[nn.Module]) -> int:
+    params = {id(p): p for m in modules for p in m.parameters()}
+    return sum(p.numel() * p.element_size() for p in params.values())
+
+
+def side_units(model: nn.Module, blocks: Sequence[nn.Module]) -> list[list[nn.Module]]:
+    """The embeddings and the output head (with the final norms) as units, when they are large.
+
+    The root of a model whose blocks are units keeps every other parameter gathered from the
+    first forward to the end of backward, with full-size gradients: for an LLM's embedding and
+    head (vocabulary x width each) that is most of the memory a rank holds. So, as torchtitan
+    does, outside the blocks:
+
+    * every ``nn.Embedding`` forms one *embeddings unit*, when together they hold at least
+      :data:`SIDE_UNIT_RATIO` of the median block's bytes;
+    * the ``nn.Linear`` modules and the norms (classes named ``*Norm``) outside the blocks and
+      after the last block form one *head unit*, under the same rule for the Linears' bytes.
+
+    Modules sharing a parameter with anything outside their group (tied embeddings and head)
+    stay in the root: one parameter cannot belong to two units. Groups are returned in forward
+    (registration) order; the head unit is last and is not resharded after forward (backward
+    needs it first). Returns [] when the model has no blocks.
+    """
+    if not blocks:
+        return []
+    inside = {id(m) for b in blocks for m in b.modules()}
+    order = {id(m): i for i, m in enumerate(model.modules())}
+    last_block = max(order[id(b)] for b in blocks)
+    outside = [m for m in model.modules() if m is not model and id(m) not in inside and not isinstance(m, CONTAINERS)]
+    block_bytes = sorted(_bytes([b]) for b in blocks)[len(blocks) // 2]
+    embeddings = [m for m in outside if isinstance(m, nn.Embedding)]
+    head = [m for m in outside if order[id(m)] > last_block and isinstance(m, nn.Linear)]
+    norms = [m for m in outside if order[id(m)] > last_block and type(m).__name__.endswith("Norm") and _has_params(m)]
+    owners: dict[int, set[int]] = {}
+    for m in model.modules():
+        for p in m.parameters(recurse=False):
+            owners.setdefault(id(p), set()).add(id(m))
+
+    def shares_outside(group: list[nn.Module]) -> bool:
+        members = {id(m) for m in group}
+        return any(owners[id(p)] - members for m in group for p in m.parameters(recurse=False))
+
+    groups = []
+    for group, sized in ((embeddings, embeddings), ([*norms, *head], head)):
+        if sized and _bytes(sized) >= SIDE_UNIT_RATIO * block_bytes and not shares_outside(group):
+            groups.append(sorted(group, key=lambda m: order[id(m)]))
+    return groups
 
 
 def _user_class_name(module: nn.Module) -> str:

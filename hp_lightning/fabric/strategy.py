@@ -512,7 +512,7 @@ class HSDPStrategy(frontend.MeshAccess, ParallelStrategy):
         output = super().optimizer_step(optimizer, **kwargs)
         if self.options.train_timeout is not None and not self._train_timeout_set:
             # After the first step every rank is in step: a collective that waits longer is a hang.
-            set_collective_timeout(self.device_mesh, self.options.train_timeout)
+            set_collective_timeout(self.parallel_mesh, self.options.train_timeout)
             self._train_timeout_set = True
         return output
 

@@ -405,6 +405,24 @@ def _seed_snippets() -> dict:
     ids = torch.randint(0, 32, (2, 5))
     out["hf"] = float((llama(ids).logits - llama_twin(ids).logits).abs().max())
     out["hf_q"] = str(llama.model.layers[0].self_attn.q_proj.weight.placements)
+    # LLM-aware automatic units (FSDP 4): embeddings and final norm + head are units, the root holds nothing.
+    from examples.gpt import GPT, GPTConfig
+    from hp_lightning.core.diagnostics import CollectiveCounter
+    from hp_lightning.core.introspection import summarize, units_in_order
+
+    torch.manual_seed(4)
+    gpt = GPT(GPTConfig(vocab_size=4096, n_layer=2, n_head=2, n_embd=32, block_size=16))
+    gpt_twin = copy.deepcopy(gpt)
+    fsdp4 = build_parallel_mesh("cpu", MeshLayout(dp=(4,)))
+    sharded = prepare_model(gpt, fsdp4, ShardingPlan(), **cpu)
+    out["llm_report"] = summarize(gpt, units_in_order(gpt, sharded.units), fsdp4.world, [], torch.device("cpu")).table()
+    tokens = torch.randint(0, 4096, (2, 16))
+    gpt(tokens).mean().backward()  # lazy init
+    with CollectiveCounter() as comms:
+        logits = gpt(tokens)
+        logits.mean().backward()
+    out["llm_counts"] = dict(comms.by_kind())
+    out["llm_forward"] = float((logits - gpt_twin(tokens)).abs().max())
     return out
 
 
@@ -416,6 +434,12 @@ def test_seed_snippets_run_as_written_meta_init_is_exact_hf_plans_apply_and_bad_
         assert res["meta"] == 0.0, res
         assert "there is no TP plan" in res["errors"][0] and "matches no module of Net" in res["errors"][1], res["errors"]
         assert res["hf"] < 1e-5 and "Shard(dim=0)" in res["hf_q"], res
+        rows = {line.split()[0]: line.split() for line in res["llm_report"].splitlines()[3:-1]}
+        assert rows["<root>"][1] == "0", res["llm_report"]  # the root keeps no parameter gathered
+        assert rows["tok_emb+pos_emb"][9] == "yes" and rows["ln_f+head"][9] == "no", res["llm_report"]
+        # embeddings 2 (forward + backward), 2 blocks x 2, head 1 (kept from forward); one reduce-scatter per unit
+        assert res["llm_counts"] == {"all_gather": 7, "reduce_scatter": 4}, res["llm_counts"]
+        assert res["llm_forward"] < 1e-5
 
 
 # ---------------------------------------------------------------------------------------------- Fabric
