@@ -21,6 +21,8 @@ _PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
     ("lightning.fabric.utilities.distributed", "_distributed_is_initialized"),
     # the path type of Lightning's checkpoint hooks (str | PathLike)
     ("lightning.fabric.utilities.types", "_PATH"),
+    # the protocol Lightning checks to save and restore a loader's state (StatefulDataLoader has it)
+    ("lightning.fabric.utilities.types", "_Stateful"),
     # Lightning's own all-reduce for logged metrics (sync_dist)
     ("lightning.fabric.utilities.distributed", "_sync_ddp_if_available"),
     # the launchers Lightning's DDP/FSDP strategies use for `python train.py` runs
@@ -79,6 +81,7 @@ init_dist_connection = _load(_DIST, "_init_dist_connection")
 distributed_is_initialized = _load(_DIST, "_distributed_is_initialized")
 sync_ddp_if_available = _load(_DIST, "_sync_ddp_if_available")
 PathLike = _load("lightning.fabric.utilities.types", "_PATH")
+Stateful = _load("lightning.fabric.utilities.types", "_Stateful")
 TrainerSubprocessScriptLauncher = _load("lightning.pytorch.strategies.launchers.subprocess_script", "_SubprocessScriptLauncher")
 FabricSubprocessScriptLauncher = _load("lightning.fabric.strategies.launchers.subprocess_script", "_SubprocessScriptLauncher")
 BackwardSyncControl = _load("lightning.fabric.strategies.strategy", "_BackwardSyncControl")

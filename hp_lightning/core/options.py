@@ -130,6 +130,7 @@ class HSDPOptions:
     failure_exit_grace: float = 30.0
     save_on_preemption: bool = False
     meta_init: bool = True
+    resumable_dataloaders: bool = True
 
     def __post_init__(self) -> None:
         tp, ep = validate_parallel_sizes(self.tensor_parallel_size, self.expert_parallel_size)
@@ -164,6 +165,7 @@ class HSDPOptions:
             "failure_exit_grace": check_seconds(self.failure_exit_grace, "failure_exit_grace", "HSDPStrategy"),
             "save_on_preemption": _check_bool(self.save_on_preemption, "save_on_preemption"),
             "meta_init": _check_bool(self.meta_init, "meta_init"),
+            "resumable_dataloaders": _check_bool(self.resumable_dataloaders, "resumable_dataloaders"),
         }
         for name, value in normalized.items():
             object.__setattr__(self, name, value)

@@ -131,6 +131,9 @@ class HSDPStrategy(frontend.MeshAccess, ParallelStrategy):
     Raises:
         TypeError / ValueError: for any option of the wrong type or value, in ``Fabric(...)``;
             ValueError for ``save_on_preemption=True``; TypeError for a ``checkpoint_io`` plugin.
+        resumable_dataloaders: Trainer only (the Trainer wraps plain training loaders so a
+            mid-epoch resume continues the epoch). Fabric saves what you pass to ``fabric.save``:
+            put a ``StatefulDataLoader`` (or a ``ResumableLoader``) in that state to resume mid-epoch.
     """
 
     _mesh_available = "once the processes are set up (after fabric.launch())"
@@ -173,6 +176,7 @@ class HSDPStrategy(frontend.MeshAccess, ParallelStrategy):
         save_on_preemption: bool = False,
         train_timeout: Optional[Union[float, timedelta]] = None,
         meta_init: bool = True,
+        resumable_dataloaders: bool = True,
     ) -> None:
         # Validate everything here: this runs in Fabric(...) before any process or group exists.
         self.options = HSDPOptions(
@@ -206,6 +210,7 @@ class HSDPStrategy(frontend.MeshAccess, ParallelStrategy):
             save_on_preemption=save_on_preemption,
             train_timeout=train_timeout,
             meta_init=meta_init,
+            resumable_dataloaders=resumable_dataloaders,
         )
         if self.options.save_on_preemption:
             raise ValueError(

@@ -21,7 +21,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
@@ -33,6 +33,7 @@ from hp_lightning import checkpoint as checkpoint_io
 from hp_lightning._lightning_private import (
     before_resume,
     PathLike,
+    Stateful,
     TrainerSubprocessScriptLauncher,
     distributed_is_initialized,
     sync_ddp_if_available,
@@ -133,6 +134,11 @@ class HSDPStrategy(frontend.MeshAccess, ParallelStrategy):
             modules' own rules: the model never exists whole on a rank, and equals the one a
             real build would give; a tensor nothing initializes is an error at setup (see
             ``docs/models.md``). False builds on the host: every rank holds the whole model once.
+        resumable_dataloaders: wrap a plain sized training ``DataLoader`` in
+            :class:`hp_lightning.ResumableLoader` (said once in the log), so a run resumed mid-epoch
+            continues the epoch instead of restarting it. Loaders with their own state (torchdata's
+            ``StatefulDataLoader``, recommended) are never wrapped. False: leave plain loaders
+            alone (a warning says once that they restart their epoch on resume).
     """
 
     strategy_name = "hsdp"
@@ -176,6 +182,7 @@ class HSDPStrategy(frontend.MeshAccess, ParallelStrategy):
         failure_exit_grace: float = 30.0,
         save_on_preemption: bool = False,
         meta_init: bool = True,
+        resumable_dataloaders: bool = True,
     ) -> None:
         # Validate everything here: this runs in Trainer(...) before any process or group exists.
         self.options = HSDPOptions(
@@ -209,6 +216,7 @@ class HSDPStrategy(frontend.MeshAccess, ParallelStrategy):
             failure_exit_grace=failure_exit_grace,
             save_on_preemption=save_on_preemption,
             meta_init=meta_init,
+            resumable_dataloaders=resumable_dataloaders,
         )
         self._process_group_backend = self.options.process_group_backend
         self._accumulation_mode = self.options.accumulation_mode
@@ -564,17 +572,31 @@ class HSDPStrategy(frontend.MeshAccess, ParallelStrategy):
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
-        """Make sized training loaders resumable: a run resumed mid-epoch continues the epoch.
+        """With ``resumable_dataloaders=True`` (default), a plain sized training ``DataLoader`` resumes mid-epoch.
 
         Lightning restarts a plain ``DataLoader`` at the start of its epoch on resume; the wrapper
-        records the batches served and skips them at the sampler on resume (nothing is reloaded).
-        Evaluation loaders are left as they are: they always start from their beginning.
+        (:class:`~hp_lightning.checkpoint.ResumableLoader`, said once in the log) records the
+        batches served and skips them at the sampler on resume (nothing is reloaded). A loader
+        with its own state (torchdata's ``StatefulDataLoader``, which Lightning checkpoints
+        natively) is never wrapped; with the option off, a plain one is left alone and a warning
+        says once that it restarts its epoch. Evaluation loaders always start from their beginning.
         """
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         training = trainer is not None and trainer.state.stage == RunningStage.TRAINING
-        if training and isinstance(dataloader, DataLoader) and has_len(dataloader):
-            return checkpoint_io.ResumableLoader(dataloader)
-        return dataloader
+        if not (training and isinstance(dataloader, DataLoader) and has_len(dataloader)) or isinstance(dataloader, Stateful):
+            return dataloader
+        if not self.options.resumable_dataloaders:
+            rank_zero_warn(
+                "The training DataLoader has no state: a run resumed mid-epoch restarts its epoch (batches seen before "
+                "the checkpoint are seen again). Use torchdata's StatefulDataLoader, or HSDPStrategy(resumable_dataloaders=True)."
+            )
+            return dataloader
+        rank_zero_info(
+            "HSDPStrategy(resumable_dataloaders=True) wraps the training DataLoader in hp_lightning.ResumableLoader, so a "
+            "mid-epoch resume continues the epoch. torchdata's StatefulDataLoader is checkpointed by Lightning itself "
+            "and is not wrapped."
+        )
+        return checkpoint_io.ResumableLoader(dataloader)
 
     @override
     def remove_checkpoint(self, filepath: PathLike) -> None:

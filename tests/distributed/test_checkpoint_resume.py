@@ -72,6 +72,7 @@ def fit_run(
     ckpt_path: Optional[str] = None,
     callbacks: tuple[pl.Callback, ...] = (),
     save_to: Optional[str] = None,
+    stateful: bool = False,
 ) -> dict[str, Any]:
     """One training run; ``world=0`` is a plain single-process Lightning run (no hp_lightning strategy)."""
     import hp_lightning
@@ -88,6 +89,13 @@ def fit_run(
         strategy = hp_lightning.HSDPStrategy(mesh_shape=mesh_shape, state_dict_type=state_dict_type)
         trainer = Trainer(devices=world, strategy=strategy, max_steps=max_steps, callbacks=[observer, *callbacks], **kwargs)
         data = ResumableLoader(rank_loader(make_dataset(), GLOBAL_BATCH, world))
+        if stateful:  # torchdata's loader: Lightning checkpoints its state, the strategy does not wrap it
+            from torchdata.stateful_dataloader import StatefulDataLoader
+
+            from tests.helpers import OrderedRankSampler
+
+            dataset = make_dataset()
+            data = StatefulDataLoader(dataset, batch_size=GLOBAL_BATCH // world, sampler=OrderedRankSampler(dataset, world))
     trainer.fit(model, data, ckpt_path=ckpt_path)
     gathered = None
     if save_to:
@@ -102,6 +110,7 @@ def fit_run(
         "batches": observer.batches,
         "global_step": trainer.global_step,
         "gathered": gathered,
+        "loader": type(trainer.train_dataloader).__name__,
     }
 
 
@@ -150,6 +159,10 @@ def same_world_worker(tmp: str) -> dict[str, Any]:
         first = fit_run(2, mesh_shape=[2], state_dict_type=fmt, max_steps=N, callbacks=(every_n,))
         resumed = fit_run(2, mesh_shape=[2], state_dict_type=fmt, max_steps=2 * N, ckpt_path=str(root / fmt / f"step={N}.ckpt"))
         out[fmt] = {"first": first, "resumed": resumed}
+    every_n = ModelCheckpoint(dirpath=root / "stateful", every_n_train_steps=N, save_top_k=-1, filename="{step}")
+    first = fit_run(2, mesh_shape=[2], max_steps=N, callbacks=(every_n,), stateful=True)
+    resumed = fit_run(2, mesh_shape=[2], max_steps=2 * N, ckpt_path=str(root / "stateful" / f"step={N}.ckpt"), stateful=True)
+    out["stateful"] = {"first": first, "resumed": resumed}
     top_k = ModelCheckpoint(
         dirpath=root / "top_k", monitor="train_loss", mode="min", save_top_k=2, every_n_train_steps=1, save_last=True, filename="{step}"
     )
@@ -187,6 +200,16 @@ def test_resume_at_same_world_size_is_exact(same_world: list[dict[str, Any]], fm
     assert params <= 1e-6, f"{fmt}: parameters differ by {params:.2e} relative after N + save + N steps"
     assert optim <= 1e-6, f"{fmt}: optimizer state differs by {optim:.2e} relative"
     assert len(straight["optim"]) == 3 * len(straight["params"])  # step, exp_avg, exp_avg_sq per parameter
+
+
+def test_stateful_dataloader_resumes_mid_epoch_exactly_without_a_wrapper(same_world: list[dict[str, Any]]) -> None:
+    for rank in same_world:
+        run, straight = rank["stateful"], rank["straight"]
+        assert run["first"]["loader"] == run["resumed"]["loader"] == "StatefulDataLoader"  # not wrapped
+        assert run["resumed"]["start_step"] == N
+        assert run["first"]["batches"] + run["resumed"]["batches"] == straight["batches"]  # the epoch continued
+        params, optim = state_diff(run["resumed"], straight)
+        assert params <= 1e-6 and optim <= 1e-6, (params, optim)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
