@@ -12,14 +12,16 @@ Outputs are written like training saves: staged under a temporary name, renamed 
 
 from __future__ import annotations
 
+import warnings
 import zipfile
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from hp_lightning.core import devices
-from hp_lightning.core._torch_private import load_dcp_untargeted
 from hp_lightning.checkpoint import layout
 from hp_lightning.checkpoint.layout import (
     FSDP_MODEL_KEY,
@@ -99,13 +101,51 @@ def read_sharded(path: Path, *, weights_only: bool = False, verify_files: bool =
     if model_key not in roots:
         raise ValueError(f"{str(path)!r} holds no model state (no {MODEL_KEY!r} or {FSDP_MODEL_KEY!r} entries; found {sorted(map(str, roots))}).")
     # Every entry is rebuilt whole from the index: no model needed, no process group.
-    state = load_dcp_untargeted(str(path), {model_key} if weights_only else None)
+    state = read_dcp(path, {model_key} if weights_only else None)
     checkpoint = torch.load(path / META_FILE, map_location=devices.cpu_device(), weights_only=False)
     checkpoint[MODEL_KEY] = state.pop(model_key)
     optimizers = sorted((k for k in state if str(k).startswith("optimizer_")), key=lambda k: int(str(k).split("_")[1]))
     if optimizers:
         checkpoint[OPTIMIZER_KEY] = [state[k] for k in optimizers]
     return checkpoint
+
+
+def read_dcp(path: Path, roots: Optional[set[str]] = None) -> dict[str, Any]:
+    """A DCP directory (or the entries under ``roots``) as nested whole CPU tensors, in this process.
+
+    torch's public API only: the target is built from the directory's own metadata (each tensor
+    allocated at its global shape and dtype, other values as placeholders), ``dcp.load`` fills it
+    without a process group, and the flat keys are nested back along the metadata's recorded paths.
+    """
+    metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    routes = metadata.planner_data or {}
+    flat: dict[str, Any] = {}
+    for key, entry in metadata.state_dict_metadata.items():
+        route = tuple(routes.get(key, (key,)))
+        if roots is not None and route[0] not in roots:
+            continue
+        flat[key] = torch.empty(entry.size, dtype=entry.properties.dtype) if isinstance(entry, TensorStorageMetadata) else None
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
+        dcp.load(flat, checkpoint_id=str(path), no_dist=True)
+    nested: dict[Any, Any] = {}
+    for key, value in flat.items():
+        *parents, leaf = tuple(routes.get(key, (key,)))
+        node = nested
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return _lists_back(nested)
+
+
+def _lists_back(node: Any) -> Any:
+    """Dicts keyed 0..n-1 (how a list's items are routed, e.g. optimizer param_groups) back to lists."""
+    if not isinstance(node, dict):
+        return node
+    node = {k: _lists_back(v) for k, v in node.items()}
+    if node and all(isinstance(k, int) for k in node) and sorted(node) == list(range(len(node))):
+        return [node[i] for i in range(len(node))]
+    return node
 
 
 def _weights_only(checkpoint: dict[str, Any]) -> dict[str, Any]:

@@ -48,8 +48,6 @@ _PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
     ("torch.distributed.device_mesh", "DeviceMesh._flatten"),
     ("torch.utils._python_dispatch", "TorchDispatchMode"),
     ("torch.autograd.variable", "Variable._execution_engine.queue_callback"),
-    ("torch.distributed.checkpoint.state_dict_loader", "_load_state_dict"),
-    ("torch.distributed.checkpoint.default_planner", "_EmptyStateDictLoadPlanner"),
 )
 
 
@@ -170,21 +168,6 @@ def set_collective_timeout(group: Any, timeout: Any) -> None:
     from torch.distributed.distributed_c10d import _set_pg_timeout
 
     _set_pg_timeout(timeout, group)
-
-
-def load_dcp_untargeted(path: str, keys: set[str] | None = None) -> dict[str, Any]:
-    """Read a DCP directory into a fresh dict, without a model to load into, in this process only.
-
-    ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save`` writes a file; this keeps the
-    state in memory and can restrict it to ``keys``.
-    """
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-
-    state: dict[str, Any] = {}
-    _load_state_dict(state, storage_reader=dcp.FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(keys=keys), no_dist=True)
-    return state
 
 
 def managed_params(unit: nn.Module) -> list[tuple[Any, Any, Any]]:

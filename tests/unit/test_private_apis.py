@@ -53,3 +53,20 @@ def test_no_private_import_outside_the_adapters():
                 )
                 offenders += [f"{path.relative_to(PACKAGE)}: from {node.module} import {n}" for n in private]
     assert not offenders, offenders
+
+
+def test_checkpoint_io_uses_public_torch_only():
+    # checkpoint/ reads and writes through torch.distributed.checkpoint's public API: no private
+    # name, not even through the adapter.
+    offenders = []
+    for path in (PACKAGE / "checkpoint").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and "_torch_private" in node.module:
+                offenders.append(f"{path.relative_to(PACKAGE)}: from {node.module} import ...")
+            if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+                base = node.value
+                while isinstance(base, ast.Attribute):
+                    base = base.value
+                if isinstance(base, ast.Name) and base.id in ("torch", "dcp", "dist"):
+                    offenders.append(f"{path.relative_to(PACKAGE)}:{node.lineno}: {ast.unparse(node)}")
+    assert not offenders, offenders
