@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # The CPU wheel of torch lies on disk; pinning it keeps pip from pulling a multi-GB CUDA build.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: install test test-fast demo bench bench-cluster gpu-check clean
+.PHONY: install test test-fast demo bench bench-cluster bench-checkpoint gpu-check clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,10 @@ bench: $(STAMP)
 # A simulated 2-node cluster (network namespaces + a tc-shaped veth link); needs root and iproute2.
 bench-cluster: $(STAMP)
 	$(PY) -m benchmarks.cluster
+
+# Checkpoint save / resume time against plain DCP on the same state (2 gloo ranks).
+bench-checkpoint: $(STAMP)
+	$(PY) -m benchmarks.checkpoint_io
 
 gpu-check: $(STAMP)
 	bash scripts/gpu_check.sh

@@ -80,7 +80,12 @@ def verify(path: Path) -> str:
     if problems:
         raise CorruptCheckpointError(layout.corruption_message(problems, path))
     total = sum(r["size"] for r in records.values())
-    return f"OK: {path} (sharded, {len(records)} files, {total} bytes match their recorded sizes and SHA-256)"
+    if all("sha256" in r for r in records.values()):
+        return f"OK: {path} (sharded, {len(records)} files, {total} bytes match their recorded sizes and SHA-256)"
+    return (
+        f"OK: {path} (sharded, {len(records)} files, {total} bytes match their recorded sizes; saved without checksums, "
+        f"so a same-size alteration cannot be told: save with checkpoint_checksums=True to record them)"
+    )
 
 
 def read_sharded(path: Path, *, weights_only: bool = False, verify_files: bool = True) -> dict[str, Any]:

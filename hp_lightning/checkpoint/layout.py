@@ -180,8 +180,10 @@ def check_version(record: Mapping[str, Any], where: Path) -> None:
 # ---------------------------------------------------------------- integrity records
 
 
-def file_record(path: Path) -> dict[str, Any]:
-    """Size and SHA-256 of one file (read back right after writing, so usually from the page cache)."""
+def file_record(path: Path, *, checksum: bool = True) -> dict[str, Any]:
+    """Size (a stat) and, with ``checksum``, SHA-256 of one file (read back right after writing, so usually from the page cache)."""
+    if not checksum:
+        return {"size": path.stat().st_size}
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(_CHUNK):
@@ -192,7 +194,8 @@ def file_record(path: Path) -> dict[str, Any]:
 def verify_file(path: Path, record: Mapping[str, Any]) -> str | None:
     """Check one file against its record; return a sentence naming the file if it does not match.
 
-    The size is checked first (a truncated file is caught without reading it), then the checksum.
+    The size is checked first (a truncated file is caught without reading it), then the checksum
+    when the save recorded one (a same-size alteration is only caught that way).
     """
     if not path.is_file():
         return f"{str(path)!r} is missing (recorded at save: {record['size']} bytes)"
@@ -200,6 +203,8 @@ def verify_file(path: Path, record: Mapping[str, Any]) -> str | None:
     if size != record["size"]:
         kind = "truncated" if size < record["size"] else "altered (it grew)"
         return f"{str(path)!r} is {kind}: {size} bytes on disk, {record['size']} recorded at save"
+    if "sha256" not in record:
+        return None
     actual = file_record(path)["sha256"]
     if actual != record["sha256"]:
         return (

@@ -77,8 +77,9 @@ def load_checkpoint(
     Args:
         strict: missing or unexpected model keys are an error (else they are reported and skipped).
         weights_only: passed to ``torch.load`` for the pickled parts (None: False, as Lightning).
-        verify: check sizes and checksums recorded at save before reading (one extra read of
-            every file, spread over the ranks for sharded checkpoints).
+        verify: check what the save recorded before reading: the sizes and the manifest (no
+            read), and the SHA-256 of every file when it was saved with checksums (one extra read
+            of every file, spread over the ranks); single files: their zip CRC-32s.
 
     Returns:
         The rest of the checkpoint (loops, callbacks, schedulers, ...) for Lightning to restore.

@@ -2,7 +2,8 @@
 
 * **sharded**: every rank writes its own shards in parallel with ``torch.distributed.checkpoint``
   (DCP) into a staging directory; rank 0 adds ``meta.pt`` (the rest of Lightning's checkpoint);
-  then each rank checksums a slice of the files and rank 0 writes the manifest and publishes.
+  then the file sizes (and, with ``checksums=True``, each file's SHA-256, read back by the ranks
+  in parallel) go into the manifest rank 0 writes before it publishes.
   Fast and light on memory; loads into any world size or mesh; needs a filesystem every rank sees.
 * **full**: the state arrives already gathered on rank 0 (tensor by tensor, see
   :mod:`hp_lightning.core.state_dict`), which writes one ``torch.save`` file. Portable, but rank 0
@@ -73,23 +74,28 @@ def prepare_target(path: Path) -> Path:
     return layout.staging_path(path, layout.new_token())
 
 
-def save_checkpoint(checkpoint: dict[str, Any], path: Path, *, sharded: bool) -> None:
+def save_checkpoint(checkpoint: dict[str, Any], path: Path, *, sharded: bool, checksums: bool = False) -> None:
     """Write Lightning's ``checkpoint`` dict to ``path`` from every rank; the save appears whole or not at all.
 
     The state in ``checkpoint`` must come from :func:`model_state_dict` / :func:`optimizer_state_dict`
     with the same ``full`` setting (``full = not sharded``). Every rank calls this.
+
+    Args:
+        checksums: sharded only: also record every file's SHA-256 (one read-back of the new files,
+            usually from the page cache, spread over the ranks), so every later load checks every
+            byte. Without it the manifest records sizes, which every load checks.
 
     Raises:
         ValueError: the target is something other than a file or directory.
     """
     path = Path(path)
     if sharded:
-        _save_sharded(dict(checkpoint), path)
+        _save_sharded(dict(checkpoint), path, checksums=checksums)
     else:
         _save_full(dict(checkpoint), path)
 
 
-def _save_sharded(checkpoint: dict[str, Any], path: Path) -> None:
+def _save_sharded(checkpoint: dict[str, Any], path: Path, *, checksums: bool) -> None:
     tensors: dict[str, Any] = {MODEL_KEY: checkpoint.pop(MODEL_KEY, {})}
     for index, optim_state in enumerate(checkpoint.pop(OPTIMIZER_KEY, None) or []):
         tensors[f"optimizer_{index}"] = optim_state
@@ -105,8 +111,10 @@ def _save_sharded(checkpoint: dict[str, Any], path: Path) -> None:
     staging = on_rank0(start)
     # Every rank writes its shards; DCP gathers their outcome, so a failure raises on all ranks.
     dcp.save(tensors, checkpoint_id=str(staging), no_dist=not dist.is_initialized())
-    # Checksums: each rank reads back a slice of the files, in parallel.
-    records = on_every_rank(lambda: {n: layout.file_record(staging / n) for n in layout.data_files(staging)[rank() :: world_size()]})
+    # Sizes (a stat); checksums only when asked for: each rank reads back a slice of the files, in parallel.
+    records = on_every_rank(
+        lambda: {n: layout.file_record(staging / n, checksum=checksums) for n in layout.data_files(staging)[rank() :: world_size()]}
+    )
     gathered: list[Any] = [records]
     if dist.is_initialized():
         gathered = [None] * world_size()
@@ -120,7 +128,7 @@ def _save_sharded(checkpoint: dict[str, Any], path: Path) -> None:
             "model_key": MODEL_KEY,
             "num_optimizers": len(tensors) - 1,
             "mesh": mesh_record(tensors[MODEL_KEY]),
-            "checksum": "sha256",
+            "checksum": "sha256" if checksums else None,
             "files": files,
         }
         layout.write_manifest(staging, manifest)

@@ -131,6 +131,7 @@ class HSDPOptions:
     save_on_preemption: bool = False
     meta_init: bool = True
     resumable_dataloaders: bool = True
+    checkpoint_checksums: bool = False
 
     def __post_init__(self) -> None:
         tp, ep = validate_parallel_sizes(self.tensor_parallel_size, self.expert_parallel_size)
@@ -166,6 +167,7 @@ class HSDPOptions:
             "save_on_preemption": _check_bool(self.save_on_preemption, "save_on_preemption"),
             "meta_init": _check_bool(self.meta_init, "meta_init"),
             "resumable_dataloaders": _check_bool(self.resumable_dataloaders, "resumable_dataloaders"),
+            "checkpoint_checksums": _check_bool(self.checkpoint_checksums, "checkpoint_checksums"),
         }
         for name, value in normalized.items():
             object.__setattr__(self, name, value)

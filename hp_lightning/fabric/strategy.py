@@ -131,6 +131,8 @@ class HSDPStrategy(frontend.MeshAccess, ParallelStrategy):
     Raises:
         TypeError / ValueError: for any option of the wrong type or value, in ``Fabric(...)``;
             ValueError for ``save_on_preemption=True``; TypeError for a ``checkpoint_io`` plugin.
+        checkpoint_checksums: sharded saves also record every file's SHA-256, checked in full before
+            every load; False (default): sizes and the manifest, checked without reading the data.
         resumable_dataloaders: Trainer only (the Trainer wraps plain training loaders so a
             mid-epoch resume continues the epoch). Fabric saves what you pass to ``fabric.save``:
             put a ``StatefulDataLoader`` (or a ``ResumableLoader``) in that state to resume mid-epoch.
@@ -177,6 +179,7 @@ class HSDPStrategy(frontend.MeshAccess, ParallelStrategy):
         train_timeout: Optional[Union[float, timedelta]] = None,
         meta_init: bool = True,
         resumable_dataloaders: bool = True,
+        checkpoint_checksums: bool = False,
     ) -> None:
         # Validate everything here: this runs in Fabric(...) before any process or group exists.
         self.options = HSDPOptions(
@@ -211,6 +214,7 @@ class HSDPStrategy(frontend.MeshAccess, ParallelStrategy):
             train_timeout=train_timeout,
             meta_init=meta_init,
             resumable_dataloaders=resumable_dataloaders,
+            checkpoint_checksums=checkpoint_checksums,
         )
         if self.options.save_on_preemption:
             raise ValueError(
@@ -601,7 +605,9 @@ class HSDPStrategy(frontend.MeshAccess, ParallelStrategy):
         self.reshard_all()
         target = Path(self.broadcast(str(path)))
         full = self.options.state_dict_type == "full"
-        checkpoint_io.save_checkpoint(fabric_state.to_checkpoint(parts, full=full), target, sharded=not full)
+        checkpoint_io.save_checkpoint(
+            fabric_state.to_checkpoint(parts, full=full), target, sharded=not full, checksums=self.options.checkpoint_checksums
+        )
 
     @override
     def load_checkpoint(

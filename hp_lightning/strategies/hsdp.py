@@ -134,6 +134,11 @@ class HSDPStrategy(frontend.MeshAccess, ParallelStrategy):
             modules' own rules: the model never exists whole on a rank, and equals the one a
             real build would give; a tensor nothing initializes is an error at setup (see
             ``docs/models.md``). False builds on the host: every rank holds the whole model once.
+        checkpoint_checksums: sharded saves also record every file's SHA-256 (a read-back of the
+            new files, spread over the ranks), and every resume checks every byte against them
+            (a full read). False: the manifest records sizes, and a resume checks those and the
+            manifest without reading the data (a same-size alteration is then not caught;
+            ``python -m hp_lightning.checkpoint verify`` reports which check it could make).
         resumable_dataloaders: wrap a plain sized training ``DataLoader`` in
             :class:`hp_lightning.ResumableLoader` (said once in the log), so a run resumed mid-epoch
             continues the epoch instead of restarting it. Loaders with their own state (torchdata's
@@ -183,6 +188,7 @@ class HSDPStrategy(frontend.MeshAccess, ParallelStrategy):
         save_on_preemption: bool = False,
         meta_init: bool = True,
         resumable_dataloaders: bool = True,
+        checkpoint_checksums: bool = False,
     ) -> None:
         # Validate everything here: this runs in Trainer(...) before any process or group exists.
         self.options = HSDPOptions(
@@ -217,6 +223,7 @@ class HSDPStrategy(frontend.MeshAccess, ParallelStrategy):
             save_on_preemption=save_on_preemption,
             meta_init=meta_init,
             resumable_dataloaders=resumable_dataloaders,
+            checkpoint_checksums=checkpoint_checksums,
         )
         self._process_group_backend = self.options.process_group_backend
         self._accumulation_mode = self.options.accumulation_mode
@@ -559,7 +566,9 @@ class HSDPStrategy(frontend.MeshAccess, ParallelStrategy):
         if storage_options is not None:
             raise TypeError(f"HSDPStrategy.save_checkpoint does not take storage_options; got {storage_options!r}.")
         path = Path(self.broadcast(str(filepath)))
-        checkpoint_io.save_checkpoint(checkpoint, path, sharded=self.options.state_dict_type == "sharded")
+        checkpoint_io.save_checkpoint(
+            checkpoint, path, sharded=self.options.state_dict_type == "sharded", checksums=self.options.checkpoint_checksums
+        )
 
     @override
     def load_checkpoint(self, checkpoint_path: PathLike, weights_only: Optional[bool] = None) -> dict[str, Any]:

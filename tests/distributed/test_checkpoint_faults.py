@@ -190,7 +190,7 @@ def _sharded_model(depth: int = 2, width: int = 16) -> tuple[torch.nn.Module, to
     return model, optimizer
 
 
-def _save(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: Path, *, sharded: bool) -> None:
+def _save(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: Path, *, sharded: bool, checksums: bool = False) -> None:
     import lightning
 
     from hp_lightning.checkpoint import model_state_dict, optimizer_state_dict, save_checkpoint
@@ -201,7 +201,7 @@ def _save(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: Path, 
         "pytorch-lightning_version": lightning.__version__,
         "global_step": 1,
     }
-    save_checkpoint(checkpoint, path, sharded=sharded)
+    save_checkpoint(checkpoint, path, sharded=sharded, checksums=checksums)
 
 
 def _outcome(action: Callable[[], Any]) -> tuple[str, str]:
@@ -241,7 +241,8 @@ def bad_input_worker(tmp: str) -> dict[str, Any]:
     root = Path(tmp)
     model, optimizer = _sharded_model()
     for fmt, name in (("sharded", "good"), ("full", "good.ckpt")):
-        _save(model, optimizer, root / name, sharded=fmt == "sharded")
+        _save(model, optimizer, root / name, sharded=fmt == "sharded", checksums=True)
+    _save(model, optimizer, root / "good_sizes_only", sharded=True)  # the default: sizes, no checksums
     save_checkpoint({"state_dict": model_state_dict(model, full=False), "global_step": 1}, root / "weights_only", sharded=True)
     for depth, width, tag in ((3, 16, "deeper"), (1, 16, "shallower"), (2, 24, "wider")):
         other, other_optimizer = _sharded_model(depth=depth, width=width)
@@ -259,6 +260,10 @@ def bad_input_worker(tmp: str) -> dict[str, Any]:
                            ("altered_shard", lambda d: _flip_byte(d / "__1_0.distcp")),
                            ("newer_format", lambda d: _bump_version(d / "hp_lightning.json"))):
             shutil.copytree(root / "good", root / case)
+            edit(root / case)
+        for case, edit in (("truncated_unsummed", lambda d: _truncate(d / "__0_0.distcp")),
+                           ("altered_unsummed", lambda d: _flip_byte(d / "__1_0.distcp"))):
+            shutil.copytree(root / "good_sizes_only", root / case)
             edit(root / case)
         shutil.copy(root / "good.ckpt", root / "truncated.ckpt")
         _truncate(root / "truncated.ckpt")
@@ -286,6 +291,10 @@ def bad_input_worker(tmp: str) -> dict[str, Any]:
         "missing_shard": _outcome(load("missing_shard")),
         "truncated_shard": _outcome(load("truncated_shard")),
         "altered_shard": _outcome(load("altered_shard")),
+        # Saved without checksums: the size still names a truncated shard without reading it; a
+        # same-size alteration is not seen (what checkpoint_checksums=True is for).
+        "truncated_unsummed": _outcome(load("truncated_unsummed")),
+        "altered_unsummed": _outcome(load("altered_unsummed")),
         "newer_format": _outcome(load("newer_format")),
         "truncated_full": _outcome(load("truncated.ckpt")),
         "altered_full": _outcome(load("altered.ckpt")),
@@ -360,6 +369,7 @@ EXPECTED_ERRORS = {
     "missing_shard": ("CorruptCheckpointError", ["__1_0.distcp", "is missing"]),
     "truncated_shard": ("CorruptCheckpointError", ["__0_0.distcp", "truncated"]),
     "altered_shard": ("CorruptCheckpointError", ["__1_0.distcp", "altered", "SHA-256"]),
+    "truncated_unsummed": ("CorruptCheckpointError", ["__0_0.distcp", "truncated"]),
     "newer_format": ("ValueError", ["hp_lightning.json", "format 99", "Upgrade"]),
     "truncated_full": ("CorruptCheckpointError", ["truncated.ckpt", "truncated"]),
     "altered_full": ("CorruptCheckpointError", ["altered.ckpt", "CRC-32"]),
@@ -377,6 +387,11 @@ EXPECTED_ERRORS = {
     "shape_nonstrict_full": ("ValueError", ["wider.ckpt", "'net.blocks.0.fc1.weight': (48, 24) in the checkpoint, (32, 16) in the model", "and 9 more"]),
     "trainer_altered": ("CorruptCheckpointError", ["altered_shard", "__1_0.distcp", "altered"]),
 }
+
+
+def test_a_same_size_alteration_needs_checksums(bad_inputs: list[dict[str, Any]]) -> None:
+    # The trade-off of the default (sizes, no re-read): this loads; checkpoint_checksums=True catches it (above).
+    assert all(results["altered_unsummed"] == ("ok", "") for results in bad_inputs)
 
 
 @pytest.mark.parametrize("case", sorted(EXPECTED_ERRORS))

@@ -35,9 +35,10 @@ from hp_lightning.checkpoint.layout import (
 )
 
 
-def write_sharded(path: Path, step: int = 1) -> dict[str, torch.Tensor]:
+def write_sharded(path: Path, step: int = 1, checksums: bool = False) -> dict[str, torch.Tensor]:
     weights = {"net.w": torch.full((4, 3), float(step)), "net.b": torch.arange(3.0) + step}
-    save_checkpoint({"state_dict": dict(weights), "global_step": step, "pytorch-lightning_version": "2.6.6"}, path, sharded=True)
+    save_checkpoint({"state_dict": dict(weights), "global_step": step, "pytorch-lightning_version": "2.6.6"}, path, sharded=True,
+                    checksums=checksums)
     return weights
 
 
@@ -58,8 +59,13 @@ def test_sharded_checkpoint_has_a_manifest_covering_every_file(tmp_path: Path) -
     assert sorted(manifest["files"]) == on_disk
     assert {".metadata", "meta.pt"} <= set(on_disk)
     for name, record in manifest["files"].items():
-        assert file_record(path / name) == record
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.ckpt"]  # nothing staged is left
+        assert file_record(path / name, checksum=False) == record  # sizes: no read-back by default
+    assert manifest["checksum"] is None
+    write_sharded(tmp_path / "summed.ckpt", checksums=True)
+    summed = read_manifest(tmp_path / "summed.ckpt")
+    assert summed["checksum"] == "sha256"
+    assert all(file_record(tmp_path / "summed.ckpt" / n) == r for n, r in summed["files"].items())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.ckpt", "summed.ckpt"]  # nothing staged is left
 
 
 def test_nonexistent_path_names_the_checkpoints_nearby(tmp_path: Path) -> None:
@@ -138,6 +144,7 @@ def test_verify_file_tells_missing_truncated_grown_and_altered(tmp_path: Path) -
     data[700] ^= 1
     path.write_bytes(bytes(data))
     assert "altered after the save: SHA-256" in verify_file(path, record)
+    assert verify_file(path, file_record(path, checksum=False) | {"size": 1024}) is None  # sizes only: not seen
     path.unlink()
     assert "'" + str(path) + "' is missing" in verify_file(path, record)
 

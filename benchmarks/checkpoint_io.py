@@ -1,0 +1,128 @@
+"""Checkpoint save and resume time, hp_lightning against plain DCP on the same state (``make bench-checkpoint``).
+
+Two gloo ranks (FSDP 2) hold the cluster benchmark's LLM-shaped GPT (21.5 M parameters, 32k
+vocabulary) and its AdamW state after one step. Each round, interleaved and in a fresh directory:
+
+* **plain DCP**: ``dcp.save`` / ``dcp.load`` of the same model and optimizer state dicts
+  (torch's ``get_state_dict`` / ``set_state_dict``);
+* **hp_lightning, sizes** (the default): ``save_checkpoint`` (staging directory, ``meta.pt``,
+  manifest with file sizes, atomic publish) and ``load_checkpoint`` (format check, manifest and
+  sizes, keys and shapes against the model, then DCP);
+* **hp_lightning, checksums** (``checkpoint_checksums=True``): SHA-256 of every file recorded at
+  save (a read-back) and checked before every resume (a full read).
+
+Reported: median seconds per save and per resume over the rounds, and each as a ratio to plain
+DCP (target: ≤ 1.10× with the default). Files go to a temporary directory on the local disk;
+the page cache is not dropped (root would be needed), so "resume" reads mostly from memory: the
+ratio is what the extra work costs, not disk bandwidth.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROUNDS = 5
+
+
+def _worker(out_dir: str) -> dict[str, Any]:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    from benchmarks.cluster_settings import ClusterSettings
+    from benchmarks.trainers import gpt_config
+    from examples.gpt import GPT
+    from hp_lightning import fully_shard, init_device_mesh
+    from hp_lightning.checkpoint import load_checkpoint, model_state_dict, optimizer_state_dict, save_checkpoint
+
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model = GPT(gpt_config(ClusterSettings().model))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randint(0, model.config.vocab_size, (2, 16))).float().mean().backward()
+    optimizer.step()
+    root = Path(out_dir)
+
+    def timed(action: Any) -> float:
+        dist.barrier()
+        start = time.perf_counter()
+        action()
+        dist.barrier()
+        return time.perf_counter() - start
+
+    def hp_save(path: Path, checksums: bool) -> None:
+        checkpoint = {
+            "state_dict": model_state_dict(model, full=False),
+            "optimizer_states": [optimizer_state_dict(model, optimizer, full=False)],
+            "global_step": 1,
+        }
+        save_checkpoint(checkpoint, path, sharded=True, checksums=checksums)
+
+    def dcp_save(path: Path) -> None:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
+
+    def dcp_load(path: Path) -> None:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=str(path))
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+    kinds = {
+        "plain DCP": (dcp_save, dcp_load),
+        "hp_lightning (sizes, default)": (lambda p: hp_save(p, False), lambda p: load_checkpoint(p, model, [optimizer])),
+        "hp_lightning (checksums)": (lambda p: hp_save(p, True), lambda p: load_checkpoint(p, model, [optimizer])),
+    }
+    times: dict[str, dict[str, list[float]]] = {k: {"save": [], "resume": []} for k in kinds}
+    for r in range(ROUNDS):
+        for k, (name, (save, load)) in enumerate(kinds.items()):
+            path = root / f"round{r}-kind{k}.ckpt"
+            times[name]["save"].append(timed(lambda: save(path)))
+            times[name]["resume"].append(timed(lambda: load(path)))
+    size = sum(f.stat().st_size for f in (root / "round0-kind0.ckpt").iterdir())
+    return {"times": times, "bytes": size, "world": dist.get_world_size()}
+
+
+def main() -> int:
+    from tests.helpers import run_distributed
+
+    with tempfile.TemporaryDirectory(dir=str(Path.cwd())) as tmp:
+        results = run_distributed(_worker, 2, tmp, timeout=1200)
+    rank0 = results[0]
+    times = rank0["times"]
+    base = {kind: statistics.median(times["plain DCP"][kind]) for kind in ("save", "resume")}
+    lines = [
+        f"# Checkpoint save / resume against plain DCP ({rank0['world']} ranks, {rank0['bytes'] / 2**20:.0f} MiB on disk, "
+        f"median of {ROUNDS} interleaved rounds)",
+        "",
+        "| | save s | × plain DCP | resume s | × plain DCP |",
+        "|---|---|---|---|---|",
+    ]
+    summary = {}
+    for name, entry in times.items():
+        save, resume = statistics.median(entry["save"]), statistics.median(entry["resume"])
+        summary[name] = {"save_s": save, "resume_s": resume, "save_ratio": save / base["save"], "resume_ratio": resume / base["resume"]}
+        lines.append(f"| {name} | {save:.3f} | {save / base['save']:.2f} | {resume:.3f} | {resume / base['resume']:.2f} |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    out = Path("benchmarks/results")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "checkpoint_io.md").write_text(text)
+    (out / "checkpoint_io.json").write_text(json.dumps({"bytes": rank0["bytes"], "rounds": times, "summary": summary}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
