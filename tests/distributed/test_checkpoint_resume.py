@@ -163,6 +163,14 @@ def same_world_worker(tmp: str) -> dict[str, Any]:
     first = fit_run(2, mesh_shape=[2], max_steps=N, callbacks=(every_n,), stateful=True)
     resumed = fit_run(2, mesh_shape=[2], max_steps=2 * N, ckpt_path=str(root / "stateful" / f"step={N}.ckpt"), stateful=True)
     out["stateful"] = {"first": first, "resumed": resumed}
+    # save_last="link" (Lightning's symlink to the newest top-k save) with sharded directories, then resume from it.
+    linked = lambda: ModelCheckpoint(  # noqa: E731
+        dirpath=root / "link", save_last="link", save_top_k=2, monitor="train_loss", every_n_train_steps=1, filename="{step}"
+    )
+    fit_run(2, mesh_shape=[2], max_steps=N, callbacks=(linked(),))
+    listing = sorted((p.name, os.readlink(p) if p.is_symlink() else None) for p in (root / "link").iterdir())
+    again = fit_run(2, mesh_shape=[2], max_steps=2 * N, ckpt_path="last", callbacks=(linked(),))
+    out["link"] = {"listing": listing, "start_step": again["start_step"], "global_step": again["global_step"]}
     top_k = ModelCheckpoint(
         dirpath=root / "top_k", monitor="train_loss", mode="min", save_top_k=2, every_n_train_steps=1, save_last=True, filename="{step}"
     )
@@ -200,6 +208,13 @@ def test_resume_at_same_world_size_is_exact(same_world: list[dict[str, Any]], fm
     assert params <= 1e-6, f"{fmt}: parameters differ by {params:.2e} relative after N + save + N steps"
     assert optim <= 1e-6, f"{fmt}: optimizer state differs by {optim:.2e} relative"
     assert len(straight["optim"]) == 3 * len(straight["params"])  # step, exp_avg, exp_avg_sq per parameter
+
+
+def test_save_last_link_points_at_the_newest_sharded_save_and_resumes(same_world: list[dict[str, Any]]) -> None:
+    link = same_world[0]["link"]
+    names = [name for name, _ in link["listing"]]
+    assert len(names) == 3 and ("last.ckpt", f"step={N}.ckpt") in link["listing"], link["listing"]  # top 2 + the link
+    assert link["start_step"] == N and link["global_step"] == 2 * N
 
 
 def test_stateful_dataloader_resumes_mid_epoch_exactly_without_a_wrapper(same_world: list[dict[str, Any]]) -> None:
