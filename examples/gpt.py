@@ -131,7 +131,7 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.head_dim = config.n_embd // config.n_head
-        self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd)
+        self.qkv_heads = nn.Linear(config.n_embd, 3 * config.n_embd)
         self.proj = nn.Linear(config.n_embd, config.n_embd)
         self.dropout = config.dropout
         self.resid_dropout = nn.Dropout(config.dropout)
@@ -140,7 +140,9 @@ class CausalSelfAttention(nn.Module):
         batch, time, _ = x.shape
         # (B, T, heads * 3 * head_dim) → three (B, heads, T, head_dim) tensors. The features are
         # laid out head by head, so a column split (tensor parallelism) hands each rank whole heads.
-        q, k, v = self.qkv(x).view(batch, time, -1, 3, self.head_dim).permute(3, 0, 2, 1, 4)
+        # (Named qkv_heads: a checkpoint of the earlier [q; k; v] layout, saved as "qkv", then fails
+        # to load by name instead of loading into the wrong layout.)
+        q, k, v = self.qkv_heads(x).view(batch, time, -1, 3, self.head_dim).permute(3, 0, 2, 1, 4)
         attended = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
         )

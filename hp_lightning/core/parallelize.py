@@ -99,7 +99,7 @@ def apply_tensor_parallel(model: nn.Module, mesh: ParallelMesh, plan: ShardingPl
         raise ValueError(
             f"tensor_parallel_size={mesh.layout.tp}, but there is no TP plan: {type(model).__name__} contains no "
             f"Hugging Face model with a base_model_tp_plan and tp_plan was not given. Pass tp_plan="
-            f"{{'model.blocks.*.attn.qkv': 'colwise', 'model.blocks.*.attn.proj': 'rowwise', ...}}, or call "
+            f"{{'model.blocks.*.attn.qkv_heads': 'colwise', 'model.blocks.*.attn.proj': 'rowwise', ...}}, or call "
             f"hp_lightning.parallelize_module(module, self.device_mesh['tp'], plan) in configure_model."
         )
     resolved = resolve_tp_plan(model, tp_plan, "HSDPStrategy(tp_plan=...)")
