@@ -182,7 +182,18 @@ def _user_units(model: nn.Module) -> list[nn.Module]:
 def _drop_already_sharded(
     selected: list[tuple[str, nn.Parameter]], option: str
 ) -> list[tuple[str, nn.Parameter]]:
-    """Parameters a user unit already sharded cannot be ignored or replicated any more: warn and drop them."""
+    """Parameters a user unit already sharded cannot be ignored or replicated any more: warn and drop them.
+
+    Raises:
+        ValueError: a parameter tensor or expert parallelism split: it cannot be kept whole.
+    """
+    split = [n for n, p in selected if isinstance(p, DTensor) and {"tp", "ep"} & set(p.device_mesh.mesh_dim_names or ())]
+    if split:
+        raise ValueError(
+            f"{option} matches {split[:6]}, which tensor or expert parallelism splits across ranks: they cannot be "
+            f"kept whole (replicate_params) or left rank-local (ignored_params). Narrow the pattern to parameters "
+            f"outside tp_plan / expert_modules."
+        )
     sharded = [n for n, p in selected if isinstance(p, DTensor)]
     if sharded:
         warnings.warn(

@@ -386,7 +386,8 @@ def _seed_snippets() -> dict:
     out["meta"] = max(float((v.full_tensor() - real[k]).abs().max()) for k, v in meta.state_dict().items() if isinstance(v, DTensor))
     # Refused at setup, on every rank, before any collective: no plan at all, a pattern matching nothing.
     out["errors"] = []
-    for plan in (ShardingPlan(), ShardingPlan(tp_plan={"layers.*.fc": "colwise"})):
+    for plan in (ShardingPlan(), ShardingPlan(tp_plan={"layers.*.fc": "colwise"}),
+                 ShardingPlan(tp_plan=tp_plan, replicate_params=["blocks.0.fc.weight"])):
         try:
             prepare_model(Net(), composed, plan, **cpu)
         except ValueError as exc:
@@ -433,6 +434,7 @@ def test_seed_snippets_run_as_written_meta_init_is_exact_hf_plans_apply_and_bad_
         assert res["experts_unit"]
         assert res["meta"] == 0.0, res
         assert "there is no TP plan" in res["errors"][0] and "matches no module of Net" in res["errors"][1], res["errors"]
+        assert "cannot be kept whole" in res["errors"][2] and "blocks.0.fc.weight" in res["errors"][2], res["errors"]
         assert res["hf"] < 1e-5 and "Shard(dim=0)" in res["hf_q"], res
         rows = {line.split()[0]: line.split() for line in res["llm_report"].splitlines()[3:-1]}
         assert rows["<root>"][1] == "0", res["llm_report"]  # the root keeps no parameter gathered
