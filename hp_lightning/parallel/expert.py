@@ -158,16 +158,11 @@ def _expert_parallel_forward(
     received = dist_autograd.all_to_all_single(
         tokens.new_empty((sum(receive_splits), *tokens.shape[1:])), tokens.contiguous(), receive_splits, send_splits, group=group
     )
-    # Received tokens are ordered (source, expert); the experts want them grouped by expert.
-    starts = torch.cumsum(by_source.flatten(), 0) - by_source.flatten()
-    order = torch.cat(
-        [
-            torch.arange(int(starts[s * local + e]), int(starts[s * local + e] + by_source[s, e]), device=tokens.device)
-            for e in range(local)
-            for s in range(ep)
-        ]
-        or [torch.empty(0, dtype=torch.int64, device=tokens.device)]
-    )
+    # Received tokens are ordered (source, expert); the experts want them grouped by expert: a
+    # stable sort by (expert, source) of each token's segment, on the device, without a sync.
+    source, expert = torch.meshgrid(torch.arange(ep, device=counts.device), torch.arange(local, device=counts.device), indexing="ij")
+    segment_key = torch.repeat_interleave((expert * ep + source).flatten(), by_source.flatten())
+    order = torch.argsort(segment_key, stable=True).to(tokens.device)
     # 2. The experts' own forward, on this rank's experts and parameters.
     out = _run_on_local_params(module, inner, received[order], by_source.sum(0), *args, **kwargs)
     restored = torch.empty_like(out).index_copy(0, order, out) if order.numel() else out
