@@ -28,12 +28,13 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m benchmarks.run
+	$(PY) -m benchmarks.checkpoint_io
 
 # A simulated 2-node cluster (network namespaces + a tc-shaped veth link); needs root and iproute2.
 bench-cluster: $(STAMP)
 	$(PY) -m benchmarks.cluster
 
-# Checkpoint save / resume time against plain DCP on the same state (2 gloo ranks).
+# Checkpoint save / resume time against plain DCP, and the async_save stall (2 gloo ranks; also in make bench).
 bench-checkpoint: $(STAMP)
 	$(PY) -m benchmarks.checkpoint_io
 

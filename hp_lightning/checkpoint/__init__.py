@@ -1,7 +1,8 @@
 """Checkpoint IO: sharded (DCP directory) and full (one file) state, atomic saves, any-mesh resume.
 
 * :func:`save_checkpoint` / :func:`load_checkpoint`: what ``HSDPStrategy`` calls, on every rank
-  (:mod:`.save`, :mod:`.load`; the on-disk layout and its guarantees are in :mod:`.layout`).
+  (:mod:`.save`, :mod:`.load`; the on-disk layout and its guarantees are in :mod:`.layout`);
+  :class:`AsyncSaves`: the same sharded save written in the background (``async_save=True``).
 * :func:`load_weights`: pretrained weights into a sharded module, for fine-tuning.
 * :func:`load_from_checkpoint` / :class:`LoadsShardedCheckpoints`: ``MyModule.load_from_checkpoint``
   on a sharded directory, in one plain CPU process.
@@ -12,18 +13,17 @@
 from hp_lightning.checkpoint.data import ResumableLoader
 from hp_lightning.checkpoint.layout import FORMAT_VERSION, CheckpointKind, CorruptCheckpointError, classify, recover
 from hp_lightning.checkpoint.load import LoadsShardedCheckpoints, load_checkpoint, load_from_checkpoint, load_weights, read_full_file
-from hp_lightning.checkpoint.save import is_sharded_checkpoint, remove_checkpoint, save_checkpoint
-from hp_lightning.core.state_dict import GatherStats, full_gather_stats, model_state_dict, optimizer_state_dict
+from hp_lightning.checkpoint.save import AsyncSaves, is_sharded_checkpoint, remove_checkpoint, save_checkpoint
+from hp_lightning.core.state_dict import model_state_dict, optimizer_state_dict
 
 __all__ = [
+    "AsyncSaves",
     "FORMAT_VERSION",
     "CheckpointKind",
     "CorruptCheckpointError",
-    "GatherStats",
     "LoadsShardedCheckpoints",
     "ResumableLoader",
     "classify",
-    "full_gather_stats",
     "is_sharded_checkpoint",
     "load_checkpoint",
     "load_from_checkpoint",

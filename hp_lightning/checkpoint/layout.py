@@ -99,6 +99,12 @@ def classify(path: Path) -> CheckpointKind:
             f"interrupted it); it may be incomplete and is never loaded. Load the checkpoint it was "
             f"meant to replace, {str(path.with_name(target))!r}, or an earlier one."
         )
+    if path.is_symlink() and not path.exists():
+        raise FileNotFoundError(
+            f"Checkpoint {str(path)!r} is a link to {os.readlink(path)!r}, which does not exist: that save never "
+            f"finished (ModelCheckpoint(save_last='link') links before an async_save is published) or it was "
+            f"removed. Resume from a complete checkpoint by name.{_nearby_hint(path)}"
+        )
     if not path.exists():
         raise FileNotFoundError(f"Checkpoint {str(path)!r} does not exist.{_nearby_hint(path)}")
     if path.is_file():

@@ -5,6 +5,9 @@
   then the file sizes (and, with ``checksums=True``, each file's SHA-256, read back by the ranks
   in parallel) go into the manifest rank 0 writes before it publishes.
   Fast and light on memory; loads into any world size or mesh; needs a filesystem every rank sees.
+  :class:`AsyncSaves` runs the same save through DCP's ``async_save``: the state is copied to host
+  memory (the only stall), the files are written by a background thread, and rank 0 publishes
+  when DCP reports every rank's write finished.
 * **full**: the state arrives already gathered on rank 0 (tensor by tensor, see
   :mod:`hp_lightning.core.state_dict`), which writes one ``torch.save`` file. Portable, but rank 0
   holds the whole state in host memory and writes it alone.
@@ -12,9 +15,11 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
+from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -22,7 +27,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 
 from hp_lightning.checkpoint import layout
-from hp_lightning.checkpoint.collective import on_every_rank, on_rank0, rank, world_size
+from hp_lightning.core import devices
+from hp_lightning.checkpoint.collective import agree, on_every_rank, on_rank0, rank, world_size
 from hp_lightning.checkpoint.layout import (
     DCP_METADATA_FILE,
     FORMAT_VERSION,
@@ -95,20 +101,42 @@ def save_checkpoint(checkpoint: dict[str, Any], path: Path, *, sharded: bool, ch
         _save_full(dict(checkpoint), path)
 
 
-def _save_sharded(checkpoint: dict[str, Any], path: Path, *, checksums: bool) -> None:
+def _split(checkpoint: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(what DCP writes: model and optimizer tensors, the rest of Lightning's checkpoint for ``meta.pt``)."""
     tensors: dict[str, Any] = {MODEL_KEY: checkpoint.pop(MODEL_KEY, {})}
     for index, optim_state in enumerate(checkpoint.pop(OPTIMIZER_KEY, None) or []):
         tensors[f"optimizer_{index}"] = optim_state
+    return tensors, checkpoint
 
-    def start() -> Path:
-        staging = prepare_target(path)
-        staging.mkdir()
-        # The producer record marks hp_lightning's layout even if the manifest is later lost.
-        torch.save({**checkpoint, FULL_INFO_KEY: {**producer_record(), "format": "sharded"}}, staging / META_FILE)
-        layout.fsync_file(staging / META_FILE)
-        return staging
 
-    staging = on_rank0(start)
+def _start_sharded(path: Path, rest: dict[str, Any]) -> Path:
+    """Rank 0: a fresh staging directory holding ``meta.pt``."""
+    staging = prepare_target(path)
+    staging.mkdir()
+    # The producer record marks hp_lightning's layout even if the manifest is later lost.
+    torch.save({**rest, FULL_INFO_KEY: {**producer_record(), "format": "sharded"}}, staging / META_FILE)
+    layout.fsync_file(staging / META_FILE)
+    return staging
+
+
+def _finish_sharded(staging: Path, path: Path, files: dict[str, Any], tensors: Mapping[str, Any], checksums: bool) -> None:
+    """Rank 0, once every rank's files are written: the manifest (the completion mark), then publish."""
+    manifest = {
+        **producer_record(),
+        "format": "sharded",
+        "model_key": MODEL_KEY,
+        "num_optimizers": len(tensors) - 1,
+        "mesh": mesh_record(tensors[MODEL_KEY]),
+        "checksum": "sha256" if checksums else None,
+        "files": files,
+    }
+    layout.write_manifest(staging, manifest)
+    layout.publish(staging, path)
+
+
+def _save_sharded(checkpoint: dict[str, Any], path: Path, *, checksums: bool) -> None:
+    tensors, rest = _split(checkpoint)
+    staging = on_rank0(lambda: _start_sharded(path, rest))
     # Every rank writes its shards; DCP gathers their outcome, so a failure raises on all ranks.
     dcp.save(tensors, checkpoint_id=str(staging), no_dist=not dist.is_initialized())
     # Sizes (a stat); checksums only when asked for: each rank reads back a slice of the files, in parallel.
@@ -119,22 +147,103 @@ def _save_sharded(checkpoint: dict[str, Any], path: Path, *, checksums: bool) ->
     if dist.is_initialized():
         gathered = [None] * world_size()
         dist.all_gather_object(gathered, records)
+    files = {name: record for part in gathered for name, record in part.items()}
+    on_rank0(lambda: _finish_sharded(staging, path, files, tensors, checksums))
 
-    def finish() -> None:
-        files = {name: record for part in gathered for name, record in part.items()}
-        manifest = {
-            **producer_record(),
-            "format": "sharded",
-            "model_key": MODEL_KEY,
-            "num_optimizers": len(tensors) - 1,
-            "mesh": mesh_record(tensors[MODEL_KEY]),
-            "checksum": "sha256" if checksums else None,
-            "files": files,
-        }
-        layout.write_manifest(staging, manifest)
-        layout.publish(staging, path)
 
-    on_rank0(finish)
+class AsyncSaves:
+    """Sharded saves that write while training goes on, at most one in flight (``async_save=True``).
+
+    :meth:`save` stalls training only to copy the state to host memory (DCP's ``async_save``
+    stager) and to write the small ``meta.pt``; a background thread writes the shards. DCP's own
+    finish step (its coordinator, rank 0, gathers every rank's write result) completes rank 0's
+    future only when every rank's files are written, so rank 0 then records the sizes, writes the
+    manifest and publishes, with no collective. Until then the checkpoint exists only under its
+    staging name: a kill leaves the previous checkpoint in place and the staging directory is
+    cleared by the next save. Removals asked for meanwhile (``ModelCheckpoint`` dropping an older
+    top-k save) wait for the publish, so the previous checkpoint outlives an interrupted write.
+
+    A save due while another is in flight first waits for it (the rest of that write is then a
+    stall), as torchtitan does; so does a synchronous save. The background DCP collectives run on
+    a gloo group of their own, created at the first save, so they never interleave with training's.
+    """
+
+    def __init__(self) -> None:
+        self._group: Optional[dist.ProcessGroup] = None
+        self._future: Optional[Future] = None
+        self._lock = threading.Lock()
+        self._published = threading.Event()
+        self._published.set()
+        self._failure: Optional[BaseException] = None  # rank 0: what went wrong while publishing
+        self._removals: list[Path] = []
+
+    @property
+    def in_flight(self) -> bool:
+        return self._future is not None
+
+    def save(self, checkpoint: dict[str, Any], path: Path, *, checksums: bool = False) -> None:
+        """Start a sharded save of Lightning's ``checkpoint`` dict; every rank calls it."""
+        self.wait()
+        if self._group is None and dist.is_initialized():
+            self._group = dist.new_group(backend=devices.default_backend(devices.CPU))  # host copies: gloo
+        tensors, rest = _split(dict(checkpoint))
+        path = Path(path)
+        staging = on_rank0(lambda: _start_sharded(path, rest))
+        if rank() == 0:
+            self._published.clear()
+        try:
+            future = dcp.async_save(tensors, checkpoint_id=str(staging), process_group=self._group, no_dist=not dist.is_initialized())
+        except BaseException:
+            self._published.set()
+            raise
+        self._future = future
+        if rank() == 0:
+            future.add_done_callback(lambda done: self._publish(done, staging, path, tensors, checksums))
+
+    def _publish(self, done: Future, staging: Path, path: Path, tensors: Mapping[str, Any], checksums: bool) -> None:
+        """Rank 0, on DCP's background thread: publish the finished save, then the removals it held back."""
+        try:
+            done.result()
+            files = {n: layout.file_record(staging / n, checksum=checksums) for n in layout.data_files(staging)}
+            _finish_sharded(staging, path, files, tensors, checksums)
+        except BaseException as exc:  # noqa: BLE001 - re-raised on every rank by wait()
+            self._failure = exc
+            try:
+                layout.remove(staging)
+            except OSError:
+                pass  # the next save's clean-up removes it
+        with self._lock:
+            removals, self._removals = self._removals, []
+            self._published.set()
+        for old in removals:
+            layout.remove(old)
+
+    def remove(self, path: Path) -> None:
+        """Rank 0: delete a checkpoint now, or once the save in flight is published."""
+        with self._lock:
+            if not self._published.is_set():
+                self._removals.append(Path(path))
+                return
+        layout.remove(Path(path))
+
+    def wait(self) -> None:
+        """Block until the save in flight is written and published; its error is raised on every rank.
+
+        Every rank calls it (the outcome is agreed in one collective). After a failure, when the
+        other ranks may not come, do not call it: an unpublished save stays a staging directory.
+        """
+        future, self._future = self._future, None
+        if future is None:
+            return
+        error: Optional[BaseException] = None
+        try:
+            future.result()
+        except Exception as exc:  # noqa: BLE001 - shared with every rank below
+            error = exc
+        if rank() == 0:
+            self._published.wait()
+            error, self._failure = error or self._failure, None
+        agree(error)
 
 
 def _save_full(checkpoint: dict[str, Any], path: Path) -> None:

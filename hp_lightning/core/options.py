@@ -130,8 +130,9 @@ class HSDPOptions:
     failure_exit_grace: float = 30.0
     save_on_preemption: bool = False
     meta_init: bool = True
-    resumable_dataloaders: bool = True
+    resumable_dataloaders: bool = False
     checkpoint_checksums: bool = False
+    async_save: bool = False
 
     def __post_init__(self) -> None:
         tp, ep = validate_parallel_sizes(self.tensor_parallel_size, self.expert_parallel_size)
@@ -168,7 +169,15 @@ class HSDPOptions:
             "meta_init": _check_bool(self.meta_init, "meta_init"),
             "resumable_dataloaders": _check_bool(self.resumable_dataloaders, "resumable_dataloaders"),
             "checkpoint_checksums": _check_bool(self.checkpoint_checksums, "checkpoint_checksums"),
+            "async_save": _check_bool(self.async_save, "async_save"),
         }
+        if normalized["async_save"] and normalized["state_dict_type"] != "sharded":
+            raise ValueError(
+                f"HSDPStrategy(async_save=True) writes sharded checkpoints in the background, but got state_dict_type="
+                f"{normalized['state_dict_type']!r}, which gathers the whole state on rank 0 and writes one file. Use "
+                f"state_dict_type='sharded' (convert afterwards with `python -m hp_lightning.checkpoint consolidate`), "
+                f"or async_save=False."
+            )
         for name, value in normalized.items():
             object.__setattr__(self, name, value)
 

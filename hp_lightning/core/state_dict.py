@@ -8,14 +8,12 @@ what lets a checkpoint load into another world size or mesh.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-from torch.distributed.tensor import DTensor
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 from torch.optim import Optimizer
 
 Shape = Optional[tuple[int, ...]]  # None: a non-tensor entry (e.g. a module's extra state)
@@ -30,68 +28,9 @@ def unwrap_optimizer(optimizer: Any) -> Optimizer:
     return getattr(optimizer, "_optimizer", optimizer)
 
 
-# ---------------------------------------------------------------- gathering whole tensors
-
-
-@dataclass
-class GatherStats:
-    """What full-state gathers cost on this rank since the last :meth:`reset`.
-
-    Each sharded tensor is gathered on its own and, on rank 0, copied to the CPU before the next
-    one is gathered; other ranks drop it at once. So the gathered bytes alive at any moment on the
-    compute device never exceed ``largest_bytes`` (one tensor), however large the model.
-    """
-
-    tensors: int = 0
-    largest_bytes: int = 0
-    total_bytes: int = 0
-
-    def record(self, tensor: torch.Tensor) -> None:
-        nbytes = tensor.numel() * tensor.element_size()
-        self.tensors += 1
-        self.total_bytes += nbytes
-        self.largest_bytes = max(self.largest_bytes, nbytes)
-
-    def reset(self) -> None:
-        self.tensors = self.largest_bytes = self.total_bytes = 0
-
-
-_FULL_GATHER = GatherStats()
-
-
-def full_gather_stats() -> GatherStats:
-    """This process's running record of full-state gathers (reset it before the save you measure)."""
-    return _FULL_GATHER
-
-
-def _whole_on_rank0(value: Any) -> Any:
-    """One tensor made whole: gathered if sharded (a collective), returned on the CPU on rank 0 only."""
-    if isinstance(value, DTensor):
-        whole = value.full_tensor()
-        _FULL_GATHER.record(whole)
-        live = value.to_local()
-    elif isinstance(value, torch.Tensor):
-        whole = live = value
-    else:
-        return value
-    if _rank() != 0:
-        return None
-    on_cpu = whole.detach().cpu()  # copies only from an accelerator
-    # Never hand out a view of live training state (replicated parameters, buffers on the CPU).
-    return on_cpu.clone() if on_cpu.data_ptr() == live.data_ptr() else on_cpu
-
-
-def gather_full(state: Mapping[str, Any]) -> dict[str, Any]:
-    """Whole CPU tensors on rank 0 (empty dict elsewhere), gathered one tensor at a time.
-
-    Every rank must call it with the same keys in the same order (the gathers are collectives).
-    """
-    out: dict[str, Any] = {}
-    for key, value in state.items():
-        whole = _whole_on_rank0(value)
-        if _rank() == 0:
-            out[key] = whole
-    return out if _rank() == 0 else {}
+# Whole tensors, gathered by torch one at a time and kept (on the CPU) by rank 0 only: the other
+# ranks drop each at once, so no rank holds more than one whole tensor of gathered state on its device.
+_FULL_ON_RANK0 = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
 def model_state_dict(model: nn.Module, *, full: bool) -> dict[str, Any]:
@@ -99,19 +38,14 @@ def model_state_dict(model: nn.Module, *, full: bool) -> dict[str, Any]:
 
     ``full=True`` returns an empty dict on other ranks: they never hold the whole model.
     """
-    sharded = get_model_state_dict(model)
-    return gather_full(sharded) if full else sharded
+    state = get_model_state_dict(model, options=_FULL_ON_RANK0 if full else None)
+    return {} if full and _rank() != 0 else state
 
 
 def optimizer_state_dict(model: nn.Module, optimizer: Any, *, full: bool) -> dict[str, Any]:
     """The optimizer's state keyed by parameter names, sharded like the model or whole on rank 0."""
-    sharded = get_optimizer_state_dict(model, unwrap_optimizer(optimizer))
-    if not full:
-        return sharded
-    state = {name: gather_full(per_param) for name, per_param in sharded["state"].items()}
-    if _rank() != 0:
-        return {}
-    return {"state": state, "param_groups": [dict(group) for group in sharded["param_groups"]]}
+    state = get_optimizer_state_dict(model, unwrap_optimizer(optimizer), options=_FULL_ON_RANK0 if full else None)
+    return {} if full and _rank() != 0 else state
 
 
 # ---------------------------------------------------------------- keys and shapes

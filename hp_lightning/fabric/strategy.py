@@ -34,6 +34,7 @@ from typing_extensions import override
 
 from hp_lightning import _frontend as frontend
 from hp_lightning import checkpoint as checkpoint_io
+from hp_lightning.checkpoint import AsyncSaves
 from hp_lightning._lightning_private import (
     BackwardSyncControl,
     FabricSubprocessScriptLauncher,
@@ -136,6 +137,10 @@ class HSDPStrategy(frontend.MeshAccess, ParallelStrategy):
         resumable_dataloaders: Trainer only (the Trainer wraps plain training loaders so a
             mid-epoch resume continues the epoch). Fabric saves what you pass to ``fabric.save``:
             put a ``StatefulDataLoader`` (or a ``ResumableLoader``) in that state to resume mid-epoch.
+        async_save: ``fabric.save`` of a sharded checkpoint returns once the state is copied to
+            host memory; the files are written in the background and published when every rank
+            is done. At most one in flight: the next save, a load and :meth:`teardown` wait for it;
+            call :meth:`wait_for_checkpoint` before reading it yourself.
     """
 
     _mesh_available = "once the processes are set up (after fabric.launch())"
@@ -178,8 +183,9 @@ class HSDPStrategy(frontend.MeshAccess, ParallelStrategy):
         save_on_preemption: bool = False,
         train_timeout: Optional[Union[float, timedelta]] = None,
         meta_init: bool = True,
-        resumable_dataloaders: bool = True,
+        resumable_dataloaders: bool = False,
         checkpoint_checksums: bool = False,
+        async_save: bool = False,
     ) -> None:
         # Validate everything here: this runs in Fabric(...) before any process or group exists.
         self.options = HSDPOptions(
@@ -215,6 +221,7 @@ class HSDPStrategy(frontend.MeshAccess, ParallelStrategy):
             meta_init=meta_init,
             resumable_dataloaders=resumable_dataloaders,
             checkpoint_checksums=checkpoint_checksums,
+            async_save=async_save,
         )
         if self.options.save_on_preemption:
             raise ValueError(
@@ -235,6 +242,7 @@ class HSDPStrategy(frontend.MeshAccess, ParallelStrategy):
         self._accumulation_mode = self.options.accumulation_mode
         self._backward_sync_control = _NoGradientSync(self)
         self._mesh: Optional[ParallelMesh] = None
+        self._async_saves = AsyncSaves()
         self._models: list[nn.Module] = []
         # Parameters sharding replaced (by id, weakly held): an optimizer still holding one is stale.
         self._replaced: dict[int, weakref.ref] = {}
@@ -605,9 +613,16 @@ class HSDPStrategy(frontend.MeshAccess, ParallelStrategy):
         self.reshard_all()
         target = Path(self.broadcast(str(path)))
         full = self.options.state_dict_type == "full"
-        checkpoint_io.save_checkpoint(
-            fabric_state.to_checkpoint(parts, full=full), target, sharded=not full, checksums=self.options.checkpoint_checksums
-        )
+        checkpoint = fabric_state.to_checkpoint(parts, full=full)
+        if self.options.async_save:
+            self._async_saves.save(checkpoint, target, checksums=self.options.checkpoint_checksums)
+            return
+        self.wait_for_checkpoint()
+        checkpoint_io.save_checkpoint(checkpoint, target, sharded=not full, checksums=self.options.checkpoint_checksums)
+
+    def wait_for_checkpoint(self) -> None:
+        """Block until an ``async_save`` in flight is written and published (every rank calls it)."""
+        self._async_saves.wait()
 
     @override
     def load_checkpoint(
@@ -640,6 +655,7 @@ class HSDPStrategy(frontend.MeshAccess, ParallelStrategy):
                 model), an optimizer alone, or a ``state`` without exactly one sharded model.
             FileNotFoundError, KeyError, CorruptCheckpointError: as :func:`hp_lightning.checkpoint.load_checkpoint`.
         """
+        self.wait_for_checkpoint()
         source = Path(self.broadcast(str(path)))
         if not state:
             if source.is_dir():
@@ -684,7 +700,8 @@ class HSDPStrategy(frontend.MeshAccess, ParallelStrategy):
 
     @override
     def teardown(self) -> None:
-        """Stop the fault watchdog and release the environment (call it when the process goes on without Fabric)."""
+        """Finish a save in flight, stop the fault watchdog and release the environment (call it when the process goes on without Fabric)."""
+        self.wait_for_checkpoint()
         if self._watchdog is not None:
             self._watchdog.stop()
             atexit.unregister(self._leave_at_exit)

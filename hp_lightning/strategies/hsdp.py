@@ -21,7 +21,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
@@ -30,6 +30,7 @@ from typing_extensions import override
 
 from hp_lightning import _frontend as frontend
 from hp_lightning import checkpoint as checkpoint_io
+from hp_lightning.checkpoint import AsyncSaves
 from hp_lightning._lightning_private import (
     before_resume,
     PathLike,
@@ -139,11 +140,17 @@ class HSDPStrategy(frontend.MeshAccess, ParallelStrategy):
             (a full read). False: the manifest records sizes, and a resume checks those and the
             manifest without reading the data (a same-size alteration is then not caught;
             ``python -m hp_lightning.checkpoint verify`` reports which check it could make).
-        resumable_dataloaders: wrap a plain sized training ``DataLoader`` in
-            :class:`hp_lightning.ResumableLoader` (said once in the log), so a run resumed mid-epoch
-            continues the epoch instead of restarting it. Loaders with their own state (torchdata's
-            ``StatefulDataLoader``, recommended) are never wrapped. False: leave plain loaders
-            alone (a warning says once that they restart their epoch on resume).
+        resumable_dataloaders: opt in to wrapping a plain sized training ``DataLoader`` in
+            :class:`hp_lightning.ResumableLoader` (said once in the log), so a run resumed
+            mid-epoch continues the epoch instead of restarting it. Off (default), plain loaders
+            are left alone and restart their epoch on resume, as in Lightning (which warns when
+            the checkpoint was taken mid-epoch). Recommended instead: torchdata's
+            ``StatefulDataLoader``, which Lightning checkpoints itself (never wrapped).
+        async_save: sharded saves during ``fit`` copy the state to host memory and return; a
+            background thread writes the files and the checkpoint is published (atomically) when
+            every rank's write is done. At most one save is in flight: the next one due first
+            waits for it. Saves outside ``fit``, on preemption and at the end of ``fit`` are
+            complete when they return. Needs ``state_dict_type="sharded"``.
     """
 
     strategy_name = "hsdp"
@@ -187,8 +194,9 @@ class HSDPStrategy(frontend.MeshAccess, ParallelStrategy):
         failure_exit_grace: float = 30.0,
         save_on_preemption: bool = False,
         meta_init: bool = True,
-        resumable_dataloaders: bool = True,
+        resumable_dataloaders: bool = False,
         checkpoint_checksums: bool = False,
+        async_save: bool = False,
     ) -> None:
         # Validate everything here: this runs in Trainer(...) before any process or group exists.
         self.options = HSDPOptions(
@@ -224,6 +232,7 @@ class HSDPStrategy(frontend.MeshAccess, ParallelStrategy):
             meta_init=meta_init,
             resumable_dataloaders=resumable_dataloaders,
             checkpoint_checksums=checkpoint_checksums,
+            async_save=async_save,
         )
         self._process_group_backend = self.options.process_group_backend
         self._accumulation_mode = self.options.accumulation_mode
@@ -240,6 +249,8 @@ class HSDPStrategy(frontend.MeshAccess, ParallelStrategy):
         self._watchdog: Optional[watchdog.FaultWatchdog] = None
         self._preemption = PreemptionWatch()
         self._train_timeout_set = False
+        self._async_saves = AsyncSaves()
+        self._failed = False
 
     # ------------------------------------------------------------------ properties
 
@@ -353,6 +364,7 @@ class HSDPStrategy(frontend.MeshAccess, ParallelStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.model is not None
         assert self.accelerator is not None
+        self._failed = False
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
         # Units the user sharded in configure_model are kept; everything else is sharded here,
@@ -514,6 +526,7 @@ class HSDPStrategy(frontend.MeshAccess, ParallelStrategy):
     @override
     def on_train_end(self) -> None:
         self.reshard_all()
+        self.wait_for_checkpoint()  # fit returns with every checkpoint published
 
     # ------------------------------------------------------------------ collectives
 
@@ -566,14 +579,32 @@ class HSDPStrategy(frontend.MeshAccess, ParallelStrategy):
         if storage_options is not None:
             raise TypeError(f"HSDPStrategy.save_checkpoint does not take storage_options; got {storage_options!r}.")
         path = Path(self.broadcast(str(filepath)))
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if self.options.async_save and trainer is not None and trainer.state.fn == TrainerFn.FITTING:
+            self._async_saves.save(checkpoint, path, checksums=self.options.checkpoint_checksums)
+            return
+        self.wait_for_checkpoint()  # a save never overtakes the one in flight
         checkpoint_io.save_checkpoint(
             checkpoint, path, sharded=self.options.state_dict_type == "sharded", checksums=self.options.checkpoint_checksums
         )
+
+    @property
+    def checkpoint_in_flight(self) -> bool:
+        """Whether an ``async_save`` checkpoint may still be writing (until :meth:`wait_for_checkpoint`)."""
+        return self._async_saves.in_flight
+
+    def wait_for_checkpoint(self) -> None:
+        """Block until an ``async_save`` in flight is written and published (every rank calls it).
+
+        A no-op without one. Raises the save's error, if it failed, on every rank.
+        """
+        self._async_saves.wait()
 
     @override
     def load_checkpoint(self, checkpoint_path: PathLike, weights_only: Optional[bool] = None) -> dict[str, Any]:
         assert self.model is not None
         assert self.lightning_module is not None
+        self.wait_for_checkpoint()  # never read what a save in flight is still writing
         path = Path(self.broadcast(str(checkpoint_path)))
         return checkpoint_io.load_checkpoint(
             path, self.model, self.optimizers, strict=self.lightning_module.strict_loading, weights_only=weights_only
@@ -581,24 +612,20 @@ class HSDPStrategy(frontend.MeshAccess, ParallelStrategy):
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
-        """With ``resumable_dataloaders=True`` (default), a plain sized training ``DataLoader`` resumes mid-epoch.
+        """With ``resumable_dataloaders=True``, a plain sized training ``DataLoader`` resumes mid-epoch.
 
-        Lightning restarts a plain ``DataLoader`` at the start of its epoch on resume; the wrapper
+        Lightning restarts a plain ``DataLoader`` at the start of its epoch on resume (and says so
+        when the checkpoint was taken mid-epoch); the opt-in wrapper
         (:class:`~hp_lightning.checkpoint.ResumableLoader`, said once in the log) records the
         batches served and skips them at the sampler on resume (nothing is reloaded). A loader
-        with its own state (torchdata's ``StatefulDataLoader``, which Lightning checkpoints
-        natively) is never wrapped; with the option off, a plain one is left alone and a warning
-        says once that it restarts its epoch. Evaluation loaders always start from their beginning.
+        with its own state (torchdata's ``StatefulDataLoader``, recommended: Lightning checkpoints
+        it natively) is never wrapped. Evaluation loaders always start from their beginning.
         """
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         training = trainer is not None and trainer.state.stage == RunningStage.TRAINING
-        if not (training and isinstance(dataloader, DataLoader) and has_len(dataloader)) or isinstance(dataloader, Stateful):
+        if not (training and self.options.resumable_dataloaders and isinstance(dataloader, DataLoader) and has_len(dataloader)):
             return dataloader
-        if not self.options.resumable_dataloaders:
-            rank_zero_warn(
-                "The training DataLoader has no state: a run resumed mid-epoch restarts its epoch (batches seen before "
-                "the checkpoint are seen again). Use torchdata's StatefulDataLoader, or HSDPStrategy(resumable_dataloaders=True)."
-            )
+        if isinstance(dataloader, Stateful):
             return dataloader
         rank_zero_info(
             "HSDPStrategy(resumable_dataloaders=True) wraps the training DataLoader in hp_lightning.ResumableLoader, so a "
@@ -609,13 +636,14 @@ class HSDPStrategy(frontend.MeshAccess, ParallelStrategy):
 
     @override
     def remove_checkpoint(self, filepath: PathLike) -> None:
-        if self.is_global_zero:
-            checkpoint_io.remove_checkpoint(Path(filepath))
+        if self.is_global_zero:  # held back until the save in flight (if any) is published
+            self._async_saves.remove(Path(filepath))
 
     # ------------------------------------------------------------------ teardown
 
     @override
     def on_exception(self, exception: BaseException) -> None:
+        self._failed = True  # teardown then leaves an unfinished async save unpublished: no collective
         if self._watchdog is None:
             return
         if isinstance(exception, Preempted) and exception.detail != "during evaluation":
@@ -626,6 +654,8 @@ class HSDPStrategy(frontend.MeshAccess, ParallelStrategy):
 
     @override
     def teardown(self) -> None:
+        if not self._failed:
+            self.wait_for_checkpoint()
         self._preemption.restore()
         if self._watchdog is not None:
             self._watchdog.stop()

@@ -74,6 +74,7 @@ class PreemptionStop(Callback):
         elif self.save:
             self.saved = preemption_checkpoint_path(trainer)
             trainer.save_checkpoint(self.saved)
+            trainer.strategy.wait_for_checkpoint()  # published before the job ends, even with async_save
             detail += f", saved {self.saved} (resume with ckpt_path='last')"
         rank_zero_info(f"[hp_lightning] {Preempted(signum, detail)}")
         raise Preempted(signum, detail)

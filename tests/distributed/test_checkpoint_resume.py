@@ -23,7 +23,9 @@ import pytest
 import torch
 from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from hp_lightning.checkpoint.layout import is_complete
 from tests.helpers import RegressionModule, full_params, loader, make_dataset, max_rel_diff, rank_loader, run_distributed, trainer_kwargs
 
 GLOBAL_BATCH = 16
@@ -63,6 +65,20 @@ def optimizer_by_name(model: torch.nn.Module, optimizer: torch.optim.Optimizer) 
     return {f"{name}.{key}": value.detach().float().cpu().clone() for name, entries in state.items() for key, value in entries.items()}
 
 
+class GatherRecorder(TorchDispatchMode):
+    """Bytes each all-gather returns, recorded at torch's functional collective (what ``full_tensor`` calls)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gathered_bytes: list[int] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops._c10d_functional.all_gather_into_tensor.default:
+            self.gathered_bytes.append(out.numel() * out.element_size())
+        return out
+
+
 def fit_run(
     world: int,
     *,
@@ -73,10 +89,11 @@ def fit_run(
     callbacks: tuple[pl.Callback, ...] = (),
     save_to: Optional[str] = None,
     stateful: bool = False,
+    async_save: bool = False,
 ) -> dict[str, Any]:
     """One training run; ``world=0`` is a plain single-process Lightning run (no hp_lightning strategy)."""
     import hp_lightning
-    from hp_lightning.checkpoint import ResumableLoader, full_gather_stats
+    from hp_lightning.checkpoint import ResumableLoader
 
     seed_everything(0)
     model = RegressionModule()
@@ -86,7 +103,7 @@ def fit_run(
         trainer = Trainer(devices=1, max_steps=max_steps, callbacks=[observer, *callbacks], **kwargs)
         data = ResumableLoader(loader(make_dataset(), GLOBAL_BATCH))
     else:
-        strategy = hp_lightning.HSDPStrategy(mesh_shape=mesh_shape, state_dict_type=state_dict_type)
+        strategy = hp_lightning.HSDPStrategy(mesh_shape=mesh_shape, state_dict_type=state_dict_type, async_save=async_save)
         trainer = Trainer(devices=world, strategy=strategy, max_steps=max_steps, callbacks=[observer, *callbacks], **kwargs)
         data = ResumableLoader(rank_loader(make_dataset(), GLOBAL_BATCH, world))
         if stateful:  # torchdata's loader: Lightning checkpoints its state, the strategy does not wrap it
@@ -99,10 +116,10 @@ def fit_run(
     trainer.fit(model, data, ckpt_path=ckpt_path)
     gathered = None
     if save_to:
-        full_gather_stats().reset()
-        trainer.save_checkpoint(save_to)
-        stats = full_gather_stats()
-        gathered = {"tensors": stats.tensors, "largest_bytes": stats.largest_bytes, "total_bytes": stats.total_bytes}
+        with GatherRecorder() as recorder:
+            trainer.save_checkpoint(save_to)
+        sizes = recorder.gathered_bytes
+        gathered = {"tensors": len(sizes), "largest_bytes": max(sizes, default=0), "total_bytes": sum(sizes)}
     return {
         "params": full_params(model),
         "optim": optimizer_by_name(model, trainer.optimizers[0]),
@@ -163,6 +180,22 @@ def same_world_worker(tmp: str) -> dict[str, Any]:
     first = fit_run(2, mesh_shape=[2], max_steps=N, callbacks=(every_n,), stateful=True)
     resumed = fit_run(2, mesh_shape=[2], max_steps=2 * N, ckpt_path=str(root / "stateful" / f"step={N}.ckpt"), stateful=True)
     out["stateful"] = {"first": first, "resumed": resumed}
+    # async_save: top-2 by loss every step plus an every-N save (two saves due at step N: the
+    # second waits for the first), then an async run resumes from the step-N save.
+    in_flight: list[bool] = []
+
+    class InFlight(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            in_flight.append(trainer.strategy.checkpoint_in_flight)
+
+    top_2 = ModelCheckpoint(dirpath=root / "async_top2", monitor="train_loss", save_top_k=2, every_n_train_steps=1, filename="{step}")
+    every_n = ModelCheckpoint(dirpath=root / "async", every_n_train_steps=N, save_top_k=-1, filename="{step}")
+    first = fit_run(2, mesh_shape=[2], max_steps=N, callbacks=(InFlight(), top_2, every_n), async_save=True)
+    after_fit: dict[str, Any] = {"listing": sorted(os.listdir(root / "async_top2"))}
+    after_fit["kept"] = sorted(Path(p).name for p in top_2.best_k_models)
+    after_fit["complete"] = [is_complete(root / "async_top2" / name) for name in after_fit["listing"]]
+    resumed = fit_run(2, mesh_shape=[2], max_steps=2 * N, ckpt_path=str(root / "async" / f"step={N}.ckpt"), async_save=True)
+    out["async"] = {"first": first, "resumed": resumed, "in_flight": in_flight, **after_fit}
     # save_last="link" (Lightning's symlink to the newest top-k save) with sharded directories, then resume from it.
     linked = lambda: ModelCheckpoint(  # noqa: E731
         dirpath=root / "link", save_last="link", save_top_k=2, monitor="train_loss", every_n_train_steps=1, filename="{step}"
@@ -225,6 +258,19 @@ def test_stateful_dataloader_resumes_mid_epoch_exactly_without_a_wrapper(same_wo
         assert run["first"]["batches"] + run["resumed"]["batches"] == straight["batches"]  # the epoch continued
         params, optim = state_diff(run["resumed"], straight)
         assert params <= 1e-6 and optim <= 1e-6, (params, optim)
+
+
+def test_async_save_resumes_exactly_and_keeps_exactly_top_k(same_world: list[dict[str, Any]]) -> None:
+    run, straight = same_world[0]["async"], same_world[0]["straight"]
+    # Saves at steps 1..N-1 were still in flight when the next batch started: training went on.
+    assert run["in_flight"][1:N] == [True] * (N - 1), run["in_flight"]
+    assert run["resumed"]["start_step"] == N and run["resumed"]["global_step"] == 2 * N
+    params, optim = state_diff(run["resumed"], straight)
+    print(f"async_save, 2 ranks, N + save + N vs 2N straight: parameters {params:.2e}, optimizer state {optim:.2e}")
+    assert params <= 1e-6 and optim <= 1e-6, (params, optim)
+    # N saves, N - 2 removals held back until the next publish: exactly the two best, both complete.
+    assert run["listing"] == run["kept"] and len(run["kept"]) == 2, run
+    assert all(run["complete"]), run
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -206,15 +206,15 @@ def chain_worker(tmp: str, fmt: str) -> dict[str, Any]:
             optimizer.step()
             optimizer.zero_grad()
 
-    # 1. Fabric, steps 0 .. N-1, saved in `fmt`.
-    fabric = make_fabric(2, mesh_shape=[2], state_dict_type=fmt)
+    # 1. Fabric, steps 0 .. N-1, saved in `fmt` (sharded: with async_save; teardown waits for the write).
+    fabric = make_fabric(2, mesh_shape=[2], state_dict_type=fmt, async_save=fmt == "sharded")
     torch.manual_seed(0)
     model = FabricNet()
     model, optimizer = fabric.setup(model, adamw(model.parameters()))
     train(fabric, model, optimizer, 0, N)
     fabric.save(root / "fabric.ckpt", {"model": model, "optimizer": optimizer, "step": N})
+    fabric.strategy.teardown()  # with async_save: waits until the save is published
     saved_kind = "dir" if (root / "fabric.ckpt").is_dir() else "file"
-    fabric.strategy.teardown()
 
     # 2. The Trainer resumes it (its loops start at 0: Fabric has none) on batches N .. 2N-1, saves in `fmt`.
     seed_everything(0)

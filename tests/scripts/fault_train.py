@@ -14,7 +14,8 @@ Faults (on rank R at global step S):
 * ``stuck``: an exception, with a non-daemon thread that keeps the process alive afterwards;
 * ``nan`` / ``nan_clip``: a NaN written into rank R's gradient shard of ``--param``, caught by
   ``NonFiniteGradients`` or by clipping with ``error_if_nonfinite=True``;
-* ``save_kill``: SIGKILL right after rank R wrote its shards of the step-S checkpoint;
+* ``save_kill``: SIGKILL right after rank R wrote its shards of the step-S checkpoint (with
+  ``--async-save``: in the background writer thread, while the main thread trains on);
 * ``disagree``: rank R runs with a different ``--mesh`` (the others use ``[2]``);
 * ``deadlock``: rank R's main thread blocks on a lock it already holds (its watchdog thread
   still beats);
@@ -70,7 +71,8 @@ def _launch_rank() -> int:
 
 def mark_fault(out: Path, kind: str) -> None:
     """Record who fails and when, just before failing."""
-    (out / "fault.json").write_text(json.dumps({"rank": _rank(), "kind": kind, "time": time.time()}))
+    record = {"rank": _rank(), "kind": kind, "time": time.time(), "thread": threading.current_thread().name}
+    (out / "fault.json").write_text(json.dumps(record))
 
 
 class FaultyModule(RegressionModule):
@@ -161,18 +163,24 @@ class FaultyData(torch.utils.data.Dataset):
 def kill_after_shards_written(args: argparse.Namespace) -> None:
     """Rank R dies right after DCP wrote its shards of the step-S save: no manifest, nothing published."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import filesystem
 
-    original = dcp.save
+    def then_die(original):
+        def wrapped(*pos, **kw):
+            result = original(*pos, **kw)
+            if _rank() == args.rank and args.saves_seen == args.step_save_index:
+                mark_fault(args.out, "save_kill")
+                os.kill(os.getpid(), signal.SIGKILL)
+            args.saves_seen += 1
+            return result
 
-    def save_then_die(*pos, **kw):
-        result = original(*pos, **kw)
-        if _rank() == args.rank and args.saves_seen == args.step_save_index:
-            mark_fault(args.out, "save_kill")
-            os.kill(os.getpid(), signal.SIGKILL)
-        args.saves_seen += 1
-        return result
+        return wrapped
 
-    dcp.save = save_then_die
+    if args.async_save:  # the shard writer runs on DCP's background thread
+        writer = filesystem._FileSystemWriter
+        writer.write_data = then_die(writer.write_data)
+    else:
+        dcp.save = then_die(dcp.save)
 
 
 def main() -> None:
@@ -188,6 +196,7 @@ def main() -> None:
     parser.add_argument("--exit-grace", type=float, default=30.0)
     parser.add_argument("--no-watchdog", action="store_true")
     parser.add_argument("--save-on-preemption", action="store_true")
+    parser.add_argument("--async-save", action="store_true")
     parser.add_argument("--train-timeout", type=float, default=None)
     parser.add_argument("--resume", action="store_true", help="fit(ckpt_path='last') from OUT/ckpts")
     parser.add_argument("--dump", action="store_true", help="rank 0 writes the final parameters to OUT/params.pt")
@@ -212,6 +221,8 @@ def main() -> None:
         heartbeat_timeout=args.heartbeat_timeout,
         failure_exit_grace=args.exit_grace,
         save_on_preemption=args.save_on_preemption,
+        async_save=args.async_save,
+        resumable_dataloaders=True,  # a resume continues the epoch: compared with a straight run
         train_timeout=args.train_timeout,
     )
     callbacks: list[Callback] = [Injector(args)]

@@ -76,6 +76,13 @@ def test_nonexistent_path_names_the_checkpoints_nearby(tmp_path: Path) -> None:
         classify(tmp_path / "nowhere" / "x.ckpt")
 
 
+def test_a_link_to_a_save_that_never_finished_is_named(tmp_path: Path) -> None:
+    write_sharded(tmp_path / "step=2.ckpt")
+    (tmp_path / "last.ckpt").symlink_to("step=4.ckpt")  # save_last="link" to an unpublished async save
+    with pytest.raises(FileNotFoundError, match=r"last\.ckpt' is a link to 'step=4\.ckpt', which does not exist.*step=2\.ckpt"):
+        classify(tmp_path / "last.ckpt")
+
+
 def test_a_directory_that_is_not_a_checkpoint(tmp_path: Path) -> None:
     (tmp_path / "logs").mkdir()
     (tmp_path / "logs" / "events.out").write_text("x")

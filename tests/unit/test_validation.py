@@ -47,6 +47,8 @@ BAD_STRATEGY_ARGS = [
     (dict(shard_placement={"*.weight": "1"}), TypeError, r"maps strings to ints"),
     (dict(shard_placement=[("*.weight", 1)]), TypeError, r"mapping of parameter-name glob to dim"),
     (dict(process_group_backend=3), TypeError, r"string like 'gloo' or None"),
+    (dict(async_save="yes"), TypeError, r"async_save=.*True or False; got str"),
+    (dict(async_save=True, state_dict_type="full"), ValueError, r"async_save=True.*got state_dict_type='full'.*state_dict_type='sharded'"),
 ]
 
 
