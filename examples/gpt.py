@@ -223,20 +223,28 @@ class GPT(nn.Module):
     def forward(self, idx: Tensor) -> Tensor:
         """Token ids ``(batch, time)`` → next-token logits ``(batch, time, vocab_size)``.
 
+        Under pipeline parallelism a stage holds only some of the pieces (the others are ``None``,
+        torchtitan's convention): a later stage takes hidden states ``(batch, time, n_embd)``
+        instead of token ids, and an earlier one returns hidden states instead of logits.
+
         Raises:
             ValueError: for a sequence longer than ``block_size``.
         """
-        time = idx.shape[-1]
+        time = idx.shape[1]
         if time > self.config.block_size:
             raise ValueError(
                 f"GPT.forward got a sequence of {time} tokens; this model's block_size is "
                 f"{self.config.block_size}. Crop the input to the last {self.config.block_size} tokens."
             )
-        positions = torch.arange(time, device=idx.device)
-        x = self.drop(self.tok_emb(idx) + self.pos_emb(positions))
+        x = idx
+        if self.tok_emb is not None:  # the first stage
+            positions = torch.arange(time, device=idx.device)
+            x = self.drop(self.tok_emb(idx) + self.pos_emb(positions))
         for block in self.blocks:
             x = block(x)
-        return self.head(self.ln_f(x))
+        if self.head is not None:  # the last stage
+            x = self.head(self.ln_f(x))
+        return x
 
     @torch.no_grad()
     def generate(self, idx: Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: Optional[int] = None) -> Tensor:
@@ -421,10 +429,13 @@ class GPTLightningModule(pl.LightningModule):
         idx = encode(prompt or "\n").unsqueeze(0).to(self.device)
         return decode(self.generate(idx, max_new_tokens, temperature=temperature, top_k=top_k)[0])
 
+    def pipeline_loss(self, logits: Tensor, targets: Tensor) -> Tensor:
+        """Next-token cross-entropy; also what the last pipeline stage computes per micro-batch."""
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+
     def _loss(self, batch: tuple[Tensor, Tensor]) -> Tensor:
         inputs, targets = batch
-        logits = self(inputs)
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+        return self.pipeline_loss(self(inputs), targets)
 
     @override
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:

@@ -28,7 +28,7 @@ from hp_lightning.fully_shard import (
     set_model_state_dict,
 )
 from hp_lightning.core.mesh import init_device_mesh
-from hp_lightning.parallel import ExpertParallel, parallelize_module
+from hp_lightning.parallel import ExpertParallel, PipelineStage, parallelize_module
 from hp_lightning.fabric import HSDPStrategy as FabricHSDPStrategy
 from hp_lightning.strategies import HSDPPrecision, HSDPStrategy
 
@@ -55,6 +55,7 @@ __all__ = [
     "MixedPrecisionPolicy",
     "NPUAccelerator",
     "OffloadPolicy",
+    "PipelineStage",
     "ResumableLoader",
     "__version__",
     "enable_npu_auto_selection",

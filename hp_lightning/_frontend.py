@@ -45,14 +45,14 @@ class MeshAccess:
         return self.parallel_mesh.dp
 
     def data_parallel_sampler_kwargs(self, world_size: int, global_rank: int) -> dict[str, Any]:
-        """Every data-parallel rank reads different data; the ranks of one TP group the same."""
-        if self._mesh is None or self._mesh.layout.tp == 1:
+        """Every data-parallel rank reads different data; the ranks of one TP group (or pipeline) the same."""
+        if self._mesh is None or (self._mesh.layout.tp == 1 and self._mesh.layout.pp == 1):
             return {"num_replicas": world_size, "rank": global_rank}
         return {"num_replicas": self._mesh.dp_size, "rank": self._mesh.dp_rank}
 
     def data_parallel_group(self, group: Any) -> Any:
-        """``group``, or the data-parallel group under TP when none is given (TP peers hold the same value)."""
-        if group is None and self._mesh is not None and self._mesh.layout.tp > 1:
+        """``group``, or the data-parallel group under TP/PP when none is given (TP peers hold the same value)."""
+        if group is None and self._mesh is not None and (self._mesh.layout.tp > 1 or self._mesh.layout.pp > 1):
             return self._mesh.dp_group
         return group
 
@@ -80,6 +80,7 @@ def layout(strategy: Any, world_size: int) -> MeshLayout:
         devices_per_node=strategy.num_processes,
         tensor_parallel_size=options.tensor_parallel_size,
         expert_parallel_size=options.expert_parallel_size,
+        pipeline_parallel_size=options.pipeline_parallel_size,
     )
 
 

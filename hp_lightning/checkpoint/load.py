@@ -13,7 +13,7 @@ see that file.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Optional
 
@@ -65,6 +65,7 @@ def load_checkpoint(
     strict: bool = True,
     weights_only: Optional[bool] = None,
     verify: bool = True,
+    elsewhere: Collection[str] = (),
 ) -> dict[str, Any]:
     """Load a checkpoint of any supported format into the sharded ``model`` and ``optimizers``.
 
@@ -80,6 +81,8 @@ def load_checkpoint(
         verify: check what the save recorded before reading: the sizes and the manifest (no
             read), and the SHA-256 of every file when it was saved with checksums (one extra read
             of every file, spread over the ranks); single files: their zip CRC-32s.
+        elsewhere: model keys other ranks load (a pipeline's other stages): neither missing here
+            nor unexpected; sharded checkpoints only.
 
     Returns:
         The rest of the checkpoint (loops, callbacks, schedulers, ...) for Lightning to restore.
@@ -98,9 +101,14 @@ def load_checkpoint(
         return layout.classify(path)
 
     kind = on_rank0(find)
+    if elsewhere and kind is CheckpointKind.FULL_FILE:
+        raise ValueError(
+            f"{str(path)!r} is a single file; a pipeline stage loads its part of a sharded checkpoint only. Convert it "
+            f"first: python -m hp_lightning.checkpoint shard {path} {path}.sharded"
+        )
     if kind is CheckpointKind.FULL_FILE:
         return _load_full(path, model, optimizers, strict=strict, weights_only=weights_only, verify=verify)
-    return _load_sharded(path, kind, model, optimizers, strict=strict, weights_only=weights_only, verify=verify)
+    return _load_sharded(path, kind, model, optimizers, strict=strict, weights_only=weights_only, verify=verify, elsewhere=elsewhere)
 
 
 # ------------------------------------------------ sharded
@@ -197,6 +205,7 @@ def _load_sharded(
     weights_only: Optional[bool],
     verify: bool,
     prefix: str = "",
+    elsewhere: Collection[str] = (),
 ) -> dict[str, Any]:
     source = repr(str(path))
 
@@ -208,7 +217,7 @@ def _load_sharded(
     index = on_every_rank(lambda: dcp_index(path))
 
     model_key, stored = _stored_model(index)
-    stored = {k[len(prefix) :]: shape for k, shape in stored.items() if k.startswith(prefix)}
+    stored = {k[len(prefix) :]: shape for k, shape in stored.items() if k.startswith(prefix) and k[len(prefix) :] not in elsewhere}
     expected = model_shapes(model)
     missing, unexpected = on_every_rank(lambda: check_model_keys(expected, stored, strict=strict, source=source))
     _report_skipped(missing, unexpected, source)
@@ -226,6 +235,9 @@ def _load_sharded(
     set_model_state_dict(model, loaded_model, options=StateDictOptions(strict=False))
     for optimizer, (loaded, names, by_position, skipped) in zip(restoring, plans):
         named = positions_to_names(loaded, names, source) if by_position else loaded
+        if elsewhere:  # the stored groups list every stage's parameters; this stage's optimizer holds its own
+            for group, mine in zip(named["param_groups"], names):
+                group["params"] = list(mine)
         set_optimizer_state_dict(model, optimizer, named)
         _forget_state(model, optimizer, skipped)
 

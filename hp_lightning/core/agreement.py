@@ -55,8 +55,10 @@ def _rank_ranges(ranks: Sequence[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(parts)
 
 
-def disagreement_message(settings_per_rank: Sequence[Mapping[str, str]], stage: str) -> Optional[str]:
-    """The error text for settings that differ between ranks, or None when all agree."""
+def disagreement_message(
+    settings_per_rank: Sequence[Mapping[str, str]], stage: str, ranks: Optional[Sequence[int]] = None
+) -> Optional[str]:
+    """The error text for settings that differ between ranks (``ranks``: their global ranks), or None when all agree."""
     names: list[str] = []
     for settings in settings_per_rank:
         names += [n for n in settings if n not in names]
@@ -64,8 +66,8 @@ def disagreement_message(settings_per_rank: Sequence[Mapping[str, str]], stage: 
     differing = []
     for name in names:
         by_value: dict[str, list[int]] = {}
-        for rank, settings in enumerate(settings_per_rank):
-            by_value.setdefault(settings.get(name, "<not set>"), []).append(rank)
+        for index, settings in enumerate(settings_per_rank):
+            by_value.setdefault(settings.get(name, "<not set>"), []).append(ranks[index] if ranks else index)
         if len(by_value) < 2:
             continue
         differing.append(name)
@@ -84,7 +86,7 @@ def disagreement_message(settings_per_rank: Sequence[Mapping[str, str]], stage: 
     )
 
 
-def check_rank_agreement(settings: Mapping[str, Any], *, stage: str) -> None:
+def check_rank_agreement(settings: Mapping[str, Any], *, stage: str, group: Optional[dist.ProcessGroup] = None) -> None:
     """Raise :class:`RankDisagreementError` on every rank if ``settings`` differ between ranks.
 
     One all-gather of a 16-byte digest per rank; only when the digests differ are the full
@@ -94,21 +96,24 @@ def check_rank_agreement(settings: Mapping[str, Any], *, stage: str) -> None:
     Args:
         settings: setting name → value; values are compared as their text.
         stage: where the check runs, for the message (``"setup"``, ``"sharding"``).
+        group: the ranks that must agree (None: the world; a pipeline stage's ranks under PP).
 
     Raises:
         RankDisagreementError: naming each differing setting with its values and ranks.
     """
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) < 2:
         return
     mine = {str(k): _plain(v) for k, v in settings.items()}
     digest = hashlib.sha256(json.dumps(mine, sort_keys=True).encode()).hexdigest()[:16]
-    digests: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(digests, digest)
+    size = dist.get_world_size(group)
+    digests: list[Any] = [None] * size
+    dist.all_gather_object(digests, digest, group=group)
     if len(set(digests)) == 1:
         return
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    message = disagreement_message(everyone, stage)
+    everyone: list[Any] = [None] * size
+    dist.all_gather_object(everyone, mine, group=group)
+    ranks = None if group is None else [dist.get_global_rank(group, i) for i in range(size)]
+    message = disagreement_message(everyone, stage, ranks)
     if message is not None:
         raise RankDisagreementError(message)
 

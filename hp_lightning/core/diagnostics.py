@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as _c10d
 from hp_lightning.core._torch_private import TorchDispatchMode, resolve_process_group
 
 #: Wrapped function name -> the kind it is counted as.
@@ -89,7 +90,10 @@ class CollectiveCounter:
             if original is None:
                 continue
             self._originals[name] = original
-            setattr(dist, name, self._wrap(name, original))
+            wrapped = self._wrap(name, original)
+            setattr(dist, name, wrapped)
+            if name in ("isend", "irecv") and getattr(_c10d, name, None) is original:
+                setattr(_c10d, name, wrapped)  # P2POp accepts only c10d's own isend/irecv
         self._functional = _FunctionalCollectives(self)
         self._functional.__enter__()
         return self
@@ -100,6 +104,8 @@ class CollectiveCounter:
             functional.__exit__(*exc)
             self._functional = None
         for name, original in self._originals.items():
+            if getattr(_c10d, name, None) is getattr(dist, name, None):
+                setattr(_c10d, name, original)
             setattr(dist, name, original)
         self._originals.clear()
 
@@ -120,7 +126,7 @@ class CollectiveCounter:
             self._record(
                 CollectiveCall(
                     kind,
-                    _group_ranks(kwargs.get("group")),
+                    _peer_pair(args, kwargs) if kind in ("send", "recv") else _group_ranks(kwargs.get("group")),
                     0 if tensor is None else tensor.numel() * tensor.element_size(),
                     None if tensor is None else tensor.dtype,
                 )
@@ -177,6 +183,21 @@ def _group_ranks(group: Any) -> tuple[int, ...]:
     if group is None or group is dist.group.WORLD:
         return tuple(range(dist.get_world_size()))
     return tuple(dist.get_process_group_ranks(group))
+
+
+def _peer_pair(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, ...]:
+    """A point-to-point call as the sorted pair (this rank, its peer) in global ranks."""
+    group = kwargs.get("group")
+    peer = next((kwargs[k] for k in ("dst", "src") if kwargs.get(k) is not None), None)
+    if peer is None:
+        local = next((kwargs[k] for k in ("group_dst", "group_src") if kwargs.get(k) is not None), None)
+        if local is not None:
+            peer = local if group is None else dist.get_global_rank(group, local)
+        elif len(args) > 1 and isinstance(args[1], int):
+            peer = args[1]
+    if peer is None:
+        return _group_ranks(group)
+    return tuple(sorted({dist.get_rank(), int(peer)}))
 
 
 def _largest_tensor(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from typing import Union
+from typing import Optional, Union
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 ParamsLike = Union[torch.Tensor, Iterable[torch.Tensor]]
@@ -36,15 +37,20 @@ def _group_by_mesh(grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     return list(groups.values())
 
 
-def total_grad_norm(parameters: ParamsLike, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
+def total_grad_norm(
+    parameters: ParamsLike, norm_type: float = 2.0, error_if_nonfinite: bool = False, across: Optional[dist.ProcessGroup] = None
+) -> torch.Tensor:
     """The global ``norm_type``-norm of all gradients, the same on every rank.
+
+    ``across``: ranks holding the rest of the model (a pipeline's other stages, each with its own
+    parameters): their norms are combined too, as torchtitan does for PP.
 
     Raises:
         RuntimeError: with ``error_if_nonfinite=True`` when the norm is NaN or infinite.
     """
     norm_type = float(norm_type)
     grads = _grads(parameters)
-    if not grads:
+    if not grads and across is None:
         return torch.tensor(0.0)
     partial_norms = []
     for group in _group_by_mesh(grads):
@@ -52,9 +58,17 @@ def total_grad_norm(parameters: ParamsLike, norm_type: float = 2.0, error_if_non
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
         partial_norms.append(norm.float())
+    partial_norms = partial_norms or [torch.zeros(())]  # a stage without gradients still joins `across`
     device = partial_norms[0].device
     stacked = torch.stack([n.to(device) for n in partial_norms])
     total = stacked.max() if math.isinf(norm_type) else torch.linalg.vector_norm(stacked, norm_type)
+    if across is not None:
+        if math.isinf(norm_type):
+            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=across)
+        else:
+            total = total**norm_type
+            dist.all_reduce(total, group=across)
+            total = total ** (1.0 / norm_type)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(
             f"The total norm of order {norm_type} of the gradients is non-finite ({total.item()}), so they "
@@ -65,13 +79,17 @@ def total_grad_norm(parameters: ParamsLike, norm_type: float = 2.0, error_if_non
 
 
 def clip_grad_norm_(
-    parameters: ParamsLike, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    parameters: ParamsLike,
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    across: Optional[dist.ProcessGroup] = None,
 ) -> torch.Tensor:
     """Scale gradients in place so their global norm is at most ``max_norm``; return the norm before."""
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
     parameters = list(parameters)
-    total = total_grad_norm(parameters, norm_type, error_if_nonfinite)
+    total = total_grad_norm(parameters, norm_type, error_if_nonfinite, across)
     grads = _grads(parameters)
     if not grads:
         return total

@@ -1040,7 +1040,7 @@ def _agreed_rng_state(state: torch.Tensor, device_type: str) -> torch.Tensor:
 
 
 @torch.no_grad()
-def materialize(model: nn.Module, mesh: DeviceMesh, init_device: torch.device) -> bool:
+def materialize(model: nn.Module, mesh: DeviceMesh, init_device: torch.device, group: dist.ProcessGroup | None = None) -> bool:
     """Allocate meta-device tensors (local shards only) and initialize every one of them.
 
     See the module docstring for the guarantee and its cost. In order: coverage check (may
@@ -1055,6 +1055,8 @@ def materialize(model: nn.Module, mesh: DeviceMesh, init_device: torch.device) -
         model: the sharded model (``prepare_model`` called :func:`link_construction` before sharding).
         mesh: the data-parallel mesh.
         init_device: where tensors are allocated and initialized (the host under CPU offload).
+        group: the ranks holding this same model (None: the world; a pipeline stage's ranks
+            under PP, whose tensors differ from the other stages').
 
     Returns:
         True when something was materialized.
@@ -1105,12 +1107,12 @@ def materialize(model: nn.Module, mesh: DeviceMesh, init_device: torch.device) -
     unwritten = [s for s, t in zip(slots, originals) if s.get() is t and not writes.was_written(t)]
     if unwritten:
         raise ValueError(_uncovered_message(model, unwritten, after_rules=True))
-    check_values(slots, None, mesh.device_type)
+    check_values(slots, group, mesh.device_type)
     if dist.is_available() and dist.is_initialized():
         for slot in slots:
             tensor = slot.get()
             if not isinstance(tensor, DTensor):
-                dist.broadcast(tensor.data, src=0)
+                dist.broadcast(tensor.data, group=group, group_src=0)
     if untouched:
         torch.set_rng_state(final_state)
     _forget_construction(model)

@@ -14,8 +14,9 @@ TP is innermost, so a TP group is consecutive ranks (one node). EP is carved out
 dim, as torchtitan does: the ``ep`` ranks are data-parallel ranks too (each sees its own batch),
 and ``shard`` is the flattened ``(expert_shard, ep)``. Dense parameters shard over
 ``(replicate, shard)``; experts are split over ``ep`` and shard over ``(replicate, expert_shard)``.
-A size-1 ``tp``/``ep`` dim is left out, so plain FSDP/HSDP meshes are exactly the 1-D/2-D ones.
-The ``pp`` dim is reserved for pipeline parallelism (not built yet).
+A size-1 ``pp``/``tp``/``ep`` dim is left out, so plain FSDP/HSDP meshes are exactly the 1-D/2-D
+ones. ``pp`` is outermost: each pipeline stage is a block of consecutive ranks holding a whole
+data-parallel mesh of its own, and only activations cross between stages.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ FSDP_DIM_NAMES: tuple[str] = (SHARD_DIM,)
 HSDP_DIM_NAMES: tuple[str, str] = (REPLICATE_DIM, SHARD_DIM)
 TP_DIM = "tp"
 EP_DIM = "ep"
+PP_DIM = "pp"
 #: The part of the shard dim that is not expert-parallel: experts shard over it.
 EXPERT_SHARD_DIM = "expert_shard"
 #: A flattened dim over every data-parallel rank (for sampler ranks and ``sync_dist`` reductions).
@@ -170,16 +172,23 @@ def _check_parallel_size(value: object, name: str) -> int:
     return value
 
 
-def validate_parallel_sizes(tensor_parallel_size: object, expert_parallel_size: object) -> tuple[int, int]:
-    """Check the TP and EP sizes for type and range, before any process exists."""
+def validate_parallel_sizes(tensor_parallel_size: object, expert_parallel_size: object, pipeline_parallel_size: object = 1) -> tuple[int, int, int]:
+    """Check the TP, EP and PP sizes for type and range, before any process exists."""
     tp = _check_parallel_size(tensor_parallel_size, "tensor_parallel_size")
     ep = _check_parallel_size(expert_parallel_size, "expert_parallel_size")
+    pp = _check_parallel_size(pipeline_parallel_size, "pipeline_parallel_size")
     if tp > 1 and ep > 1:
         raise ValueError(
             f"HSDPStrategy(tensor_parallel_size={tp}, expert_parallel_size={ep}): TP and EP in one model are not "
             f"supported yet (experts would need their own TP plan). Use one of them with FSDP/HSDP."
         )
-    return tp, ep
+    if pp > 1 and (tp > 1 or ep > 1):
+        raise ValueError(
+            f"HSDPStrategy(...) got pipeline_parallel_size={pp} with tensor_parallel_size={tp}, expert_parallel_size={ep}: "
+            f"pipeline parallelism composes with FSDP/HSDP only so far; TP or EP inside a stage is not supported yet. Set "
+            f"tensor_parallel_size=1 and expert_parallel_size=1, or pipeline_parallel_size=1."
+        )
+    return tp, ep, pp
 
 
 @dataclass(frozen=True)
@@ -190,11 +199,13 @@ class MeshLayout:
         dp: the data-parallel shape, ``(S,)`` (FSDP) or ``(R, S)`` (HSDP).
         tp: tensor-parallel size (ranks of one TP group see the same batch).
         ep: expert-parallel size, a divisor of ``S`` (EP ranks are data-parallel ranks).
+        pp: pipeline stages (outermost; each stage has the whole ``dp`` mesh).
     """
 
     dp: tuple[int, ...]
     tp: int = 1
     ep: int = 1
+    pp: int = 1
 
     @property
     def dp_size(self) -> int:
@@ -205,22 +216,24 @@ class MeshLayout:
 
     @property
     def world_size(self) -> int:
-        return self.dp_size * self.tp
+        return self.dp_size * self.tp * self.pp
 
     @property
     def composed(self) -> bool:
-        return self.tp > 1 or self.ep > 1
+        return self.tp > 1 or self.ep > 1 or self.pp > 1
 
     @property
     def names(self) -> tuple[str, ...]:
         """Dim names of the root mesh, outermost first."""
-        names = [REPLICATE_DIM] if len(self.dp) == 2 else []
+        names = [PP_DIM] if self.pp > 1 else []
+        names += [REPLICATE_DIM] if len(self.dp) == 2 else []
         names += [EXPERT_SHARD_DIM, EP_DIM] if self.ep > 1 else [SHARD_DIM]
         return (*names, *([TP_DIM] if self.tp > 1 else []))
 
     @property
     def shape(self) -> tuple[int, ...]:
-        shape = [self.dp[0]] if len(self.dp) == 2 else []
+        shape = [self.pp] if self.pp > 1 else []
+        shape += [self.dp[0]] if len(self.dp) == 2 else []
         shape += [self.dp[-1] // self.ep, self.ep] if self.ep > 1 else [self.dp[-1]]
         return (*shape, *([self.tp] if self.tp > 1 else []))
 
@@ -233,23 +246,33 @@ def resolve_layout(
     devices_per_node: int,
     tensor_parallel_size: int = 1,
     expert_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
 ) -> MeshLayout:
     """Concrete sizes of every dim for this world, or the error saying which size to change.
 
     ``mesh_shape`` describes the data-parallel dims only: their product is the world size divided
-    by ``tensor_parallel_size``; None is HSDP ``(num_nodes, devices_per_node / tp)``.
+    by ``tensor_parallel_size`` and ``pipeline_parallel_size``; None is HSDP
+    ``(num_nodes, devices_per_node / tp)`` (FSDP over ``world / pp`` ranks under PP).
 
     Raises:
-        ValueError: TP that does not divide the world (or a node's devices, by default), data-parallel
-            sizes that do not cover the rest, or EP that does not divide the shard dim.
+        ValueError: TP that does not divide the world (or a node's devices, by default), PP that does
+            not divide the world, data-parallel sizes that do not cover the rest, or EP that does
+            not divide the shard dim.
     """
-    tp, ep = validate_parallel_sizes(tensor_parallel_size, expert_parallel_size)
+    tp, ep, pp = validate_parallel_sizes(tensor_parallel_size, expert_parallel_size, pipeline_parallel_size)
     if world_size % tp:
         raise ValueError(
             f"tensor_parallel_size={tp} does not divide the world size {world_size} ({num_nodes} node(s) x "
             f"{devices_per_node} device(s)). Choose a TP size that divides the devices per node, e.g. 2."
         )
-    dp_world = world_size // tp
+    if world_size % pp:
+        raise ValueError(
+            f"pipeline_parallel_size={pp} does not divide the world size {world_size} ({num_nodes} node(s) x "
+            f"{devices_per_node} device(s)). Choose a number of stages that divides it, e.g. 2."
+        )
+    dp_world = world_size // tp // pp
+    if mesh_shape is None and pp > 1:
+        mesh_shape = [dp_world]
     if mesh_shape is None and tp > 1:
         if devices_per_node % tp:
             raise ValueError(
@@ -263,7 +286,7 @@ def resolve_layout(
             f"expert_parallel_size={ep} does not divide the shard dim ({dp[-1]} ranks of mesh {list(dp)}); EP ranks "
             f"are carved out of it. Choose an EP size that divides {dp[-1]}."
         )
-    return MeshLayout(dp=tuple(dp), tp=tp, ep=ep)
+    return MeshLayout(dp=tuple(dp), tp=tp, ep=ep, pp=pp)
 
 
 @dataclass(frozen=True, eq=False)
@@ -305,6 +328,10 @@ class ParallelMesh:
         return self.world[EP_DIM] if self.layout.ep > 1 else None
 
     @property
+    def pp(self) -> DeviceMesh | None:
+        return self.world[PP_DIM] if self.layout.pp > 1 else None
+
+    @property
     def expert_dp(self) -> DeviceMesh | None:
         """What FSDP shards experts over: the data-parallel dims without ``ep``."""
         if self.layout.ep == 1:
@@ -313,8 +340,8 @@ class ParallelMesh:
 
     @cached_property
     def dp_group(self) -> dist.ProcessGroup:
-        """One process group over every data-parallel rank (the world group without TP)."""
-        if self.layout.tp == 1:
+        """One process group over every data-parallel rank (the world group without TP and PP)."""
+        if self.layout.tp == 1 and self.layout.pp == 1:
             return dist.group.WORLD
         dp = self.dp
         return dp.get_group() if dp.ndim == 1 else flatten_mesh(dp, DP_DIM).get_group()
@@ -341,7 +368,7 @@ def build_parallel_mesh(device_type: str, layout: MeshLayout) -> ParallelMesh:
     world = _torch_init_device_mesh(device_type, layout.shape, mesh_dim_names=layout.names)
     mesh = ParallelMesh(world, layout)
     mesh.dp  # noqa: B018 - flattened dims are created on every rank together, here
-    if layout.tp > 1:
+    if layout.tp > 1 or layout.pp > 1:
         mesh.dp_group  # noqa: B018
     return mesh
 
@@ -355,7 +382,7 @@ def set_collective_timeout(mesh: DeviceMesh | ParallelMesh, timeout: timedelta) 
     """
     meshes = [mesh.world, mesh.dp, mesh.expert_dp] if isinstance(mesh, ParallelMesh) else [mesh]
     groups = [dist.group.WORLD, *(m.get_group(dim) for m in meshes if m is not None for dim in range(m.ndim))]
-    if isinstance(mesh, ParallelMesh) and mesh.layout.tp > 1:
+    if isinstance(mesh, ParallelMesh) and (mesh.layout.tp > 1 or mesh.layout.pp > 1):
         groups.append(mesh.dp_group)  # flattened: not a dim of the root mesh
     for group in {id(g): g for g in groups}.values():
         set_group_timeout(group, timeout)
@@ -363,9 +390,9 @@ def set_collective_timeout(mesh: DeviceMesh | ParallelMesh, timeout: timedelta) 
 
 def describe(mesh: DeviceMesh) -> str:
     names = tuple(mesh.mesh_dim_names or ())
-    composed = any(dim in names for dim in (TP_DIM, EP_DIM))
+    composed = any(dim in names for dim in (TP_DIM, EP_DIM, PP_DIM))
     kind = "HSDP" if (REPLICATE_DIM in names if composed else mesh.ndim == 2) else "FSDP"
-    kind += "".join(f" x {dim.upper()}" for dim in (EP_DIM, TP_DIM) if dim in names)
+    kind += "".join(f" x {dim.upper()}" for dim in (EP_DIM, TP_DIM, PP_DIM) if dim in names)
     dims = ", ".join(f"{name}={size}" for name, size in zip(mesh.mesh_dim_names or (), mesh.shape))
     return f"{kind} mesh ({dims}) on {mesh.device_type}"
 
@@ -375,6 +402,7 @@ __all__ = [
     "EP_DIM",
     "EXPERT_SHARD_DIM",
     "MeshLayout",
+    "PP_DIM",
     "ParallelMesh",
     "TP_DIM",
     "build_parallel_mesh",

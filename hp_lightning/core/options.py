@@ -22,6 +22,8 @@ from hp_lightning.core.watchdog import check_seconds
 from hp_lightning.core.mesh import validate_mesh_shape, validate_parallel_sizes
 from hp_lightning.core.parallelize import ShardingPlan
 from hp_lightning.core.units import UnitSpec, validate_unit_specs
+from hp_lightning.parallel.pipeline import SCHEDULES as PIPELINE_SCHEDULES
+from hp_lightning.parallel.pipeline import validate_split_points
 from hp_lightning.parallel.tensor import validate_tp_plan
 from hp_lightning.fully_shard import REDUCE_OPS, CPUOffloadPolicy, OffloadPolicy, build_mp_policy, parse_dtype, validate_scaling_factor
 
@@ -40,6 +42,17 @@ def _check_choice(value: Any, name: str, choices: Sequence[str]) -> str:
     if not isinstance(value, str) or value.lower() not in choices:
         raise ValueError(f"HSDPStrategy({name}=...) expects one of {list(choices)}; got {value!r}.")
     return value.lower()
+
+
+def _check_microbatches(value: Any, stages: int) -> int:
+    """Micro-batches per batch; None: as many as stages (the least that keeps every stage busy in steady state)."""
+    if value is None:
+        return stages
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"HSDPStrategy(pipeline_microbatches=...) expects an int >= 1 or None; got {type(value).__name__} {value!r}.")
+    if value < 1:
+        raise ValueError(f"HSDPStrategy(pipeline_microbatches=...) expects an int >= 1 or None; got {value}.")
+    return value
 
 
 def _check_timeout(timeout: Any, name: str = "timeout") -> timedelta:
@@ -133,9 +146,13 @@ class HSDPOptions:
     resumable_dataloaders: bool = False
     checkpoint_checksums: bool = False
     async_save: bool = False
+    pipeline_parallel_size: int = 1
+    pipeline_split_points: Optional[Sequence[str]] = None
+    pipeline_schedule: str = "1f1b"
+    pipeline_microbatches: Optional[int] = None
 
     def __post_init__(self) -> None:
-        tp, ep = validate_parallel_sizes(self.tensor_parallel_size, self.expert_parallel_size)
+        tp, ep, pp = validate_parallel_sizes(self.tensor_parallel_size, self.expert_parallel_size, self.pipeline_parallel_size)
         normalized = {
             "mesh_shape": validate_mesh_shape(self.mesh_shape),
             "tensor_parallel_size": tp,
@@ -170,7 +187,17 @@ class HSDPOptions:
             "resumable_dataloaders": _check_bool(self.resumable_dataloaders, "resumable_dataloaders"),
             "checkpoint_checksums": _check_bool(self.checkpoint_checksums, "checkpoint_checksums"),
             "async_save": _check_bool(self.async_save, "async_save"),
+            "pipeline_parallel_size": pp,
+            "pipeline_split_points": validate_split_points(self.pipeline_split_points, pp),
+            "pipeline_schedule": _check_choice(self.pipeline_schedule, "pipeline_schedule", tuple(PIPELINE_SCHEDULES)),
+            "pipeline_microbatches": _check_microbatches(self.pipeline_microbatches, pp),
         }
+        if pp > 1 and normalized["state_dict_type"] != "sharded":
+            raise ValueError(
+                f"HSDPStrategy(pipeline_parallel_size={pp}) saves sharded checkpoints (each stage writes its own part), but "
+                f"got state_dict_type={normalized['state_dict_type']!r}. Use state_dict_type='sharded' and convert afterwards "
+                f"with `python -m hp_lightning.checkpoint consolidate`."
+            )
         if normalized["async_save"] and normalized["state_dict_type"] != "sharded":
             raise ValueError(
                 f"HSDPStrategy(async_save=True) writes sharded checkpoints in the background, but got state_dict_type="

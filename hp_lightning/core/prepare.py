@@ -46,6 +46,8 @@ def prepare_model(
         device: where unsharded state lives for training.
     """
     mesh = ParallelMesh.of(mesh)
+    # Under PP each stage holds its own part of the model: only its ranks compare and share values.
+    stage_ranks = mesh.dp_group if mesh.layout.pp > 1 else None
     sharded = prepared(model)
     if sharded is None:
         refuse_metrics_on_meta(model)  # same on every rank, before any collective
@@ -53,12 +55,12 @@ def prepare_model(
         link_construction(model)
         sharded = parallelize(model, mesh, plan)
         # fully_shard does not communicate; materialize does: compare the models and units first.
-        agreement.check_rank_agreement(agreement.sharding_settings(model, sharded), stage="sharding")
+        agreement.check_rank_agreement(agreement.sharding_settings(model, sharded), stage="sharding", group=stage_ranks)
         model.__dict__[_PREPARED] = sharded
         warn_without_units(model, sharded, mesh.dp)
         # Before every backward: do all ranks reach the same units and parameters? (one small all-reduce)
         divergence.install(model, sharded.units, sharded.replicated, mesh.device_type)
-    materialize(model, mesh, init_device)
+    materialize(model, mesh, init_device, group=stage_ranks)
     move_unsharded_states(model, device)
     return sharded
 

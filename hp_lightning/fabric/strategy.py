@@ -137,6 +137,9 @@ class HSDPStrategy(frontend.MeshAccess, ParallelStrategy):
         resumable_dataloaders: Trainer only (the Trainer wraps plain training loaders so a
             mid-epoch resume continues the epoch). Fabric saves what you pass to ``fabric.save``:
             put a ``StatefulDataLoader`` (or a ``ResumableLoader``) in that state to resume mid-epoch.
+        pipeline_parallel_size / pipeline_split_points / pipeline_schedule / pipeline_microbatches:
+            Trainer only so far (a ``ValueError`` here for a size above 1); see the seed call
+            ``hp_lightning.PipelineStage`` for a Fabric loop.
         async_save: ``fabric.save`` of a sharded checkpoint returns once the state is copied to
             host memory; the files are written in the background and published when every rank
             is done. At most one in flight: the next save, a load and :meth:`teardown` wait for it;
@@ -186,6 +189,10 @@ class HSDPStrategy(frontend.MeshAccess, ParallelStrategy):
         resumable_dataloaders: bool = False,
         checkpoint_checksums: bool = False,
         async_save: bool = False,
+        pipeline_parallel_size: int = 1,
+        pipeline_split_points: Optional[Sequence[str]] = None,
+        pipeline_schedule: Literal["1f1b", "gpipe"] = "1f1b",
+        pipeline_microbatches: Optional[int] = None,
     ) -> None:
         # Validate everything here: this runs in Fabric(...) before any process or group exists.
         self.options = HSDPOptions(
@@ -222,7 +229,18 @@ class HSDPStrategy(frontend.MeshAccess, ParallelStrategy):
             resumable_dataloaders=resumable_dataloaders,
             checkpoint_checksums=checkpoint_checksums,
             async_save=async_save,
+            pipeline_parallel_size=pipeline_parallel_size,
+            pipeline_split_points=pipeline_split_points,
+            pipeline_schedule=pipeline_schedule,
+            pipeline_microbatches=pipeline_microbatches,
         )
+        if self.options.pipeline_parallel_size > 1:
+            raise ValueError(
+                f"HSDPStrategy(pipeline_parallel_size={self.options.pipeline_parallel_size}) is a Trainer option so far: "
+                f"the Trainer strategy runs the schedule inside its step. With Fabric, build the stage yourself: "
+                f"hp_lightning.PipelineStage(stage_module, stage_index, stage_num, group=mesh['pp'].get_group()) and "
+                f"torch.distributed.pipelining's schedules, and set pipeline_parallel_size=1 here."
+            )
         if self.options.save_on_preemption:
             raise ValueError(
                 "HSDPStrategy(save_on_preemption=True) is a Trainer option: it saves the ModelCheckpoint's 'last.ckpt' "

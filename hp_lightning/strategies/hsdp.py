@@ -16,12 +16,15 @@ from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.fabric.utilities.data import has_len
 from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch import LightningModule
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
@@ -48,6 +51,7 @@ from hp_lightning.core.parallelize import ShardedModel, ShardingPlan
 from hp_lightning.core.prepare import prepare_model
 from hp_lightning.core.materialize import meta_init_context, move_unsharded_states
 from hp_lightning.fully_shard import HSDPModule
+from hp_lightning.parallel.pipeline import PipelineRunner, split_stage
 from hp_lightning.core.preemption import Preempted, PreemptionWatch
 from hp_lightning.strategies.precision import HSDPPrecision, precision_from_lightning
 from hp_lightning.strategies.preemption import PreemptionStop, preemption_checkpoint_path
@@ -80,6 +84,17 @@ class HSDPStrategy(frontend.MeshAccess, ParallelStrategy):
             ``base_model_tp_plan``. Unused when ``tensor_parallel_size=1``.
         expert_modules: module-name globs of the grouped-experts modules to split over ``ep``
             (None → ``["*experts"]``). Unused when ``expert_parallel_size=1``.
+        pipeline_parallel_size: pipeline stages (the outermost mesh dim ``"pp"``); each rank
+            builds only its stage and shards it over its own data-parallel sub-mesh. 1 = off.
+        pipeline_split_points: module names where stages 1, 2, ... start (``["net.blocks.2"]``);
+            see :mod:`hp_lightning.parallel.pipeline` for how the model is cut and what its
+            ``forward`` must allow. The LightningModule provides ``forward`` (one stage's input to
+            its output) and ``pipeline_loss(output, target)``; ``pipeline_batch(batch)`` may
+            override the default ``(batch[0], batch[1])`` split into input and target.
+        pipeline_schedule: ``"1f1b"`` (default: at most ``stages`` micro-batches of activations
+            alive) or ``"gpipe"`` (all micro-batches forward, then all backward); torch's schedules.
+        pipeline_microbatches: micro-batches per batch (None → the number of stages); more
+            shrink the bubble, ``(stages - 1) / (microbatches + stages - 1)`` of each step.
         shard_modules: sharding units as classes, dotted class paths, class names or module-name
             globs. None → HF ``_no_split_modules``, else the blocks of repeated ``nn.ModuleList`` s.
         reshard_after_forward: free gathered unit parameters after forward (less memory) or keep
@@ -197,6 +212,10 @@ class HSDPStrategy(frontend.MeshAccess, ParallelStrategy):
         resumable_dataloaders: bool = False,
         checkpoint_checksums: bool = False,
         async_save: bool = False,
+        pipeline_parallel_size: int = 1,
+        pipeline_split_points: Optional[Sequence[str]] = None,
+        pipeline_schedule: Literal["1f1b", "gpipe"] = "1f1b",
+        pipeline_microbatches: Optional[int] = None,
     ) -> None:
         # Validate everything here: this runs in Trainer(...) before any process or group exists.
         self.options = HSDPOptions(
@@ -233,6 +252,10 @@ class HSDPStrategy(frontend.MeshAccess, ParallelStrategy):
             resumable_dataloaders=resumable_dataloaders,
             checkpoint_checksums=checkpoint_checksums,
             async_save=async_save,
+            pipeline_parallel_size=pipeline_parallel_size,
+            pipeline_split_points=pipeline_split_points,
+            pipeline_schedule=pipeline_schedule,
+            pipeline_microbatches=pipeline_microbatches,
         )
         self._process_group_backend = self.options.process_group_backend
         self._accumulation_mode = self.options.accumulation_mode
@@ -251,6 +274,9 @@ class HSDPStrategy(frontend.MeshAccess, ParallelStrategy):
         self._train_timeout_set = False
         self._async_saves = AsyncSaves()
         self._failed = False
+        self._pipeline: Optional[PipelineRunner] = None
+        self._pipeline_grads: list[tuple[torch.nn.Parameter, Optional[Tensor]]] = []
+        self._pipeline_elsewhere: frozenset[str] = frozenset()  # model keys the other stages hold
 
     # ------------------------------------------------------------------ properties
 
@@ -367,6 +393,8 @@ class HSDPStrategy(frontend.MeshAccess, ParallelStrategy):
         self._failed = False
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
+        if self.options.pipeline_parallel_size > 1:
+            self._cut_pipeline_stage(trainer)  # before sharding: this rank never holds the other stages
         # Units the user sharded in configure_model are kept; everything else is sharded here,
         # and whatever is still on the meta device is allocated and initialized.
         self._sharded = prepare_model(
@@ -377,12 +405,128 @@ class HSDPStrategy(frontend.MeshAccess, ParallelStrategy):
             device=self.root_device,
         )
         self.barrier()
+        if self.options.pipeline_parallel_size > 1:
+            self._start_pipeline()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             self._add_preemption_stop(trainer)
         self.setup_precision_plugin()
         if self.options.sharding_report:
             rank_zero_info(self.sharding_summary().table())
+
+    # ------------------------------------------------------------------ pipeline parallelism
+
+    def _cut_pipeline_stage(self, trainer: pl.Trainer) -> None:
+        """Refuse what PP cannot run yet (before any collective), then cut the model to this rank's stage."""
+        module = self.lightning_module
+        assert module is not None and self.model is not None
+        pp = self.options.pipeline_parallel_size
+        where = f"HSDPStrategy(pipeline_parallel_size={pp})"
+        if trainer.state.fn == TrainerFn.FITTING and not module.automatic_optimization:
+            raise ValueError(f"{where}: the pipeline schedule runs forward and backward itself, so manual optimization cannot; set automatic_optimization=True.")
+        if not is_overridden("forward", module, LightningModule):
+            raise ValueError(f"{where}: each stage runs the LightningModule's forward(x) on its part of the model; {type(module).__name__} does not define forward.")
+        if trainer.state.fn != TrainerFn.PREDICTING and not callable(getattr(module, "pipeline_loss", None)):
+            raise ValueError(
+                f"{where}: the last stage computes the loss with the LightningModule's pipeline_loss(output, target), which "
+                f"{type(module).__name__} does not define. Add e.g. `def pipeline_loss(self, output, target): return F.mse_loss(output, target)`."
+            )
+        stage = self.parallel_mesh.pp.get_local_rank()
+        if module.__dict__.get("_hp_pipeline_stage") is not None:
+            return  # cut by an earlier fit/validate/predict of this trainer
+        module.__dict__["_hp_pipeline_stage"] = stage
+        before = set(module.state_dict(keep_vars=True))
+        kept, removed = split_stage(module, self.options.pipeline_split_points, stage)
+        self._pipeline_elsewhere = frozenset(before - set(module.state_dict(keep_vars=True)))
+        rank_zero_info(f"[hp_lightning] pipeline stage 0 of {pp}: {kept}; the other stages hold {len(removed)} more unit(s)")
+
+    def _start_pipeline(self) -> None:
+        assert self.model is not None and self.lightning_module is not None
+        mesh = self.parallel_mesh
+        self._pipeline = PipelineRunner(
+            self.model,
+            stage_index=mesh.pp.get_local_rank(),
+            num_stages=self.options.pipeline_parallel_size,
+            device=self.root_device,
+            group=mesh.pp.get_group(),
+            schedule=self.options.pipeline_schedule,
+            microbatches=self.options.pipeline_microbatches,
+            loss_fn=getattr(self.lightning_module, "pipeline_loss", None),
+        )
+        self.precision_plugin.pipeline_group = mesh.pp.get_group()
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        if self._pipeline is None:
+            return super().training_step(*args, **kwargs)
+        module = self.lightning_module
+        assert module is not None and module.trainer is not None
+        batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
+        inputs, target = self._pipeline_batch(args, kwargs)
+        accumulate = module.trainer.accumulate_grad_batches
+        params = list(module.parameters())
+        if batch_idx % accumulate == 0:  # a new window: what Lightning's zero_grad would do, before our backward
+            for p in params:
+                p.grad = None
+        with self.precision_plugin.train_step_context():
+            loss = self._pipeline.step(inputs, target, accumulate=accumulate)
+        # The schedule ran backward already; Lightning zeroes gradients after training_step and
+        # before backward, so they wait aside until backward() puts them back.
+        self._pipeline_grads = [(p, p.grad) for p in params]
+        for p in params:
+            p.grad = None
+        module.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def _pipeline_batch(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+        """(input, target) of a step's batch: the LightningModule's ``pipeline_batch``, else ``batch[0], batch[1]``."""
+        batch = args[0] if args else kwargs["batch"]
+        split = getattr(self.lightning_module, "pipeline_batch", None)
+        if callable(split):
+            return split(batch)
+        if isinstance(batch, (list, tuple)) and len(batch) >= 2:
+            return batch[0], batch[1]
+        if isinstance(batch, torch.Tensor):
+            return batch, None
+        raise TypeError(
+            f"Pipeline: cannot tell input from target in a batch of type {type(batch).__name__}; define "
+            f"pipeline_batch(self, batch) -> (input, target) on the LightningModule."
+        )
+
+    def _pipeline_eval_step(self, metric: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> STEP_OUTPUT:
+        assert self._pipeline is not None and self.lightning_module is not None
+        inputs, target = self._pipeline_batch(args, kwargs)
+        loss, _ = self._pipeline.evaluate(inputs, target)
+        self.lightning_module.log(metric, loss, sync_dist=True)
+        return loss
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        if self._pipeline is None:
+            return super().validation_step(*args, **kwargs)
+        return self._pipeline_eval_step("val_loss", args, kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        if self._pipeline is None:
+            return super().test_step(*args, **kwargs)
+        return self._pipeline_eval_step("test_loss", args, kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is None:
+            return super().predict_step(*args, **kwargs)
+        inputs, _ = self._pipeline_batch(args, kwargs)
+        return self._pipeline.evaluate(inputs, None, outputs=True)[1]
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
+        if self._pipeline is None:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        for p, grad in self._pipeline_grads:  # the schedule already ran every micro-batch's backward
+            p.grad = grad
+        self._pipeline_grads = []
+        return closure_loss
 
     def _add_preemption_stop(self, trainer: pl.Trainer) -> None:
         if self.options.save_on_preemption:
@@ -457,8 +601,14 @@ class HSDPStrategy(frontend.MeshAccess, ParallelStrategy):
     @contextmanager
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
-        """Non-final micro-batches of an accumulation window, per :attr:`accumulation_mode`."""
+        """Non-final micro-batches of an accumulation window, per :attr:`accumulation_mode`.
+
+        Under a pipeline the schedule drives each stage's gradient sync itself.
+        """
         assert self.model is not None
+        if self._pipeline is not None:
+            yield
+            return
         with no_gradient_sync(self.model, self._accumulation_mode):
             yield
 
@@ -567,7 +717,16 @@ class HSDPStrategy(frontend.MeshAccess, ParallelStrategy):
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         assert self.model is not None
-        return checkpoint_io.optimizer_state_dict(self.model, optimizer, full=self.options.state_dict_type == "full")
+        state = checkpoint_io.optimizer_state_dict(self.model, optimizer, full=self.options.state_dict_type == "full")
+        if self._pipeline is not None:
+            # Each stage's groups list its own parameters; the checkpoint's list every stage's, in
+            # model order, so any mesh (a pipeline of another size, or none) can load it.
+            mine = [list(group["params"]) for group in state["param_groups"]]
+            stages: list[Any] = [None] * self._pipeline.num_stages
+            dist.all_gather_object(stages, mine, group=self._pipeline.group)
+            for index, group in enumerate(state["param_groups"]):
+                group["params"] = [name for stage in stages for name in stage[index]]
+        return state
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
@@ -607,7 +766,12 @@ class HSDPStrategy(frontend.MeshAccess, ParallelStrategy):
         self.wait_for_checkpoint()  # never read what a save in flight is still writing
         path = Path(self.broadcast(str(checkpoint_path)))
         return checkpoint_io.load_checkpoint(
-            path, self.model, self.optimizers, strict=self.lightning_module.strict_loading, weights_only=weights_only
+            path,
+            self.model,
+            self.optimizers,
+            strict=self.lightning_module.strict_loading,
+            weights_only=weights_only,
+            elsewhere=self._pipeline_elsewhere,
         )
 
     @override

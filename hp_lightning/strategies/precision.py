@@ -87,9 +87,12 @@ class HSDPPrecision(Precision):
             return data
         return _cast_floating(data, self.true_dtype)
 
+    #: Under pipeline parallelism, the group of this rank's stages: the norm is over all of them.
+    pipeline_group: Any = None
+
     @override
     def clip_grad_by_norm(self, optimizer: Optimizable, clip_val: int | float) -> None:
-        clip_grad_norm_(self.main_params(optimizer), clip_val)
+        clip_grad_norm_(self.main_params(optimizer), clip_val, across=self.pipeline_group)
 
     @override
     def clip_grad_by_value(self, optimizer: Optimizable, clip_val: int | float) -> None:

@@ -148,8 +148,9 @@ def test_config_trains(tmp_path, name):
     world = trainer_cfg["devices"] * trainer_cfg.get("num_nodes", 1)
     accumulate = trainer_cfg.get("accumulate_grad_batches", 1)
     steps = 3
+    pp = strategy_args(config).get("pipeline_parallel_size", 1)
     args = ["fit", "--config", str(CONFIGS / f"{name}.yaml"), f"--trainer.max_steps={steps}",
-            f"--trainer.val_check_interval={steps * accumulate}", *TINY]
+            f"--trainer.val_check_interval={steps * accumulate}", *TINY, *(["--model.n_layer=4"] if pp > 1 else [])]
     run_script(TRAIN, args, cwd=tmp_path)
 
     # The run went through HSDPStrategy: the checkpoint is a sharded directory, one file per rank,
@@ -169,8 +170,9 @@ def test_config_trains(tmp_path, name):
     init_args = strategy_args(config)
     mesh_shape = init_args["mesh_shape"]
     tp, ep = init_args.get("tensor_parallel_size", 1), init_args.get("expert_parallel_size", 1)
-    shard = mesh_shape[-1] if mesh_shape[-1] != -1 else world // tp // (mesh_shape[0] if len(mesh_shape) == 2 else 1)
-    dims = [f"replicate={mesh_shape[0]}"] if len(mesh_shape) == 2 else []
+    shard = mesh_shape[-1] if mesh_shape[-1] != -1 else world // tp // pp // (mesh_shape[0] if len(mesh_shape) == 2 else 1)
+    dims = [f"pp={pp}"] if pp > 1 else []
+    dims += [f"replicate={mesh_shape[0]}"] if len(mesh_shape) == 2 else []
     dims += [f"expert_shard={shard // ep}", f"ep={ep}"] if ep > 1 else [f"shard={shard}"]
     dims += [f"tp={tp}"] if tp > 1 else []
     expected = ", ".join(dims)

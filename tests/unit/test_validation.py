@@ -49,6 +49,14 @@ BAD_STRATEGY_ARGS = [
     (dict(process_group_backend=3), TypeError, r"string like 'gloo' or None"),
     (dict(async_save="yes"), TypeError, r"async_save=.*True or False; got str"),
     (dict(async_save=True, state_dict_type="full"), ValueError, r"async_save=True.*got state_dict_type='full'.*state_dict_type='sharded'"),
+    (dict(pipeline_parallel_size=2), ValueError, r"needs pipeline_split_points.*got None.*pipeline_split_points=\['net.blocks.2'\]"),
+    (dict(pipeline_parallel_size=3, pipeline_split_points=["a"]), ValueError, r"needs 2 split point\(s\); got 1"),
+    (dict(pipeline_parallel_size=2, pipeline_split_points="net.blocks.2"), TypeError, r"list of module names; got str"),
+    (dict(pipeline_parallel_size=0), ValueError, r"pipeline_parallel_size=.*int >= 1.*got 0"),
+    (dict(pipeline_parallel_size=2, pipeline_split_points=["b"], pipeline_schedule="zb"), ValueError, r"\['gpipe', '1f1b'\]; got 'zb'"),
+    (dict(pipeline_parallel_size=2, pipeline_split_points=["b"], pipeline_microbatches=0), ValueError, r"int >= 1 or None; got 0"),
+    (dict(pipeline_parallel_size=2, pipeline_split_points=["b"], tensor_parallel_size=2), ValueError, r"got pipeline_parallel_size=2 with tensor_parallel_size=2.*TP or EP inside a stage"),
+    (dict(pipeline_parallel_size=2, pipeline_split_points=["b"], state_dict_type="full"), ValueError, r"got state_dict_type='full'"),
 ]
 
 

@@ -1,0 +1,275 @@
+"""Pipeline parallelism (PP): each rank builds one stage of the model and runs it with ``torch.distributed.pipelining``.
+
+The model is cut at *split points*, module names in its own hierarchy (``"net.blocks.2"`` starts
+stage 1 at block 2). The cut follows torchtitan's convention, so parameter names never change and
+a checkpoint of a pipelined run is keyed like one of the whole model:
+
+* the modules the split points cut between (*units*) are the children of every module on the way
+  to a split point, in registration order; the split points must be units, in that order;
+* a stage keeps its units; every other unit that holds parameters or buffers is removed from it:
+  an entry of an ``nn.ModuleList`` / ``nn.Sequential`` becomes ``nn.Identity()`` (a loop over the
+  blocks passes activations through), an ``nn.ModuleDict`` entry is deleted, any other module is
+  set to ``None`` — the model's ``forward`` must skip a ``None`` module (``h = self.emb(x) if
+  self.emb is not None else x``), as torchtitan's models do; a model that does not fails loudly
+  (``'NoneType' object is not callable``), never silently;
+* parameters held directly by a module on the way (not by a unit) belong to no single stage and
+  are refused.
+
+The stage runs the LightningModule's ``forward`` on its units. Schedules are torch's own
+(``ScheduleGPipe``, ``Schedule1F1B``); the loss is computed on the last stage per micro-batch.
+Trade-off: more stages hold less of the model each, but every stage idles while the pipeline
+fills and drains — the *bubble*, ``(stages - 1) / (micro-batches + stages - 1)`` of a step for
+GPipe and 1F1B alike; 1F1B holds at most ``stages`` micro-batches of activations instead of all.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Sequence
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage as _TorchPipelineStage
+from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+
+#: Schedule names (YAML) to torch's schedule classes (one stage per rank).
+SCHEDULES: dict[str, type] = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+
+
+def validate_split_points(split_points: Any, stages: int) -> Optional[list[str]]:
+    """Check ``pipeline_split_points`` against ``pipeline_parallel_size`` before any process exists."""
+    if split_points is None:
+        if stages > 1:
+            raise ValueError(
+                f"HSDPStrategy(pipeline_parallel_size={stages}) needs pipeline_split_points: {stages - 1} module name(s) "
+                f"where a stage starts; got None. Example for 2 stages: pipeline_split_points=['net.blocks.2']."
+            )
+        return None
+    if isinstance(split_points, str) or not isinstance(split_points, Sequence):
+        raise TypeError(
+            f"HSDPStrategy(pipeline_split_points=...) expects a list of module names; got "
+            f"{type(split_points).__name__} {split_points!r}. Example: ['net.blocks.2']."
+        )
+    points = list(split_points)
+    if any(not isinstance(p, str) or not p for p in points):
+        raise TypeError(f"HSDPStrategy(pipeline_split_points=...) items must be non-empty module names; got {points!r}.")
+    if len(points) != stages - 1:
+        raise ValueError(
+            f"HSDPStrategy(pipeline_parallel_size={stages}) cuts the model {stages - 1} time(s), so it needs "
+            f"{stages - 1} split point(s); got {len(points)}: {points}."
+        )
+    if len(set(points)) != len(points):
+        raise ValueError(f"HSDPStrategy(pipeline_split_points=...) names a module twice: {points}.")
+    return points
+
+
+def stage_units(model: nn.Module, split_points: Sequence[str]) -> list[str]:
+    """The modules the split points cut between, in registration order (see the module docstring).
+
+    Raises:
+        ValueError: a split point that is not such a module, split points out of order, or a
+            parameter held by a module on the way to a split point (it would belong to no stage).
+    """
+    on_the_way = {""} | {p.rsplit(".", i)[0] for p in split_points for i in range(1, p.count(".") + 1)}
+    for name in sorted(on_the_way, key=len):
+        try:
+            owner = model.get_submodule(name)
+        except AttributeError:
+            continue  # reported below as a split point that is not a module
+        direct = [n for n, _ in owner.named_parameters(recurse=False)] + [n for n, _ in owner.named_buffers(recurse=False)]
+        if direct:
+            where = f"{name}." if name else ""
+            raise ValueError(
+                f"Pipeline split: {[where + n for n in direct]} belong to {name or 'the root module'!r} itself, on the way "
+                f"to a split point, so no single stage would own them. Move them into a submodule (e.g. the embedding or "
+                f"head module) or choose split points below a module without its own parameters."
+            )
+    # Walk from the root, descending into every module on the way to a split point.
+    units: list[str] = []
+
+    def walk(prefix: str, module: nn.Module) -> None:
+        for child_name, child in module.named_children():
+            full = f"{prefix}{child_name}"
+            if full in on_the_way:
+                walk(f"{full}.", child)
+            else:
+                units.append(full)
+
+    walk("", model)
+    missing = [p for p in split_points if p not in units]
+    if missing:
+        names = [n for n, _ in model.named_modules() if n]
+        close = {p: difflib.get_close_matches(p, names, n=1) for p in missing}
+        hints = "; ".join(f"did you mean {c[0]!r} for {p!r}?" for p, c in close.items() if c)
+        raise ValueError(
+            f"Pipeline split points {missing} are not modules the model can be cut at. The cut points here are "
+            f"(in order): {units[:24]}{' ...' if len(units) > 24 else ''}.{' ' + hints if hints else ''}"
+        )
+    positions = [units.index(p) for p in split_points]
+    if positions != sorted(positions) or positions[0] == 0:
+        raise ValueError(
+            f"Pipeline split points {list(split_points)} must follow the model's order and leave a first stage: "
+            f"each starts a stage, in the order {units[:24]}."
+        )
+    return units
+
+
+def split_stage(model: nn.Module, split_points: Sequence[str], stage_index: int) -> tuple[list[str], list[str]]:
+    """Cut ``model`` in place down to stage ``stage_index``; return (kept units, removed units)."""
+    units = stage_units(model, split_points)
+    bounds = [0, *(units.index(p) for p in split_points), len(units)]
+    kept = units[bounds[stage_index] : bounds[stage_index + 1]]
+    removed = []
+    for name in units:
+        if name in kept:
+            continue
+        module = model.get_submodule(name)
+        if next(module.parameters(), None) is None and next(module.buffers(), None) is None:
+            continue  # stateless (a loss module, an activation): every stage keeps it
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        if isinstance(parent, (nn.ModuleList, nn.Sequential)):
+            parent._modules[attr] = nn.Identity()  # keeps the indices, so every name stays the same
+        elif isinstance(parent, nn.ModuleDict):
+            del parent[attr]
+        else:
+            setattr(parent, attr, None)
+        removed.append(name)
+    return kept, removed
+
+
+def PipelineStage(
+    submodule: nn.Module,
+    stage_index: int,
+    stage_num: int,
+    device: Optional[torch.device] = None,
+    group: Optional[dist.ProcessGroup] = None,
+) -> _TorchPipelineStage:
+    """The seed's ``PipelineStage(stage_model, stage_index, stage_num=pp_size)``: torch's ``PipelineStage``.
+
+    Args:
+        submodule: this rank's stage (already ``fully_shard``-ed over its data-parallel sub-mesh).
+        device: where the stage runs (default: the current accelerator, else the CPU).
+        group: the pipeline group, e.g. ``mesh["pp"].get_group()``; may be left out only when the
+            world is exactly the stages (no data parallelism).
+
+    Raises:
+        ValueError: without ``group`` when the world has more ranks than stages.
+    """
+    if group is None and dist.is_initialized() and dist.get_world_size() != stage_num:
+        raise ValueError(
+            f"PipelineStage(stage_num={stage_num}) on a world of {dist.get_world_size()} ranks needs the pipeline group: "
+            f"pass group=mesh['pp'].get_group() (the ranks that hold this rank's other stages)."
+        )
+    if device is None:
+        from hp_lightning.core import devices
+
+        device_type = devices.current_accelerator_type()
+        module = devices.device_module(device_type)
+        device = torch.device(device_type, module.current_device()) if module is not None else devices.cpu_device()
+    return _TorchPipelineStage(submodule, stage_index, stage_num, device, group=group)
+
+
+class PipelineRunner:
+    """One rank's stage and schedule; :meth:`step` runs one batch through the pipeline (forward and backward).
+
+    Args:
+        stage_module: this rank's stage, the FSDP root (the schedule drives its gradient sync).
+        loss_fn: ``(output, target) -> loss`` of one micro-batch, on the last stage.
+        loss_scale: the loss each micro-batch's backward uses is ``loss / loss_scale`` (micro-batches
+            times accumulated batches), so gradients sum to those of the mean loss.
+    """
+
+    def __init__(
+        self,
+        stage_module: nn.Module,
+        *,
+        stage_index: int,
+        num_stages: int,
+        device: torch.device,
+        group: dist.ProcessGroup,
+        schedule: str,
+        microbatches: int,
+        loss_fn: Callable[[Any, Any], torch.Tensor],
+    ) -> None:
+        self.stage_index, self.num_stages, self.microbatches, self.group = stage_index, num_stages, microbatches, group
+        self.loss_scale = float(microbatches)
+        self._loss_fn = loss_fn
+        self._predicting = False
+        self.stage = _TorchPipelineStage(stage_module, stage_index, num_stages, device, group=group)
+        # scale_grads=False: the loss is scaled instead, so gradients accumulated over Lightning's
+        # accumulate_grad_batches are never divided twice.
+        self.schedule = SCHEDULES[schedule](self.stage, n_microbatches=microbatches, loss_fn=self._scaled_loss, scale_grads=False)
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage_index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage_index == self.num_stages - 1
+
+    def _scaled_loss(self, output: Any, target: Any) -> torch.Tensor:
+        if self._predicting:  # no target: nothing to compute
+            return torch.zeros((), device=output.device)
+        return self._loss_fn(output, target) / self.loss_scale
+
+    def _check_batch(self, inputs: torch.Tensor) -> None:
+        if inputs.shape[0] % self.microbatches:
+            raise ValueError(
+                f"Pipeline: a batch of {inputs.shape[0]} samples per data-parallel rank does not split into "
+                f"pipeline_microbatches={self.microbatches} equal micro-batches. Use a batch size divisible by it."
+            )
+
+    def _run(self, run: Callable[..., Any], inputs: torch.Tensor, target: Any, losses: list[torch.Tensor]) -> Any:
+        """One schedule call with each stage's part: the input on the first, target and losses on the last."""
+        if self.is_first and self.is_last:
+            return run(inputs, target=target, losses=losses)
+        if self.is_first:
+            return run(inputs)
+        if self.is_last:
+            return run(target=target, losses=losses)
+        return run()
+
+    def step(self, inputs: torch.Tensor, target: Any, *, accumulate: int = 1) -> torch.Tensor:
+        """Forward and backward of one batch, split into micro-batches; the batch's mean loss on every stage.
+
+        Raises:
+            ValueError: a batch that does not split into ``microbatches`` equal parts.
+        """
+        self._check_batch(inputs)
+        self.loss_scale = float(self.microbatches * accumulate)
+        losses: list[torch.Tensor] = []
+        self._run(self.schedule.step, inputs, target, losses)
+        return self._share_loss(losses)
+
+    def evaluate(self, inputs: torch.Tensor, target: Any = None, *, outputs: bool = False) -> tuple[Optional[torch.Tensor], Any]:
+        """Forward only (torch's ``eval`` schedule): the mean loss (with a target) and, if asked, the last stage's output, on every stage."""
+        self._check_batch(inputs)
+        self.loss_scale = float(self.microbatches)
+        losses: list[torch.Tensor] = []
+        # torch's schedules compute a loss on the last stage whenever they have a loss function: a
+        # prediction gets a placeholder target (one number per sample) and the loss is skipped.
+        self._predicting = target is None
+        try:
+            output = self._run(self.schedule.eval, inputs, torch.zeros(inputs.shape[0]) if target is None else target, losses)
+        finally:
+            self._predicting = False
+        loss = self._share_loss(losses) if target is not None else None
+        if outputs:
+            box = [output if self.is_last else None]
+            dist.broadcast_object_list(box, group=self.group, group_src=self.num_stages - 1)
+            output = box[0]
+        return loss, output
+
+    def _share_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        """The mean of the micro-batch losses, computed on the last stage and sent to every stage."""
+        device = self.stage.device
+        if self.is_last:
+            loss = torch.stack([part.detach().float() for part in losses]).mean().to(device) * self.loss_scale
+        else:
+            loss = torch.zeros((), dtype=torch.float32, device=device)
+        dist.broadcast(loss, group=self.group, group_src=self.num_stages - 1)
+        return loss

@@ -1,0 +1,97 @@
+"""A model written for pipeline parallelism the torchtitan way, and its single-process reference."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+
+from tests.helpers import Block, make_dataset
+
+GLOBAL_BATCH = 16
+
+
+class StagedNet(nn.Module):
+    """Input projection, blocks, head; a stage that lacks a piece skips it (``None``)."""
+
+    def __init__(self, width: int = 16, depth: int = 4, d_in: int = 8, d_out: int = 4) -> None:
+        super().__init__()
+        self.inp: Optional[nn.Module] = nn.Linear(d_in, width)
+        self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
+        self.head: Optional[nn.Module] = nn.Linear(width, d_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x) if self.inp is not None else x
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h) if self.head is not None else h
+
+
+class PipelinedModule(pl.LightningModule):
+    """Trains the same way with or without a pipeline: ``training_step`` one process, ``pipeline_loss`` per stage."""
+
+    def __init__(self, lr: float = 1e-2, samples: int = 128, build_in_configure_model: bool = False) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.net: Optional[StagedNet] = None if build_in_configure_model else StagedNet()
+
+    def configure_model(self) -> None:
+        # On the meta device under HSDPStrategy: each rank then materializes only its stage's shards.
+        if self.net is None:
+            self.net = StagedNet()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def pipeline_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return nn.functional.mse_loss(output, target)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = self.pipeline_loss(self(x), y)
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=0.01)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", self.pipeline_loss(self(x), y), sync_dist=True)
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self(batch[0])
+
+    def _loader(self, samples: int) -> torch.utils.data.DataLoader:
+        """Each data-parallel rank's slice of every global batch, in order (the stages of a pipeline read the same)."""
+        data = make_dataset(n=samples)
+        kwargs = self.trainer.strategy.distributed_sampler_kwargs if self.trainer.world_size > 1 else {"num_replicas": 1, "rank": 0}
+        sampler = torch.utils.data.DistributedSampler(data, shuffle=False, **kwargs)
+        return torch.utils.data.DataLoader(data, batch_size=GLOBAL_BATCH // kwargs["num_replicas"], sampler=sampler)
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        return self._loader(self.hparams.samples)
+
+    def val_dataloader(self) -> torch.utils.data.DataLoader:
+        return self._loader(2 * GLOBAL_BATCH)
+
+    def predict_dataloader(self) -> torch.utils.data.DataLoader:
+        return self._loader(2 * GLOBAL_BATCH)
+
+
+class LossLog(pl.Callback):
+    """Every logged ``train_loss`` and, at the end of each validation, ``val_loss``."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+        self.val_losses: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses.append(float(trainer.callback_metrics["train_loss"]))
+
+    def on_validation_end(self, trainer, pl_module):
+        self.val_losses.append(float(trainer.callback_metrics["val_loss"]))
