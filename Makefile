@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # The CPU wheel of torch lies on disk; pinning it keeps pip from pulling a multi-GB CUDA build.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: install test test-fast demo bench bench-cluster bench-checkpoint gpu-check clean
+.PHONY: install test test-fast demo bench bench-cluster bench-checkpoint bench-pipeline gpu-check clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,7 @@ demo: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m benchmarks.run
 	$(PY) -m benchmarks.checkpoint_io
+	$(PY) -m benchmarks.pipeline_bubble
 
 # A simulated 2-node cluster (network namespaces + a tc-shaped veth link); needs root and iproute2.
 bench-cluster: $(STAMP)
@@ -37,6 +38,10 @@ bench-cluster: $(STAMP)
 # Checkpoint save / resume time against plain DCP, and the async_save stall (2 gloo ranks; also in make bench).
 bench-checkpoint: $(STAMP)
 	$(PY) -m benchmarks.checkpoint_io
+
+# The pipeline bubble (idle fraction per stage) for GPipe and 1F1B at 4 and 8 micro-batches (2 gloo ranks; also in make bench).
+bench-pipeline: $(STAMP)
+	$(PY) -m benchmarks.pipeline_bubble
 
 gpu-check: $(STAMP)
 	bash scripts/gpu_check.sh
