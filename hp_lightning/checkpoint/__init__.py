@@ -10,13 +10,14 @@
 * ``python -m hp_lightning.checkpoint consolidate | shard | verify``: offline conversion and checks.
 """
 
-from hp_lightning.checkpoint.data import ResumableLoader
+from hp_lightning.checkpoint.data import DATA_PARALLEL_KEY, ResumableLoader, loader_resume_warning
 from hp_lightning.checkpoint.layout import FORMAT_VERSION, CheckpointKind, CorruptCheckpointError, classify, recover
 from hp_lightning.checkpoint.load import LoadsShardedCheckpoints, load_checkpoint, load_from_checkpoint, load_weights, read_full_file
 from hp_lightning.checkpoint.save import AsyncSaves, is_sharded_checkpoint, remove_checkpoint, save_checkpoint
 from hp_lightning.core.state_dict import model_state_dict, optimizer_state_dict
 
 __all__ = [
+    "DATA_PARALLEL_KEY",
     "AsyncSaves",
     "FORMAT_VERSION",
     "CheckpointKind",
@@ -28,6 +29,7 @@ __all__ = [
     "load_checkpoint",
     "load_from_checkpoint",
     "load_weights",
+    "loader_resume_warning",
     "model_state_dict",
     "optimizer_state_dict",
     "read_full_file",

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator, Sized
-from typing import Any
+from typing import Any, Optional
 
 from torch.utils.data import DataLoader, Sampler
 
@@ -133,3 +133,29 @@ class ResumableLoader:
             )
         self._resume_at = served if served < length else 0
         self._served = self._resume_at
+
+
+#: Key of the saving run's data-parallel size in a Trainer checkpoint.
+DATA_PARALLEL_KEY = "hp_lightning_data_parallel_size"
+
+
+def loader_resume_warning(checkpoint: dict[str, Any], data_parallel_size: int) -> Optional[str]:
+    """Why a mid-epoch resume of a stateful loader's position may not continue the same data, or None.
+
+    torchdata's ``StatefulDataLoader`` (with a ``DistributedSampler``) records how many samples
+    *this rank* had drawn; on another number of ranks that count points elsewhere in the epoch.
+    (:class:`ResumableLoader` counts batches of the global order and is unaffected.)
+    """
+    saved = checkpoint.get(DATA_PARALLEL_KEY, (checkpoint.get("hp_lightning") or {}).get("world_size"))
+    loops = (checkpoint.get("loops") or {}).get("fit_loop") or {}
+    states = (loops.get("state_dict") or {}).get("combined_loader") or []
+    mid_epoch = any(isinstance(s, dict) and s.get("_num_yielded") and not s.get("_iterator_finished") for s in states)
+    if saved is None or saved == data_parallel_size or not mid_epoch:
+        return None
+    return (
+        f"This checkpoint was saved mid-epoch by {saved} data-parallel ranks and resumes on {data_parallel_size}: a StatefulDataLoader "
+        f"records the samples each rank drew, so on another number of ranks its position no longer matches the "
+        f"global data order (some samples of this epoch are skipped or repeated). Resume from an end-of-epoch "
+        f"checkpoint, on the same number of ranks, or use HSDPStrategy(resumable_dataloaders=True) with a plain "
+        f"DataLoader (its position is in global batches)."
+    )

@@ -132,18 +132,25 @@ class ShardingSummary:
         return "\n".join(out)
 
 
-def _min_max_over_ranks(values: list[int], device: torch.device) -> tuple[list[int], list[int]]:
-    """Element-wise min and max over all ranks, in one all-reduce (max of x and of -x)."""
+def _min_max_over_ranks(values: list[int], device: torch.device, group: Any = None) -> tuple[list[int], list[int]]:
+    """Element-wise min and max over the ranks of ``group`` (None: all), in one all-reduce (max of x and of -x)."""
     if not dist.is_available() or not dist.is_initialized() or not values:
         return list(values), list(values)
     both = torch.tensor([*values, *(-v for v in values)], dtype=torch.int64, device=device)
-    dist.all_reduce(both, op=dist.ReduceOp.MAX)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
     n = len(values)
     result = both.tolist()
     return [-v for v in result[n:]], result[:n]
 
 
-def summarize(root: nn.Module, units: Sequence[nn.Module], mesh: DeviceMesh, unsharded_names: Iterable[str], device: torch.device) -> ShardingSummary:
+def summarize(
+    root: nn.Module,
+    units: Sequence[nn.Module],
+    mesh: DeviceMesh,
+    unsharded_names: Iterable[str],
+    device: torch.device,
+    group: Any = None,
+) -> ShardingSummary:
     """The per-unit report of a sharded model. A collective: every rank must call it.
 
     Args:
@@ -152,6 +159,7 @@ def summarize(root: nn.Module, units: Sequence[nn.Module], mesh: DeviceMesh, uns
         mesh: the data-parallel mesh.
         unsharded_names: replicate / ignored parameter names (listed apart, with their bytes).
         device: where the one all-reduce of byte counts runs.
+        group: the ranks holding the same units (None: all; a pipeline stage's ranks under PP).
     """
     names = unit_names(root)
     partial: list[dict[str, Any]] = []
@@ -188,7 +196,7 @@ def summarize(root: nn.Module, units: Sequence[nn.Module], mesh: DeviceMesh, uns
             frozen=frozen,
             trainable=trainable,
         ))
-    lows, highs = _min_max_over_ranks([p["local_bytes"] for p in partial], device)
+    lows, highs = _min_max_over_ranks([p["local_bytes"] for p in partial], device, group)
     rows = [UnitReport(min_bytes=lo, max_bytes=hi, **p) for p, lo, hi in zip(partial, lows, highs)]
 
     outside = set(unsharded_names)

@@ -192,12 +192,6 @@ class HSDPOptions:
             "pipeline_schedule": _check_choice(self.pipeline_schedule, "pipeline_schedule", tuple(PIPELINE_SCHEDULES)),
             "pipeline_microbatches": _check_microbatches(self.pipeline_microbatches, pp),
         }
-        if pp > 1 and normalized["state_dict_type"] != "sharded":
-            raise ValueError(
-                f"HSDPStrategy(pipeline_parallel_size={pp}) saves sharded checkpoints (each stage writes its own part), but "
-                f"got state_dict_type={normalized['state_dict_type']!r}. Use state_dict_type='sharded' and convert afterwards "
-                f"with `python -m hp_lightning.checkpoint consolidate`."
-            )
         if normalized["async_save"] and normalized["state_dict_type"] != "sharded":
             raise ValueError(
                 f"HSDPStrategy(async_save=True) writes sharded checkpoints in the background, but got state_dict_type="

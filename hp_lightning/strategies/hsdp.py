@@ -23,7 +23,7 @@ from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
@@ -51,7 +51,7 @@ from hp_lightning.core.parallelize import ShardedModel, ShardingPlan
 from hp_lightning.core.prepare import prepare_model
 from hp_lightning.core.materialize import meta_init_context, move_unsharded_states
 from hp_lightning.fully_shard import HSDPModule
-from hp_lightning.parallel.pipeline import PipelineRunner, split_stage
+from hp_lightning.parallel.pipeline import PipelineRunner, gather_stages_on_rank0, split_stage
 from hp_lightning.core.preemption import Preempted, PreemptionWatch
 from hp_lightning.strategies.precision import HSDPPrecision, precision_from_lightning
 from hp_lightning.strategies.preemption import PreemptionStop, preemption_checkpoint_path
@@ -432,12 +432,14 @@ class HSDPStrategy(frontend.MeshAccess, ParallelStrategy):
                 f"{type(module).__name__} does not define. Add e.g. `def pipeline_loss(self, output, target): return F.mse_loss(output, target)`."
             )
         stage = self.parallel_mesh.pp.get_local_rank()
-        if module.__dict__.get("_hp_pipeline_stage") is not None:
-            return  # cut by an earlier fit/validate/predict of this trainer
-        module.__dict__["_hp_pipeline_stage"] = stage
+        if module.__dict__.get("_hp_pipeline_stage") is not None:  # cut by an earlier fit/validate/predict
+            self._pipeline_elsewhere = module.__dict__["_hp_pipeline_elsewhere"]
+            return
         before = set(module.state_dict(keep_vars=True))
         kept, removed = split_stage(module, self.options.pipeline_split_points, stage)
         self._pipeline_elsewhere = frozenset(before - set(module.state_dict(keep_vars=True)))
+        module.__dict__["_hp_pipeline_stage"] = stage
+        module.__dict__["_hp_pipeline_elsewhere"] = self._pipeline_elsewhere
         rank_zero_info(f"[hp_lightning] pipeline stage 0 of {pp}: {kept}; the other stages hold {len(removed)} more unit(s)")
 
     def _start_pipeline(self) -> None:
@@ -523,9 +525,15 @@ class HSDPStrategy(frontend.MeshAccess, ParallelStrategy):
     def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
         if self._pipeline is None:
             return super().backward(closure_loss, optimizer, *args, **kwargs)
-        for p, grad in self._pipeline_grads:  # the schedule already ran every micro-batch's backward
+        # Lightning's sequence, hooks included, with the schedule's gradients in place of a backward.
+        assert self.lightning_module is not None
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
+        for p, grad in self._pipeline_grads:
             p.grad = grad
         self._pipeline_grads = []
+        closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
+        self.post_backward(closure_loss)
         return closure_loss
 
     def _add_preemption_stop(self, trainer: pl.Trainer) -> None:
@@ -548,6 +556,7 @@ class HSDPStrategy(frontend.MeshAccess, ParallelStrategy):
             self.parallel_mesh.world,
             [*sharded.ignored, *sharded.replicated],
             self.root_device,
+            group=self._mesh.dp_group if self._mesh is not None and self._mesh.layout.pp > 1 else None,
         )
 
     @override
@@ -707,7 +716,16 @@ class HSDPStrategy(frontend.MeshAccess, ParallelStrategy):
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         assert self.model is not None
-        return checkpoint_io.model_state_dict(self.model, full=self.options.state_dict_type == "full")
+        full = self.options.state_dict_type == "full"
+        if full and self._pipeline is not None:
+            stages = self._gather_stages(checkpoint_io.model_state_dict(self.model, full=False))
+            return {key: value for stage in stages for key, value in stage.items()}
+        return checkpoint_io.model_state_dict(self.model, full=full)
+
+    def _gather_stages(self, state: dict[str, Any]) -> list[dict[str, Any]]:
+        """Every pipeline stage's ``state``, whole, on rank 0 (a collective; empty elsewhere)."""
+        assert self._pipeline is not None
+        return gather_stages_on_rank0(state, stage_leader=self.parallel_mesh.dp_rank == 0, pipeline_group=self._pipeline.group)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -717,16 +735,23 @@ class HSDPStrategy(frontend.MeshAccess, ParallelStrategy):
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         assert self.model is not None
-        state = checkpoint_io.optimizer_state_dict(self.model, optimizer, full=self.options.state_dict_type == "full")
-        if self._pipeline is not None:
-            # Each stage's groups list its own parameters; the checkpoint's list every stage's, in
-            # model order, so any mesh (a pipeline of another size, or none) can load it.
-            mine = [list(group["params"]) for group in state["param_groups"]]
-            stages: list[Any] = [None] * self._pipeline.num_stages
-            dist.all_gather_object(stages, mine, group=self._pipeline.group)
-            for index, group in enumerate(state["param_groups"]):
-                group["params"] = [name for stage in stages for name in stage[index]]
-        return state
+        full = self.options.state_dict_type == "full"
+        if self._pipeline is None:
+            return checkpoint_io.optimizer_state_dict(self.model, optimizer, full=full)
+        state = checkpoint_io.optimizer_state_dict(self.model, optimizer, full=False)
+        # Each stage's groups list its own parameters; the checkpoint's list every stage's, in
+        # model order, so any mesh (a pipeline of another size, or none) can load it.
+        mine = [list(group["params"]) for group in state["param_groups"]]
+        stages: list[Any] = [None] * self._pipeline.num_stages
+        dist.all_gather_object(stages, mine, group=self._pipeline.group)
+        for index, group in enumerate(state["param_groups"]):
+            group["params"] = [name for stage in stages for name in stage[index]]
+        if not full:
+            return state
+        parts = self._gather_stages(state)
+        if not parts:
+            return {}
+        return {"state": {k: v for part in parts for k, v in part["state"].items()}, "param_groups": state["param_groups"]}
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
@@ -738,6 +763,8 @@ class HSDPStrategy(frontend.MeshAccess, ParallelStrategy):
         if storage_options is not None:
             raise TypeError(f"HSDPStrategy.save_checkpoint does not take storage_options; got {storage_options!r}.")
         path = Path(self.broadcast(str(filepath)))
+        if self._mesh is not None:  # a data loader's position is per data-parallel rank (see loader_resume_warning)
+            checkpoint = {**checkpoint, checkpoint_io.DATA_PARALLEL_KEY: self._mesh.dp_size}
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if self.options.async_save and trainer is not None and trainer.state.fn == TrainerFn.FITTING:
             self._async_saves.save(checkpoint, path, checksums=self.options.checkpoint_checksums)
@@ -765,7 +792,7 @@ class HSDPStrategy(frontend.MeshAccess, ParallelStrategy):
         assert self.lightning_module is not None
         self.wait_for_checkpoint()  # never read what a save in flight is still writing
         path = Path(self.broadcast(str(checkpoint_path)))
-        return checkpoint_io.load_checkpoint(
+        rest = checkpoint_io.load_checkpoint(
             path,
             self.model,
             self.optimizers,
@@ -773,6 +800,9 @@ class HSDPStrategy(frontend.MeshAccess, ParallelStrategy):
             weights_only=weights_only,
             elsewhere=self._pipeline_elsewhere,
         )
+        if warning := checkpoint_io.loader_resume_warning(rest, self.parallel_mesh.dp_size):
+            rank_zero_warn(warning)
+        return rest
 
     @override
     def process_dataloader(self, dataloader: object) -> object:

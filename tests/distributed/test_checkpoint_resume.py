@@ -188,12 +188,15 @@ def same_world_worker(tmp: str) -> dict[str, Any]:
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             in_flight.append(trainer.strategy.checkpoint_in_flight)
 
-    top_2 = ModelCheckpoint(dirpath=root / "async_top2", monitor="train_loss", save_top_k=2, every_n_train_steps=1, filename="{step}")
+    top_2 = ModelCheckpoint(
+        dirpath=root / "async_top2", monitor="train_loss", save_top_k=2, every_n_train_steps=1, filename="{step}", save_last="link"
+    )
     every_n = ModelCheckpoint(dirpath=root / "async", every_n_train_steps=N, save_top_k=-1, filename="{step}")
     first = fit_run(2, mesh_shape=[2], max_steps=N, callbacks=(InFlight(), top_2, every_n), async_save=True)
     after_fit: dict[str, Any] = {"listing": sorted(os.listdir(root / "async_top2"))}
     after_fit["kept"] = sorted(Path(p).name for p in top_2.best_k_models)
-    after_fit["complete"] = [is_complete(root / "async_top2" / name) for name in after_fit["listing"]]
+    after_fit["complete"] = [is_complete((root / "async_top2" / name).resolve()) for name in after_fit["listing"]]
+    after_fit["last"] = os.readlink(root / "async_top2" / "last.ckpt")
     resumed = fit_run(2, mesh_shape=[2], max_steps=2 * N, ckpt_path=str(root / "async" / f"step={N}.ckpt"), async_save=True)
     out["async"] = {"first": first, "resumed": resumed, "in_flight": in_flight, **after_fit}
     # save_last="link" (Lightning's symlink to the newest top-k save) with sharded directories, then resume from it.
@@ -268,9 +271,11 @@ def test_async_save_resumes_exactly_and_keeps_exactly_top_k(same_world: list[dic
     params, optim = state_diff(run["resumed"], straight)
     print(f"async_save, 2 ranks, N + save + N vs 2N straight: parameters {params:.2e}, optimizer state {optim:.2e}")
     assert params <= 1e-6 and optim <= 1e-6, (params, optim)
-    # N saves, N - 2 removals held back until the next publish: exactly the two best, both complete.
-    assert run["listing"] == run["kept"] and len(run["kept"]) == 2, run
+    # N saves, N - 2 removals held back until the next publish: exactly the two best, both complete,
+    # and Lightning's `last` link to the newest save (made before its publish) resolves to it.
+    assert run["listing"] == sorted(run["kept"] + ["last.ckpt"]) and len(run["kept"]) == 2, run
     assert all(run["complete"]), run
+    assert run["last"] in run["kept"], run
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -76,6 +76,7 @@ def fit(
     ckpt_path: Optional[Path] = None,
     samples: int = 128,
     meta: bool = False,
+    save_whole: Optional[Path] = None,
 ) -> dict[str, Any]:
     import hp_lightning
 
@@ -92,6 +93,8 @@ def fit(
         options = dict(pipeline_parallel_size=2, pipeline_split_points=SPLIT, **strategy) if pipeline else strategy
         trainer = Trainer(devices=world, strategy=hp_lightning.HSDPStrategy(**options), max_steps=steps, callbacks=callbacks, **kwargs)
     trainer.fit(model, ckpt_path=ckpt_path)
+    if save_whole is not None:
+        trainer.save_checkpoint(save_whole)
     out = {"params": full_params(model), "losses": log.losses, "val_losses": log.val_losses}
     out["collectives"] = counter.summary() if count else None
     if trainer_options.get("limit_val_batches"):  # then also predict, through the pipeline's forward-only schedule
@@ -111,6 +114,9 @@ def worker(tmp: str) -> dict[str, Any]:
         4, fsdp4, {}, steps=4, pipeline=False, save_to=root / "fsdp4", ckpt_path=root / "pp" / "step=2.ckpt", samples=RESUME_SAMPLES
     )
     out["pp_from_fsdp4"] = fit(4, pp, {}, steps=6, ckpt_path=root / "fsdp4" / "step=4.ckpt", samples=RESUME_SAMPLES)
+    # A full checkpoint of a pipeline: rank 0 gathers every stage into one file with the model's own names.
+    out["full"] = fit(4, dict(pp, state_dict_type="full"), {}, steps=2, samples=RESUME_SAMPLES, save_whole=root / "pp_full.ckpt")
+    out["full"]["path"] = str(root / "pp_full.ckpt")
     out["refused"] = refused_setups()
     out["seed"] = seed_snippet()
     return out
@@ -283,3 +289,17 @@ def test_seed_pipeline_stage_call_matches_one_process(runs: list[dict[str, Any]]
     expected = {k: v.detach() for k, v in ref.state_dict().items()}
     assert sorted(whole) == sorted(expected)
     assert max_rel_diff(whole, expected) <= 1e-5
+
+
+def test_full_checkpoint_of_a_pipeline_loads_whole_on_one_cpu_process(runs: list[dict[str, Any]]) -> None:
+    path = runs[0]["full"]["path"]
+    trained: dict[str, torch.Tensor] = {}
+    for rank in runs:
+        trained.update(rank["full"]["params"])
+    raw = torch.load(path, map_location="cpu", weights_only=False)
+    assert raw["global_step"] == 2 and raw["hp_lightning"]["format"] == "full"
+    optimizer = raw["optimizer_states"][0]
+    assert sorted(optimizer["state"]) == sorted(trained) == sorted(optimizer["param_groups"][0]["params"])
+    model = PipelinedModule.load_from_checkpoint(path, map_location="cpu")
+    loaded = {name: p.detach() for name, p in model.named_parameters()}
+    assert sorted(loaded) == sorted(trained) and max_rel_diff(loaded, trained) == 0.0

@@ -189,3 +189,18 @@ def test_plain_pytorch_checkpoint_sharded_and_loaded_by_position(tmp_path: Path)
         for p_source, p_target in zip(source.parameters(), target.parameters()):
             for key, value in optimizer.state[p_source].items():
                 assert torch.equal(value, target_optimizer.state[p_target][key]), (path.name, key)
+
+
+def test_stateful_loader_resumed_mid_epoch_on_another_data_parallel_size_is_warned_about() -> None:
+    from hp_lightning.checkpoint import DATA_PARALLEL_KEY, loader_resume_warning
+
+    def checkpoint(dp: int, yielded: int, finished: bool = False) -> dict:
+        loader = {"_num_yielded": yielded, "_iterator_finished": finished, "_sampler_iter_state": {"samples_yielded": 8 * yielded}}
+        return {DATA_PARALLEL_KEY: dp, "loops": {"fit_loop": {"state_dict": {"combined_loader": [loader]}}}}
+
+    assert loader_resume_warning(checkpoint(2, 3), 2) is None  # same size: torchdata continues exactly
+    assert loader_resume_warning(checkpoint(2, 0), 4) is None  # nothing drawn yet this epoch
+    assert loader_resume_warning(checkpoint(2, 3, finished=True), 4) is None
+    assert loader_resume_warning({"loops": {}}, 4) is None  # no stateful loader
+    message = loader_resume_warning(checkpoint(2, 3), 4)
+    assert message is not None and "saved mid-epoch by 2 data-parallel ranks and resumes on 4" in message

@@ -56,7 +56,6 @@ BAD_STRATEGY_ARGS = [
     (dict(pipeline_parallel_size=2, pipeline_split_points=["b"], pipeline_schedule="zb"), ValueError, r"\['gpipe', '1f1b'\]; got 'zb'"),
     (dict(pipeline_parallel_size=2, pipeline_split_points=["b"], pipeline_microbatches=0), ValueError, r"int >= 1 or None; got 0"),
     (dict(pipeline_parallel_size=2, pipeline_split_points=["b"], tensor_parallel_size=2), ValueError, r"got pipeline_parallel_size=2 with tensor_parallel_size=2.*TP or EP inside a stage"),
-    (dict(pipeline_parallel_size=2, pipeline_split_points=["b"], state_dict_type="full"), ValueError, r"got state_dict_type='full'"),
 ]
 
 
