@@ -82,7 +82,8 @@ def load_checkpoint(
             read), and the SHA-256 of every file when it was saved with checksums (one extra read
             of every file, spread over the ranks); single files: their zip CRC-32s.
         elsewhere: model keys other ranks load (a pipeline's other stages): neither missing here
-            nor unexpected; sharded checkpoints only.
+            nor unexpected. A single file is first written once as a temporary sharded directory
+            next to it, so each stage reads only its part.
 
     Returns:
         The rest of the checkpoint (loops, callbacks, schedulers, ...) for Lightning to restore.
@@ -102,13 +103,49 @@ def load_checkpoint(
 
     kind = on_rank0(find)
     if elsewhere and kind is CheckpointKind.FULL_FILE:
-        raise ValueError(
-            f"{str(path)!r} is a single file; a pipeline stage loads its part of a sharded checkpoint only. Convert it "
-            f"first: python -m hp_lightning.checkpoint shard {path} {path}.sharded"
-        )
+        return _load_full_into_stage(path, model, optimizers, strict=strict, weights_only=weights_only, verify=verify, elsewhere=elsewhere)
     if kind is CheckpointKind.FULL_FILE:
         return _load_full(path, model, optimizers, strict=strict, weights_only=weights_only, verify=verify)
     return _load_sharded(path, kind, model, optimizers, strict=strict, weights_only=weights_only, verify=verify, elsewhere=elsewhere)
+
+
+def _load_full_into_stage(
+    path: Path,
+    model: nn.Module,
+    optimizers: list[Any],
+    *,
+    strict: bool,
+    weights_only: Optional[bool],
+    verify: bool,
+    elsewhere: Collection[str],
+) -> dict[str, Any]:
+    """A single file into one pipeline stage: rank 0 reads it, every rank writes it once as a sharded
+    directory next to it (rank 0 holds all the tensors), each stage loads its part, the directory goes.
+
+    Each stage needs other keys of the file, so a broadcast of everything would send every stage
+    the whole model; a temporary DCP directory costs one write and lets each rank read its part.
+    """
+    from hp_lightning.checkpoint.save import save_checkpoint
+
+    whole: dict[str, Any] = {}
+
+    def read() -> Path:
+        whole.update(read_full_file(path, weights_only=weights_only, verify=verify))
+        whole.pop(FULL_INFO_KEY, None)
+        return layout.staging_path(path.with_name(f"{path.name}.for-pipeline"), layout.new_token())
+
+    temporary = on_rank0(read)
+    save_checkpoint(whole, temporary, sharded=True)
+    whole.clear()
+    try:
+        return _load_sharded(
+            temporary, CheckpointKind.HP_SHARDED, model, optimizers, strict=strict, weights_only=weights_only, verify=False, elsewhere=elsewhere
+        )
+    finally:
+        if dist.is_initialized():
+            dist.barrier()
+        if rank() == 0:
+            layout.remove(temporary)
 
 
 # ------------------------------------------------ sharded
@@ -227,7 +264,9 @@ def _load_sharded(
     request: dict[str, Any] = {model_key: {prefix + k: v for k, v in sharded_model.items() if k in stored}}
     plans = []
     for i, optimizer in enumerate(restoring):
-        plans.append(on_every_rank(lambda i=i, optimizer=optimizer: _optimizer_request(model, optimizer, index, i, set(missing), source)))
+        plans.append(
+            on_every_rank(lambda i=i, optimizer=optimizer: _optimizer_request(model, optimizer, index, i, set(missing), source, elsewhere))
+        )
         request[f"optimizer_{i}"] = plans[-1][0]
 
     dcp.load(request, checkpoint_id=str(path), planner=dcp.DefaultLoadPlanner(allow_partial_load=True), no_dist=not dist.is_initialized())
@@ -245,7 +284,13 @@ def _load_sharded(
 
 
 def _optimizer_request(
-    model: nn.Module, optimizer: Any, index: Mapping[tuple[Any, ...], Shape], i: int, skipped: set[str], source: str
+    model: nn.Module,
+    optimizer: Any,
+    index: Mapping[tuple[Any, ...], Shape],
+    i: int,
+    skipped: set[str],
+    source: str,
+    elsewhere: Collection[str] = (),
 ) -> tuple[dict[str, Any], list[list[str]], bool, set[str]]:
     """This run's optimizer state shaped like what checkpoint entry ``optimizer_i`` stores (to load into)."""
     current = get_optimizer_state_dict(model, optimizer)  # initializes empty state, so it has every entry
@@ -255,6 +300,12 @@ def _optimizer_request(
     flat = [n for group in names for n in group]
     # DCP stores dict keys as strings: native torch state (integer ids) comes back as "0", "1", ...
     by_position = bool(stored_entries) and all(str(k).isdigit() and str(k) not in flat for k in stored_entries)
+    if by_position and elsewhere:
+        raise ValueError(
+            f"Checkpoint {source}: optimizer {i} state is keyed by position (a plain Lightning checkpoint), which "
+            f"counts every parameter of the whole model; a pipeline stage holds some of them and cannot tell which "
+            f"positions are its own. Resume it once without pipeline parallelism and save, or load the weights only."
+        )
     if by_position:
         stored_entries = {flat[int(k)]: v for k, v in stored_entries.items() if int(k) < len(flat)}
     check_optimizer_state(current, stored_entries, stored_groups, index=i, source=source)

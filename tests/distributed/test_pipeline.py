@@ -76,7 +76,6 @@ def fit(
     ckpt_path: Optional[Path] = None,
     samples: int = 128,
     meta: bool = False,
-    save_whole: Optional[Path] = None,
 ) -> dict[str, Any]:
     import hp_lightning
 
@@ -93,8 +92,6 @@ def fit(
         options = dict(pipeline_parallel_size=2, pipeline_split_points=SPLIT, **strategy) if pipeline else strategy
         trainer = Trainer(devices=world, strategy=hp_lightning.HSDPStrategy(**options), max_steps=steps, callbacks=callbacks, **kwargs)
     trainer.fit(model, ckpt_path=ckpt_path)
-    if save_whole is not None:
-        trainer.save_checkpoint(save_whole)
     out = {"params": full_params(model), "losses": log.losses, "val_losses": log.val_losses}
     out["collectives"] = counter.summary() if count else None
     if trainer_options.get("limit_val_batches"):  # then also predict, through the pipeline's forward-only schedule
@@ -114,9 +111,14 @@ def worker(tmp: str) -> dict[str, Any]:
         4, fsdp4, {}, steps=4, pipeline=False, save_to=root / "fsdp4", ckpt_path=root / "pp" / "step=2.ckpt", samples=RESUME_SAMPLES
     )
     out["pp_from_fsdp4"] = fit(4, pp, {}, steps=6, ckpt_path=root / "fsdp4" / "step=4.ckpt", samples=RESUME_SAMPLES)
+    # The same pipeline resumes its own checkpoint exactly (steps 3-4 after steps 1-2, against 1-4 straight).
+    out["pp_from_pp"] = fit(4, pp, {}, steps=4, ckpt_path=root / "pp" / "step=2.ckpt", samples=RESUME_SAMPLES)
+    out["pp_straight"] = fit(4, pp, {}, steps=4, samples=RESUME_SAMPLES)
     # A full checkpoint of a pipeline: rank 0 gathers every stage into one file with the model's own names.
-    out["full"] = fit(4, dict(pp, state_dict_type="full"), {}, steps=2, samples=RESUME_SAMPLES, save_whole=root / "pp_full.ckpt")
-    out["full"]["path"] = str(root / "pp_full.ckpt")
+    out["full"] = fit(4, dict(pp, state_dict_type="full"), {}, steps=2, samples=RESUME_SAMPLES, save_to=root / "pp_full")
+    out["full"]["path"] = str(root / "pp_full" / "step=2.ckpt")
+    out["pp_from_full"] = fit(4, pp, {}, steps=4, ckpt_path=root / "pp_full" / "step=2.ckpt", samples=RESUME_SAMPLES)
+    out["leftovers"] = sorted(p.name for p in (root / "pp_full").iterdir())
     out["refused"] = refused_setups()
     out["seed"] = seed_snippet()
     return out
@@ -247,6 +249,13 @@ def test_stages_only_talk_to_their_neighbour_and_shard_inside_their_stage(runs: 
         assert len(calls.get("send", [])) == len(calls.get("recv", [])) == 2, calls
 
 
+def test_pipeline_resumes_its_own_checkpoint_exactly(runs: list[dict[str, Any]]) -> None:
+    for rank in runs:
+        resumed, straight = rank["pp_from_pp"], rank["pp_straight"]
+        assert max_rel_diff(resumed["params"], straight["params"]) == 0.0
+        assert resumed["losses"] == straight["losses"][2:]
+
+
 def test_pipeline_checkpoints_resume_as_fsdp_and_back(runs: list[dict[str, Any]], references: dict[str, dict[str, Any]]) -> None:
     fsdp4 = runs[0]["fsdp4_from_pp"]["params"]  # FSDP: every rank gathers the whole model
     diff4 = max_rel_diff(fsdp4, references["resume4"]["params"])
@@ -303,3 +312,8 @@ def test_full_checkpoint_of_a_pipeline_loads_whole_on_one_cpu_process(runs: list
     model = PipelinedModule.load_from_checkpoint(path, map_location="cpu")
     loaded = {name: p.detach() for name, p in model.named_parameters()}
     assert sorted(loaded) == sorted(trained) and max_rel_diff(loaded, trained) == 0.0
+    # A pipeline resumes from the full file too (each stage reads its part of a temporary sharded copy).
+    for rank in runs:
+        assert max_rel_diff(rank["pp_from_full"]["params"], rank["pp_straight"]["params"]) == 0.0
+        assert rank["pp_from_full"]["losses"] == rank["pp_straight"]["losses"][2:]
+    assert not [name for name in runs[0]["leftovers"] if "for-pipeline" in name], runs[0]["leftovers"]
