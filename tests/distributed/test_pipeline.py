@@ -37,7 +37,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
     },
     "hsdp1x2_1f1b_m4": {"strategy": dict(mesh_shape=[1, 2], pipeline_schedule="1f1b", pipeline_microbatches=4), "trainer": {}},
     # Built in configure_model on the meta device: each rank materializes its own stage only.
-    "fsdp2_gpipe_m2_meta": {"strategy": dict(mesh_shape=[2], pipeline_schedule="gpipe", pipeline_microbatches=2), "trainer": {}, "meta": True},
+    "hsdp1x2_gpipe_m2_meta": {"strategy": dict(mesh_shape=[1, 2], pipeline_schedule="gpipe", pipeline_microbatches=2), "trainer": {}, "meta": True},
 }
 
 
