@@ -201,22 +201,35 @@ class AsyncSaves:
             future.add_done_callback(lambda done: self._publish(done, staging, path, tensors, checksums))
 
     def _publish(self, done: Future, staging: Path, path: Path, tensors: Mapping[str, Any], checksums: bool) -> None:
-        """Rank 0, on DCP's background thread: publish the finished save, then the removals it held back."""
+        """Rank 0, on DCP's background thread: publish the finished save, then the removals it held back.
+
+        ``wait()`` returns only once the removals are done too (``_published`` is set last, under
+        the lock, when none is left), so a removal is never lost or racing the next save.
+        """
         try:
-            done.result()
-            files = {n: layout.file_record(staging / n, checksum=checksums) for n in layout.data_files(staging)}
-            _finish_sharded(staging, path, files, tensors, checksums)
-        except BaseException as exc:  # noqa: BLE001 - re-raised on every rank by wait()
-            self._failure = exc
             try:
-                layout.remove(staging)
-            except OSError:
-                pass  # the next save's clean-up removes it
-        with self._lock:
-            removals, self._removals = self._removals, []
-            self._published.set()
-        for old in removals:
-            layout.remove(old)
+                done.result()
+                files = {n: layout.file_record(staging / n, checksum=checksums) for n in layout.data_files(staging)}
+                _finish_sharded(staging, path, files, tensors, checksums)
+            except BaseException as exc:  # noqa: BLE001 - re-raised on every rank by wait()
+                self._failure = exc
+                try:
+                    layout.remove(staging)
+                except OSError:
+                    pass  # the next save's clean-up removes it
+            while True:
+                with self._lock:
+                    removals, self._removals = self._removals, []
+                    if not removals:
+                        self._published.set()
+                        return
+                for old in removals:
+                    try:
+                        layout.remove(old)
+                    except OSError as exc:
+                        self._failure = self._failure or exc
+        finally:
+            self._published.set()  # never leave wait() hanging, whatever failed above
 
     def remove(self, path: Path) -> None:
         """Rank 0: delete a checkpoint now, or once the save in flight is published."""

@@ -47,7 +47,8 @@ def test_sigterm_stops_every_rank_at_the_same_step(tmp_path, fault, launcher):
 
 def test_sigterm_to_the_job_saves_and_resumes_to_the_exact_step(tmp_path):
     preempted, reference = tmp_path / "preempted", tmp_path / "reference"
-    run = launch(preempted, "--fault", "sigterm_job", "--rank", "1", "--step", "2", "--save-on-preemption", "--dump")
+    # With async_save: the preemption save must still be published before the job ends.
+    run = launch(preempted, "--fault", "sigterm_job", "--rank", "1", "--step", "2", "--save-on-preemption", "--async-save", "--dump")
     expect_clean_preemption(run)
     assert run.returncode == PREEMPTED_EXIT_CODE, run.tail()
     assert f"saved {preempted / 'ckpts' / 'last.ckpt'} (resume with ckpt_path='last')" in run.output, run.tail()
