@@ -256,7 +256,10 @@ def main() -> None:
             ckpt_path.write_bytes(bytes(range(256)) * 12)  # no checkpoint format starts like this
         mark_fault(args.out, args.fault)
     try:
-        trainer.fit(model, rank_loader(FaultyData(args), GLOBAL_BATCH, 2, num_workers=workers), ckpt_path=ckpt_path)
+        # A spawned worker: forking a process that runs threads (gloo's, the watchdog's) can deadlock
+        # the child on a lock another thread held; this test is about the worker's error, not fork.
+        context = {"multiprocessing_context": "spawn"} if workers else {}
+        trainer.fit(model, rank_loader(FaultyData(args), GLOBAL_BATCH, 2, num_workers=workers, **context), ckpt_path=ckpt_path)
     except ValueError:
         if args.fault != "caught":
             raise
