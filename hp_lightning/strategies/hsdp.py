@@ -486,13 +486,14 @@ class HSDPStrategy(frontend.MeshAccess, ParallelStrategy):
         split = getattr(self.lightning_module, "pipeline_batch", None)
         if callable(split):
             return split(batch)
-        if isinstance(batch, (list, tuple)) and len(batch) >= 2:
+        if isinstance(batch, (list, tuple)) and len(batch) == 2:
             return batch[0], batch[1]
         if isinstance(batch, torch.Tensor):
             return batch, None
+        got = f"a {type(batch).__name__} of {len(batch)}" if isinstance(batch, (list, tuple)) else f"a {type(batch).__name__}"
         raise TypeError(
-            f"Pipeline: cannot tell input from target in a batch of type {type(batch).__name__}; define "
-            f"pipeline_batch(self, batch) -> (input, target) on the LightningModule."
+            f"Pipeline: cannot tell input from target in {got} (the default reads (input, target) pairs only, so "
+            f"nothing is dropped silently); define pipeline_batch(self, batch) -> (input, target) on the LightningModule."
         )
 
     def _pipeline_eval_step(self, metric: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> STEP_OUTPUT:
