@@ -118,7 +118,7 @@ def start_watchdog(strategy: Any, running: Optional[watchdog.FaultWatchdog]) -> 
     if not options.fault_watchdog:
         return None
     running = running or watchdog.FaultWatchdog(heartbeat_timeout=options.heartbeat_timeout, exit_grace=options.failure_exit_grace)
-    running.start(strategy.global_rank, strategy.world_size, watchdog.local_ranks(strategy.node_rank, strategy.num_processes))
+    running.start(strategy.global_rank, strategy.world_size, _local_ranks(strategy))
     return running
 
 
@@ -128,3 +128,8 @@ def agree_and_build_mesh(strategy: Any, precision: Optional[str], trainer: Any =
     settings = agreement.setup_settings(strategy.options.settings(), precision, trainer, sizes.shape)
     agreement.check_rank_agreement(settings, stage="setup")
     return build_parallel_mesh(strategy.root_device.type, sizes)
+
+
+def _local_ranks(strategy: Any) -> range:
+    """Global ranks on this node: Lightning and torchrun place them in consecutive blocks."""
+    return range(strategy.node_rank * strategy.num_processes, (strategy.node_rank + 1) * strategy.num_processes)

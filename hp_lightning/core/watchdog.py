@@ -1,36 +1,14 @@
 """When one rank fails, every rank stops within seconds, and the first cause is reported once.
 
-Without help, a failure on one rank shows up on the others as whatever they were doing at the
-time. Either they get a gloo ``Connection closed by peer`` traceback that hides the real error
-and gives no rank, or they hang until the collective timeout (30 minutes by default). That
-happens when the failed process stays alive (a non-daemon thread keeps it running, or user code
-catches the error and carries on), is frozen, deadlocks, or runs on NCCL, which does not notice
-dead peers. :class:`FaultWatchdog` is one daemon thread per rank. It talks through the job's
-TCPStore (the rendezvous store) on a connection of its own, never through the process group,
-because the process group may be what is stuck.
-
-- A rank that raises posts a :class:`FailureReport` from ``Strategy.on_exception``. The first
-  post wins (compare-and-set), so the reported cause is the first failure, not the ``Connection
-  closed`` errors it causes on other ranks a moment later. The exception then goes on as usual:
-  Lightning's handling, the user's ``except``, or a traceback. An error raised on every rank
-  together is printed once; each other rank prints one line.
-- Every other rank checks for a post at each poll. When one appears, the rank waits until the
-  failed rank has printed its traceback (at most ``exit_grace``). Then it prints one line and
-  exits with :data:`PEER_FAILED_EXIT_CODE`. So do ranks whose own error is a consequence of the
-  failure.
-- A rank that ends without a post (SIGKILL, the out-of-memory killer) is found by the ranks on
-  its host at their next poll. A frozen rank, or one on an unreachable host, is found by its
-  heartbeat; a rank whose main thread stopped moving outside a collective (a deadlock) posts
-  that itself; a store that stops answering is noticed within ``heartbeat_timeout``.
-- A failed process that goes on after the others were stopped for it (a non-daemon thread, or
-  user code that caught the error) is ended ``exit_grace`` seconds later.
-
-What torch and torchrun already cover, and why this exists anyway (see ``docs/faults.md``):
-torchrun's agent ends the job when a worker *exits*, but not when one hangs, is frozen, or
-lingers after an error; NCCL's async error handling and heartbeat monitor cover NCCL only (not
-gloo, not HCCL) and only collectives already in flight; Lightning's launcher has no failure
-propagation at all. The watchdog costs three small store operations per rank and poll (one
-second by default).
+Without help, a failure on one rank shows up on the others as a gloo ``Connection closed by
+peer`` traceback that hides the cause, or as a hang until the collective timeout (30 minutes)
+when the failed process lingers, is frozen, deadlocks, or runs on NCCL. :class:`FaultWatchdog`
+is one daemon thread per rank that talks through the job's TCPStore on a connection of its own,
+never through the process group (which may be what is stuck). A failing rank posts the first
+:class:`FailureReport` (compare-and-set); the others read it at their next poll, wait until the
+failed rank has printed its traceback, print one line and exit. Ranks that end without a post
+are found by their local peers (a dead pid) or by their heartbeat. ``docs/faults.md`` lists the
+cases, and which of them torch, torchrun and Lightning's launcher already cover (none of these).
 """
 
 from __future__ import annotations
@@ -44,6 +22,7 @@ import socket
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from datetime import timedelta
@@ -70,6 +49,7 @@ _COMMUNICATION_MARKERS = (
     "Timed out waiting",
     "timed out",
 )
+_GONE = "is gone: its process ended without reporting an error (killed by a signal such as SIGKILL, or by the OOM killer)"
 #: How often a rank checks on a peer it is waiting for (seconds).
 _FINE_POLL = 0.1
 #: Sequence number of watchdog sessions in this process (fit, then test, ...).
@@ -92,19 +72,24 @@ def is_communication_error(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and any(marker in str(exc) for marker in _COMMUNICATION_MARKERS)
 
 
+class _Wire:
+    """JSON text for the store, and back (dataclasses of plain fields)."""
+
+    def to_wire(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)  # type: ignore[call-overload]
+
+    @classmethod
+    def from_wire(cls, data: bytes | str) -> Any:
+        return cls(**json.loads(data))
+
+
 @dataclass(frozen=True)
-class FailureReport:
+class FailureReport(_Wire):
     """The first failure of the job, as every rank reads it from the store.
 
-    Attributes:
-        rank: the rank that failed.
-        kind: ``"error"`` (it raised), ``"gone"`` (its process ended without a report),
-            ``"silent"`` (its heartbeat stopped) or ``"store"`` (the job's store stopped answering).
-        summary: one line: the exception's type and message, or what was observed.
-        host: host name of the failed rank.
-        pid: its process id.
-        reporter: the rank that posted the report (the failed rank itself for ``"error"``).
-        time: wall-clock time of the report (seconds since the epoch).
+    ``kind``: ``"error"`` (it raised), ``"gone"`` (its process ended without a report),
+    ``"silent"`` (its heartbeat stopped) or ``"stuck"`` (its main thread stopped moving).
+    ``summary`` is one line; ``reporter`` the rank that posted it; ``time`` seconds since the epoch.
     """
 
     rank: int
@@ -122,29 +107,15 @@ class FailureReport:
         where = f" (pid {self.pid} on {self.host})" if self.pid > 0 else ""
         return f"rank {self.rank}{where} {self.summary}"
 
-    def to_wire(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True)
-
-    @classmethod
-    def from_wire(cls, data: bytes | str) -> FailureReport:
-        return cls(**json.loads(data))
-
 
 @dataclass(frozen=True)
-class _ProcessInfo:
+class _ProcessInfo(_Wire):
     """Where a rank runs: enough to check on it locally when it shares our host and pid namespace."""
 
     host: str
     machine: str
     pid: int
     start_ticks: int
-
-    def to_wire(self) -> str:
-        return json.dumps(asdict(self))
-
-    @classmethod
-    def from_wire(cls, data: bytes | str) -> _ProcessInfo:
-        return cls(**json.loads(data))
 
 
 def _machine_key() -> str:
@@ -213,28 +184,18 @@ class FaultWatchdog:
     """Stops every rank promptly when one fails, and names the first failure once.
 
     The strategy calls :meth:`start` once the process group exists, :meth:`report` from
-    ``on_exception`` and :meth:`stop` from ``teardown``. Three kinds of rank result:
-
-    * A rank that raises an error of its own (anything but a lost-peer communication error)
-      is a *failed* rank. Its exception goes on as usual: Lightning's handling, the user's
-      ``except``, or a traceback. If another rank posted the same error first (errors raised on
-      every rank together, such as :class:`RankDisagreementError`), an uncaught duplicate is
-      printed as one line instead of another traceback.
-    * A rank whose error is a consequence of another rank's failure (``Connection closed by
-      peer``), or that was still working when the failure was posted, is *stopped*. It prints
-      one line naming the failure and exits with :data:`PEER_FAILED_EXIT_CODE`.
-    * A rank found dead (gone, or silent past ``heartbeat_timeout``) is reported by a peer.
+    ``on_exception`` and :meth:`stop` from ``teardown``. A rank that raises an error of its own
+    is *failed*: its exception goes on as usual (an uncaught duplicate of an error another rank
+    posted first prints one line). A rank whose error is a consequence (``Connection closed by
+    peer``), or that was still working when the failure was posted, is *stopped*: one line,
+    exit :data:`PEER_FAILED_EXIT_CODE`. A rank found gone or silent is reported by a peer.
 
     Args:
-        heartbeat_timeout: seconds without a heartbeat before a rank is declared lost: a frozen
-            or deadlocked process, or a host that went down. It must be long enough that a busy
-            main thread never trips it (the heartbeat runs on its own thread), and short enough
-            to beat the collective timeout. Dead processes on the same host are found at the
-            next poll without waiting for this.
-        exit_grace: seconds the other ranks wait, at most, for the failed rank to print its
-            traceback before they exit anyway. It is also how long a failed process may
-            linger after its main thread has finished (a non-daemon thread keeps it alive)
-            before it is ended with :data:`FAILED_EXIT_CODE`.
+        heartbeat_timeout: seconds without a heartbeat (or without the main thread moving,
+            outside torch) before a rank is declared lost. The heartbeat has its own thread, so
+            long steps do not trip it; dead processes on the same host are found at once.
+        exit_grace: seconds the other ranks wait, at most, for the failed rank's traceback; and
+            how long a failed process may linger before it is ended (:data:`FAILED_EXIT_CODE`).
         poll_interval: seconds between checks. None → ``min(1, heartbeat_timeout / 10)``.
 
     Raises:
@@ -281,13 +242,10 @@ class FaultWatchdog:
         return self._active
 
     def start(self, rank: int, world_size: int, local_ranks: Iterable[int] = ()) -> None:
-        """Begin watching. Needs an initialized default process group; every rank calls it.
+        """Begin watching (every rank, once the default process group exists).
 
-        Args:
-            rank: this process's global rank.
-            world_size: number of ranks.
-            local_ranks: ranks expected on this host; their processes are checked directly
-                (each is confirmed to share this host and pid namespace first).
+        ``local_ranks``: ranks expected on this host, whose pids are checked directly once they
+        are confirmed to share this host and pid namespace.
         """
         global _generation
         if world_size < 2 or not (dist.is_available() and dist.is_initialized()):
@@ -330,11 +288,7 @@ class FaultWatchdog:
         self._thread.start()
 
     def stop(self) -> None:
-        """End watching after a normal finish; the other ranks no longer expect this one's heartbeat.
-
-        After a failure of this rank, this does nothing. The thread keeps running so that a
-        process that lingers after its main thread has finished is still ended.
-        """
+        """End watching after a normal finish (after a failure the thread stays, to end a lingering process)."""
         if not self._active or self._failed_at is not None:
             return
         try:
@@ -354,18 +308,12 @@ class FaultWatchdog:
     # ------------------------------------------------------------------ reporting (main thread)
 
     def report(self, exc: BaseException) -> None:
-        """Called from ``Strategy.on_exception`` with the exception that is ending this Trainer call.
+        """From ``Strategy.on_exception``: post this rank's own error, or find the cause of a lost-peer one.
 
-        If the error is this rank's own, post it (the first post stands) and let it go on to
-        Lightning's handling. If it is a lost-peer communication error, the rank looks for the
-        cause. That can be a failure another rank posted, a dead peer on this host, or, after a
-        few polls, its own error as the best cause known. A rank stopped for another's
-        failure prints one line and exits with :data:`PEER_FAILED_EXIT_CODE`, with no second,
-        misleading traceback.
-
-        SIGTERM is ignored from here until Lightning's teardown restores its handler. torchrun
-        sends it to every worker once one has exited, and Lightning's handler would answer it
-        with a collective on the broken process group.
+        The cause of a communication error is a failure another rank posted, a dead peer on this
+        host or, after a few polls, the error itself; a rank stopped for another's failure prints
+        one line and exits. SIGTERM is ignored from here on: torchrun sends it to every worker once
+        one has exited, and Lightning's handler would answer it with a collective.
         """
         if not self._active:
             return
@@ -391,11 +339,11 @@ class FaultWatchdog:
                 posted = self._post(lost) if lost is not None else self._wait_for_post(max(3 * self.poll_interval, 2.0))
             if posted is None:
                 posted = self._post(self._report_for(exc))
-        except _StoreUnreachable as unreachable:
-            self._on_store_lost_in_report(exc, unreachable)
+        except _StoreUnreachable:
+            self._on_store_lost_in_report(exc)
             return
         if posted.rank == self.rank:
-            self._mark_failed(f"rank {self.rank}: {posted.summary}", posted.time)  # the best cause known
+            self._mark_failed(exc)  # the best cause known
         elif isinstance(exc, Exception):
             self._stop_for(posted)
 
@@ -407,30 +355,30 @@ class FaultWatchdog:
             standing = mine
         if standing.rank != self.rank and standing.summary == mine.summary:
             # The same error, raised on every rank together: rank `standing.rank` speaks for all.
-            _print_uncaught_duplicate_as_one_line(exc, self.rank, standing)
-            self._mark_failed(f"rank {self.rank}: the same error as rank {standing.rank}: {mine.summary}", _after(standing))
+            _one_line_if_uncaught(
+                exc,
+                f"rank {self.rank}: exiting with the same error as rank {standing.rank}, which reported it first: "
+                f"{standing.summary} (traceback in rank {standing.rank}'s output).",
+            )
+            self._mark_failed(exc, not_before=_second_after(standing))
         else:
-            self._mark_failed(f"rank {self.rank}: {mine.summary}", mine.time)
+            self._mark_failed(exc)
 
     def _report_for(self, exc: BaseException) -> FailureReport:
         assert self._me is not None
         summary = f"{type(exc).__name__}: {_first_line(str(exc))}".rstrip(": ")
         return FailureReport(self.rank, "error", summary, self._me.host, self._me.pid, self.rank, time.time())
 
-    def _mark_failed(self, message: str, stamp: float) -> None:
-        """This rank failed: leave a trail for torchrun (``message`` dated ``stamp``) and for the waiting ranks."""
+    def _mark_failed(self, error: BaseException, not_before: float = 0.0) -> None:
+        """This rank failed: leave a record for torchrun's summary and an exit marker for the waiting ranks."""
         if self._failed_at is not None:
             return
         self._failed_at = time.monotonic()
-        _write_torchelastic_error_file(message, stamp)
+        _record_for_torchrun(error, not_before)
         atexit.register(self._mark_exited)
 
     def _mark_exited(self) -> None:
-        """At exit, after the traceback: tell the waiting ranks, then go quiet.
-
-        SIGTERM is ignored again here, because Lightning's teardown restored its handler. The
-        thread stops, because the store may close once the other ranks have gone.
-        """
+        """At exit, after the traceback: tell the waiting ranks, ignore SIGTERM again, stop polling."""
         _quiet_signals()
         self._stopping.set()
         try:
@@ -439,16 +387,13 @@ class FaultWatchdog:
         except Exception:  # noqa: BLE001 - best effort at interpreter exit
             pass
 
-    def _on_store_lost_in_report(self, exc: BaseException, unreachable: _StoreUnreachable) -> None:
+    def _on_store_lost_in_report(self, exc: BaseException) -> None:
         """No store: the failure read before it went, else a dead peer on this host, else the store's host."""
         if self._known is not None and self._known.rank != self.rank:
             self._stop_for(self._known)
         for rank, info in sorted(self._local.items()):
             if not _is_running(info):
-                self._exit_peer_failed(
-                    f"rank {rank} (pid {info.pid} on {info.host}) is gone: its process ended without "
-                    f"reporting an error (killed by a signal such as SIGKILL, or by the out-of-memory killer)"
-                )
+                self._exit_peer_failed(f"rank {rank} (pid {info.pid} on {info.host}) {_GONE}")
         self._exit_peer_failed(
             "the job's store stopped answering (it lives in rank 0's launcher or torchrun's agent), "
             f"so that process has probably failed; this rank's last error was {type(exc).__name__}: {_first_line(str(exc))}"
@@ -477,9 +422,13 @@ class FaultWatchdog:
                 _say(f"rank {self.rank}: fault watchdog stopped after an internal error: {unexpected!r}")
                 return
 
+    def _store_host(self) -> Optional[_ProcessInfo]:
+        """The process serving the job's store, when it runs on this host."""
+        return self._local.get(self._store_host_rank) if self._store_host_rank is not None else None
+
     def _end_frozen_store_host(self) -> str:
         """SIGKILL the store's process when it runs on this host: a stopped process would outlive the job."""
-        info = self._local.get(self._store_host_rank) if self._store_host_rank is not None else None
+        info = self._store_host()
         if info is None or not _is_running(info):
             return ""
         try:
@@ -490,7 +439,7 @@ class FaultWatchdog:
 
     def _store_host_gone(self) -> Optional[_ProcessInfo]:
         """The store's process, if it runs on this host and has ended (then every store call would fail)."""
-        info = self._local.get(self._store_host_rank) if self._store_host_rank is not None else None
+        info = self._store_host()
         return info if info is not None and not _is_running(info) else None
 
     def _tick(self) -> None:
@@ -517,32 +466,30 @@ class FaultWatchdog:
             self._stop_for(self._post(lost))
 
     def _end_if_lingering(self) -> None:
-        """End a failed process that outlives its failure.
+        """End a failed process that outlives its failure by ``exit_grace``.
 
-        Either its main thread has finished but other threads keep it alive, or the user's code
-        caught the error and carries on although the other ranks were stopped for it (nothing
-        it does can communicate with them any more).
+        Either other threads keep it alive after its main thread finished, or the user caught
+        the error and carries on although the other ranks were stopped for it.
         """
         now = time.monotonic()
         if threading.main_thread().is_alive():
             assert self._failed_at is not None
             if now - self._failed_at < self.exit_grace or not self._peers_stopped():
                 return  # still reporting, or the user caught an error every rank raised together
-            _say(
-                f"rank {self.rank}: this rank failed and the other ranks were stopped for it, but its main thread "
-                f"was still running {self.exit_grace:g} s later (the error was caught?); ending it (exit code "
-                f"{FAILED_EXIT_CODE}) so that no rank is left behind."
+            if now - self._failed_at < 2 * self.exit_grace and not self._peers_left():
+                return  # the stopped ranks go first: their one line is printed before this process ends
+            why = (
+                f"this rank failed and the other ranks were stopped for it, but its main thread was still running "
+                f"{self.exit_grace:g} s later (the error was caught?)"
             )
-            os._exit(FAILED_EXIT_CODE)
-        self._main_done_at = self._main_done_at or now
-        if now - self._main_done_at < self.exit_grace:
-            return
-        others = [t.name for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]
-        alive = f" (threads still running: {others})" if others else ""
-        _say(
-            f"rank {self.rank}: this rank failed, and its process was still running {self.exit_grace:g} s after its "
-            f"main thread ended{alive}; ending it (exit code {FAILED_EXIT_CODE}) so that no rank is left behind."
-        )
+        else:
+            self._main_done_at = self._main_done_at or now
+            if now - self._main_done_at < self.exit_grace:
+                return
+            others = [t.name for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]
+            alive = f" (threads still running: {others})" if others else ""
+            why = f"this rank failed, and its process was still running {self.exit_grace:g} s after its main thread ended{alive}"
+        _say(f"rank {self.rank}: {why}; ending it (exit code {FAILED_EXIT_CODE}) so that no rank is left behind.")
         os._exit(FAILED_EXIT_CODE)
 
     # ------------------------------------------------------------------ detection
@@ -568,16 +515,7 @@ class FaultWatchdog:
             if self._has_left(rank):
                 del self._local[rank]  # finished normally
                 continue
-            return FailureReport(
-                rank,
-                "gone",
-                "is gone: its process ended without reporting an error (killed by a signal such as "
-                "SIGKILL, or by the out-of-memory killer)",
-                info.host,
-                info.pid,
-                self.rank,
-                time.time(),
-            )
+            return FailureReport(rank, "gone", _GONE, info.host, info.pid, self.rank, time.time())
         return None
 
     def _find_silent_neighbour(self) -> Optional[FailureReport]:
@@ -681,14 +619,10 @@ class FaultWatchdog:
     def _stop_for(self, failure: FailureReport) -> None:
         """Leave with one line naming ``failure`` (returns only if this rank fails on its own meanwhile).
 
-        First wait, at most ``exit_grace`` seconds, until the failed rank has printed its
-        traceback. Its exit marker is set from ``atexit``, which runs right after the traceback
-        and before its sockets close. Leaving earlier has two costs. Under Lightning's launcher,
-        the shell would get its prompt back before the cause is printed. Under torchrun, the
-        agent would SIGTERM the failed rank in the middle of its report. Leaving later means
-        this rank's own collective fails when the failed rank's sockets close. Under torchrun,
-        this rank's error-file record is dated after the failure's, so the agent names the
-        failed rank as the root cause.
+        First wait, at most ``exit_grace`` seconds, for the failed rank's exit marker (set from
+        ``atexit``: after its traceback, before its sockets close). Leaving earlier would give the
+        shell its prompt back before the cause is printed, or have torchrun's agent SIGTERM the
+        failed rank mid-report; leaving later, this rank's own collective fails first.
         """
         with self._exit_lock:
             # Tell a failed rank that lingers (its error caught) that the others are leaving for it;
@@ -700,7 +634,12 @@ class FaultWatchdog:
             if failure.kind == "error" and not self._wait_for_end_of(failure.rank):
                 return
             cause = failure.describe()
-            _write_torchelastic_error_file(f"rank {self.rank}: stopped because {cause}", _after(failure))
+            _record_for_torchrun(StoppedForPeerFailure(f"rank {self.rank}: stopped because {cause}"), _second_after(failure))
+            if not self._store_lost and self._store_host_gone() is None:  # (a call to a gone store prints a warning)
+                try:
+                    self._store_op(lambda s: s.add("left for the failure", 1))
+                except _StoreUnreachable:
+                    pass
             self._exit_peer_failed(cause)
 
     def _wait_for_end_of(self, rank: int) -> bool:
@@ -725,6 +664,7 @@ class FaultWatchdog:
                     if self._store_op(lambda s: s.check([f"exited/{rank}"])):
                         return True
                 except _StoreUnreachable:
+                    self._store_lost = True
                     return True
             time.sleep(_FINE_POLL)
         return self._failed_at is None
@@ -733,6 +673,13 @@ class FaultWatchdog:
         with self._exit_lock:  # one exit per process: the watchdog thread or the main thread
             _say(f"rank {self.rank}: stopping (exit code {PEER_FAILED_EXIT_CODE}) because {cause}.")
             os._exit(PEER_FAILED_EXIT_CODE)
+
+    def _peers_left(self) -> bool:
+        """Every other rank has left for this rank's failure (or the store went with them)."""
+        try:
+            return int(self._store_op(lambda s: s.add("left for the failure", 0))) >= self.world_size - 1
+        except _StoreUnreachable:
+            return True
 
     def _peers_stopped(self) -> bool:
         try:
@@ -773,7 +720,7 @@ class FaultWatchdog:
         except _StoreUnreachable:
             pass
         _say(f"rank {self.rank} is {summary}; ending it (exit code {FAILED_EXIT_CODE}). Main thread:\n{stack}")
-        _write_torchelastic_error_file(f"rank {self.rank}: {summary}", report.time)
+        _record_for_torchrun(MainThreadStuck(f"rank {self.rank}: {summary}"))
         os._exit(FAILED_EXIT_CODE)
 
 
@@ -786,34 +733,25 @@ def _inside_torch(frame: Any) -> bool:
 
 
 def _describe_stack(frame: Any, limit: int = 8) -> str:
-    import traceback
-
     return "".join(traceback.format_stack(frame, limit=limit)).rstrip()
 
 
-def _after(failure: FailureReport) -> float:
-    """A time to date a consequence of ``failure`` by in torchrun's error file.
+def _second_after(failure: FailureReport) -> float:
+    """The earliest time a consequence of ``failure`` may be recorded for torchrun.
 
-    torchrun names the record with the smallest whole-second timestamp as the root cause, so a
-    consequence is dated at least one second after its cause, never tied with it.
+    The agent names the record with the smallest whole-second timestamp as the root cause, so a
+    consequence's record must not share its cause's second.
     """
-    return max(time.time(), math.floor(failure.time) + 1)
+    return math.floor(failure.time) + 1.0
 
 
-def _print_uncaught_duplicate_as_one_line(exc: BaseException, rank: int, first: FailureReport) -> None:
-    """If ``exc`` ends the process uncaught, print one line instead of a second copy of ``first``'s traceback.
-
-    Errors raised on every rank together (a rank disagreement, NaN gradients) would otherwise
-    print the same traceback once per rank. A caught ``exc`` is not affected.
-    """
+def _one_line_if_uncaught(exc: BaseException, line: str) -> None:
+    """If ``exc`` ends the process uncaught, print ``line`` instead of its traceback (a caught ``exc`` is unaffected)."""
     previous = sys.excepthook
 
     def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
         if value is exc:
-            _say(
-                f"rank {rank}: exiting with the same error as rank {first.rank}, which reported it first: "
-                f"{first.summary} (traceback in rank {first.rank}'s output)."
-            )
+            _say(line)
             return
         previous(kind, value, tb)
 
@@ -824,21 +762,11 @@ def print_once_per_job(exc: BaseException) -> None:
     """Before a process group exists: rank 0 prints ``exc``'s traceback, every other rank one line.
 
     A configuration error (a mesh that does not fit the world size, a backend that cannot start)
-    is raised by every rank of a torchrun job at once; without this each prints the same
-    traceback. The rank comes from the launcher's environment (``RANK``, else 0).
+    is raised by every rank at once. The rank comes from the launcher's environment (``RANK``).
     """
     rank = int(os.environ.get("RANK", "0") or 0)
-    if rank == 0:
-        return
-    previous = sys.excepthook
-
-    def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
-        if value is exc:
-            _say(f"rank {rank}: exiting with {type(exc).__name__}: {_first_line(str(exc))} (traceback in rank 0's output).")
-            return
-        previous(kind, value, tb)
-
-    sys.excepthook = hook
+    if rank != 0:
+        _one_line_if_uncaught(exc, f"rank {rank}: exiting with {type(exc).__name__}: {_first_line(str(exc))} (traceback in rank 0's output).")
 
 
 def _say(message: str) -> None:
@@ -862,20 +790,34 @@ def _quiet_signals() -> None:
         signal.signal(sigchld, signal.SIG_DFL)
 
 
-def _write_torchelastic_error_file(message: str, stamp: float) -> None:
-    """Under torchrun, give the agent's summary the cause instead of "To enable traceback see ...".
+class StoppedForPeerFailure(RuntimeError):
+    """Recorded for torchrun by a rank the watchdog stops because another rank failed first."""
 
-    Written in the format torchrun's ``@record`` uses, with the one-line cause as the "traceback"
-    (the full traceback is in the rank's own output already). torchrun names the record with
-    the smallest timestamp as the root cause. An existing file (from ``@record``) is left alone.
+
+class MainThreadStuck(RuntimeError):
+    """Recorded for torchrun by a rank whose main thread stopped moving outside torch (a deadlock)."""
+
+
+def _record_for_torchrun(error: BaseException, not_before: float = 0.0) -> None:
+    """Under torchrun, show ``error`` in the agent's summary: torch's ``ErrorHandler``, as ``@record`` does.
+
+    The record is written no earlier than ``not_before`` (at most a second's wait, for a
+    consequence), so the agent never names a consequence as the root cause. Outside torchrun
+    (no ``TORCHELASTIC_ERROR_FILE``) nothing is written.
     """
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path or os.path.exists(path):
+    if not os.environ.get("TORCHELASTIC_ERROR_FILE"):
         return
-    data = {"message": {"message": message, "extraInfo": {"py_callstack": message, "timestamp": str(int(stamp))}}}
+    from torch.distributed.elastic.multiprocessing.errors import get_error_handler
+
+    time.sleep(max(0.0, not_before - time.time()))
     try:
-        with open(path, "w") as f:
-            json.dump(data, f)
+        if sys.exc_info()[1] is error:
+            get_error_handler().record_exception(error)
+            return
+        try:
+            raise error  # the record's traceback is this frame: the message is what matters
+        except BaseException as raised:  # noqa: BLE001 - recorded, not handled
+            get_error_handler().record_exception(raised)
     except OSError:
         pass
 
@@ -889,11 +831,3 @@ def check_seconds(value: Any, name: str, owner: str = "FaultWatchdog") -> float:
     if not math.isfinite(value) or value <= 0:
         raise ValueError(f"{owner}({name}=...) must be a finite number of seconds > 0; got {value!r}. Example: {owner}({name}=60).")
     return float(value)
-
-
-# ====================================================================== ranks agreeing at setup
-
-
-def local_ranks(node_rank: int, processes_per_node: int) -> range:
-    """Global ranks Lightning and torchrun place on node ``node_rank`` (consecutive blocks)."""
-    return range(node_rank * processes_per_node, (node_rank + 1) * processes_per_node)

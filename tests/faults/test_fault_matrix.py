@@ -70,7 +70,7 @@ def test_training_step_error_on_rank0_torchrun(tmp_path):
     run = launch(tmp_path, "--fault", "training_step", "--rank", "0", "--step", "2", launcher="torchrun")
     expect_bounded(run)
     expect_one_cause(run, 0, "ValueError: injected fault in training_step on rank 0 at step 2")
-    expect_torchrun_root_cause(run, 0, "rank 0: ValueError: injected fault in training_step")
+    expect_torchrun_root_cause(run, 0, "ValueError: injected fault in training_step on rank 0 at step 2")
 
 
 def test_callback_error_on_rank0_lightning_launcher(tmp_path):
@@ -84,7 +84,7 @@ def test_data_loading_error_in_worker_on_rank1_torchrun(tmp_path):
     run = launch(tmp_path, "--fault", "data", "--rank", "1", "--step", "2", launcher="torchrun")
     expect_bounded(run)
     expect_one_cause(run, 1, "injected fault in data loading on rank 1")
-    expect_torchrun_root_cause(run, 1, "rank 1: ValueError: Caught ValueError in DataLoader worker process 0")
+    expect_torchrun_root_cause(run, 1, "ValueError: Caught ValueError in DataLoader worker process 0")
 
 
 # ====================================================================== killed ranks

@@ -94,3 +94,34 @@ def test_every_strategy_option_is_compared_across_ranks():
     ]
     compared = {key.split("(", 1)[1].split("=", 1)[0] for key in options}
     assert set(names) <= compared, set(names) - compared
+
+
+def test_torchrun_records_come_from_torchs_error_handler_and_never_tie_with_their_cause(tmp_path, monkeypatch):
+    """What torchrun's agent reads back (its own ``ProcessFailure``): the message, and a consequence dated after its cause."""
+    import time
+
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from hp_lightning.core.watchdog import StoppedForPeerFailure, _record_for_torchrun, _second_after
+
+    cause_file, consequence_file = tmp_path / "rank1.json", tmp_path / "rank0.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(cause_file))
+    try:
+        raise ValueError("bad batch 7")
+    except ValueError as exc:
+        _record_for_torchrun(exc)
+    cause = ProcessFailure(local_rank=1, pid=1, exitcode=1, error_file=str(cause_file))
+    assert cause.message["message"] == "ValueError: bad batch 7"
+    assert 'raise ValueError("bad batch 7")' in cause.message["extraInfo"]["py_callstack"]
+
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(consequence_file))
+    report = FailureReport(1, "error", "ValueError: bad batch 7", "node", 1, 1, time.time())
+    started = time.time()
+    _record_for_torchrun(StoppedForPeerFailure("rank 0: stopped because rank 1 failed first"), _second_after(report))
+    assert time.time() - started <= 1.05  # at most a second's wait
+    consequence = ProcessFailure(local_rank=0, pid=2, exitcode=3, error_file=str(consequence_file))
+    assert consequence.message["message"] == "StoppedForPeerFailure: rank 0: stopped because rank 1 failed first"
+    assert consequence.timestamp > int(report.time)  # the agent's root cause is the smaller timestamp: rank 1's
+
+    monkeypatch.delenv("TORCHELASTIC_ERROR_FILE")
+    _record_for_torchrun(ValueError("outside torchrun"))  # nothing to write, nothing raised
