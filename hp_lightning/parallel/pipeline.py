@@ -7,11 +7,16 @@ a checkpoint of a pipelined run is keyed like one of the whole model:
 * the modules the split points cut between (*units*) are the children of every module on the way
   to a split point, in registration order; the split points must be units, in that order;
 * a stage keeps its units; every other unit that holds parameters or buffers is removed from it:
-  an entry of an ``nn.ModuleList`` / ``nn.Sequential`` becomes ``nn.Identity()`` (a loop over the
-  blocks passes activations through), an ``nn.ModuleDict`` entry is deleted, any other module is
-  set to ``None`` — the model's ``forward`` must skip a ``None`` module (``h = self.emb(x) if
-  self.emb is not None else x``), as torchtitan's models do; a model that does not fails loudly
-  (``'NoneType' object is not callable``), never silently;
+  an entry of an ``nn.ModuleList`` / ``nn.Sequential`` / ``nn.ModuleDict`` is deleted while the
+  others keep their keys (``blocks.2`` stays ``blocks.2``; the list iterates and indexes over the
+  entries it still holds, so ``for block in self.blocks``, ``self.layers[0]`` and torch's own
+  ``nn.TransformerEncoder`` work unchanged); any other module is set to ``None``: the model's
+  ``forward`` must skip a ``None`` module (``h = self.emb(x) if self.emb is not None else x``),
+  as torchtitan's models do. A model that does not fails loudly (``'NoneType' object is not
+  callable``). A pass-through placeholder would not: ``self.emb(x) + self.pos(pos)`` on a later
+  stage would add positions to the hidden state silently;
+* a unit with nothing in its ``state_dict`` (a loss module, an activation, a rotary-embedding
+  table kept in non-persistent buffers) stays on every stage;
 * parameters held directly by a module on the way (not by a unit) belong to no single stage and
   are refused.
 
@@ -126,18 +131,36 @@ def split_stage(model: nn.Module, split_points: Sequence[str], stage_index: int)
         if name in kept:
             continue
         module = model.get_submodule(name)
-        if next(module.parameters(), None) is None and next(module.buffers(), None) is None:
-            continue  # stateless (a loss module, an activation): every stage keeps it
+        if not module.state_dict():
+            continue  # nothing a checkpoint holds (a loss, an activation, rotary tables): every stage keeps it
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name)
-        if isinstance(parent, (nn.ModuleList, nn.Sequential)):
-            parent._modules[attr] = nn.Identity()  # keeps the indices, so every name stays the same
-        elif isinstance(parent, nn.ModuleDict):
-            del parent[attr]
+        if isinstance(parent, (nn.ModuleList, nn.Sequential, nn.ModuleDict)):
+            del parent._modules[attr]  # the other entries keep their keys, so every name stays the same
+            if isinstance(parent, nn.ModuleList) and not isinstance(parent, _HeldEntries):
+                parent.__class__ = _held_entries(type(parent))
         else:
             setattr(parent, attr, None)
         removed.append(name)
     return kept, removed
+
+
+class _HeldEntries:
+    """Mixin for a stage's ``ModuleList`` that lost entries: integer indices count the entries it holds.
+
+    ``nn.ModuleList`` looks an integer index up by its key (``self.layers[0]`` is key ``"0"``);
+    after a cut the first held entry may be ``"2"``. Iteration, ``len`` and slices already go by
+    the held entries.
+    """
+
+    def __getitem__(self, index: Any) -> Any:
+        held = list(self._modules.values())  # type: ignore[attr-defined]
+        return nn.ModuleList(held[index]) if isinstance(index, slice) else held[index]
+
+
+def _held_entries(cls: type) -> type:
+    """``cls`` (``nn.ModuleList`` or a subclass) with :class:`_HeldEntries` indexing; same name in reprs."""
+    return type(cls.__name__, (_HeldEntries, cls), {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
 
 
 def PipelineStage(

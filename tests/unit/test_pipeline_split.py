@@ -27,7 +27,8 @@ def test_each_stage_keeps_its_units_under_their_own_names(stage: int) -> None:
     assert kept == expected
     names = {n for n, _ in model.named_parameters()}
     assert names == {n for n, _ in whole.named_parameters() if any(n.startswith(u + ".") for u in expected)}
-    assert len(model.net.blocks) == 4  # removed blocks are Identity: indices and names are kept
+    assert [k for k, _ in model.net.blocks.named_children()] == [["0"], ["1", "2"], ["3"]][stage]  # keys kept
+    assert model.net.blocks[0] is model.net.blocks.get_submodule(["0", "1", "3"][stage])  # index = held entry
     assert (model.net.inp is None) == (stage != 0) and (model.net.head is None) == (stage != 2)
     # The stages in sequence compute what the whole model computes.
     x = torch.randn(3, 8)
@@ -78,3 +79,61 @@ def test_a_batch_that_is_not_an_input_target_pair_is_refused_not_truncated() -> 
     assert strategy._pipeline_batch(((x, y),), {})[1] is y
     with pytest.raises(TypeError, match="cannot tell input from target in a tuple of 3.*pipeline_batch"):
         strategy._pipeline_batch(((x, y, mask),), {})
+
+
+class EncoderLM(nn.Module):
+    """torch's own ``nn.TransformerEncoder`` between an embedding and a head (a user's model, not ours)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(50, 16)
+        layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, num_layers=4, enable_nested_tensor=False)
+        self.head = nn.Linear(16, 50)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x) if self.emb is not None else x
+        h = self.encoder(h)
+        return self.head(h) if self.head is not None else h
+
+
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_torchs_transformer_encoder_is_cut_between_its_layers(mode: str) -> None:
+    torch.manual_seed(0)
+    whole = EncoderLM().train(mode == "train")
+    tokens = torch.randint(0, 50, (3, 7))
+    h = tokens
+    for stage in range(2):
+        part = EncoderLM()
+        part.load_state_dict(whole.state_dict())
+        kept, _ = split_stage(part, ["encoder.layers.2"], stage)
+        assert kept == [["emb", "encoder.layers.0", "encoder.layers.1"], ["encoder.layers.2", "encoder.layers.3", "head"]][stage]
+        assert set(part.state_dict()) == {k for k in whole.state_dict() if any(k.startswith(u + ".") for u in kept)}
+        h = part.train(mode == "train")(h)  # the encoder reads self.layers[0] and loops over what it holds
+    torch.testing.assert_close(h, whole(tokens))
+
+
+def test_sequential_entries_are_deleted_and_the_rest_run_in_order() -> None:
+    torch.manual_seed(0)
+    whole = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4), nn.Linear(4, 2))
+    x = torch.randn(2, 4)
+    h = x
+    for stage in range(2):
+        part = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4), nn.Linear(4, 2))
+        part.load_state_dict(whole.state_dict())
+        split_stage(part, ["2"], stage)
+        assert [k for k, _ in part.named_children()] == [["0", "1"], ["1", "2", "3"]][stage]  # ReLU: stateless, kept
+        h = part(h)
+    torch.testing.assert_close(h, whole(x))
+
+
+def test_a_hugging_face_decoder_cut_fails_loudly_not_silently() -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2
+    )
+    model = transformers.LlamaModel(config)
+    kept, removed = split_stage(model, ["layers.1"], 0)  # HF's forward calls self.norm unconditionally
+    assert removed == ["layers.1", "norm"] and model.rotary_emb is not None  # non-persistent tables stay everywhere
+    with pytest.raises(TypeError, match="'NoneType' object is not callable"):
+        model(torch.randint(0, 64, (1, 5)))
