@@ -150,6 +150,7 @@ def summarize(
     unsharded_names: Iterable[str],
     device: torch.device,
     group: Any = None,
+    stage: Optional[tuple[int, int]] = None,
 ) -> ShardingSummary:
     """The per-unit report of a sharded model. A collective: every rank must call it.
 
@@ -160,6 +161,7 @@ def summarize(
         unsharded_names: replicate / ignored parameter names (listed apart, with their bytes).
         device: where the one all-reduce of byte counts runs.
         group: the ranks holding the same units (None: all; a pipeline stage's ranks under PP).
+        stage: (index, number of stages) under PP, named in the report's title.
     """
     names = unit_names(root)
     partial: list[dict[str, Any]] = []
@@ -222,7 +224,8 @@ def summarize(
             "no parameter is sharded: every parameter is in ignored_params or replicate_params. Remove some "
             "patterns from them to shard the model."
         )
-    return ShardingSummary(mesh=describe(mesh), units=rows, unsharded_params=unsharded, warnings=warnings)
+    where = describe(mesh) if stage is None else f"pipeline stage {stage[0]} of {stage[1]}; {describe(mesh)}"
+    return ShardingSummary(mesh=where, units=rows, unsharded_params=unsharded, warnings=warnings)
 
 
 def live_gradient_bytes(model: nn.Module) -> int:

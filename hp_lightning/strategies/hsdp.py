@@ -557,8 +557,15 @@ class HSDPStrategy(frontend.MeshAccess, ParallelStrategy):
             self.parallel_mesh.world,
             [*sharded.ignored, *sharded.replicated],
             self.root_device,
-            group=self._mesh.dp_group if self._mesh is not None and self._mesh.layout.pp > 1 else None,
+            **self._pipeline_report_scope(),
         )
+
+    def _pipeline_report_scope(self) -> dict[str, Any]:
+        """Under PP, the report covers this stage: its ranks' min/max, its index in the title."""
+        mesh = self._mesh
+        if mesh is None or mesh.layout.pp == 1:
+            return {}
+        return {"group": mesh.dp_group, "stage": (mesh.pp.get_local_rank(), mesh.layout.pp)}
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:

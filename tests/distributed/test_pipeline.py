@@ -94,6 +94,7 @@ def fit(
     trainer.fit(model, ckpt_path=ckpt_path)
     out = {"params": full_params(model), "losses": log.losses, "val_losses": log.val_losses}
     out["collectives"] = counter.summary() if count else None
+    out["report"] = trainer.strategy.sharding_summary().table() if count else None  # a collective within each stage
     if trainer_options.get("limit_val_batches"):  # then also predict, through the pipeline's forward-only schedule
         out["predictions"] = torch.cat([p.detach() for p in trainer.predict(model)])
     return out
@@ -247,6 +248,15 @@ def test_stages_only_talk_to_their_neighbour_and_shard_inside_their_stage(runs: 
         assert p2p == {tuple(sorted((rank, peer)))}, calls
         # 2 micro-batches: stage 0 sends 2 activations and receives 2 gradients; stage 1 the reverse.
         assert len(calls.get("send", [])) == len(calls.get("recv", [])) == 2, calls
+
+
+def test_sharding_report_covers_the_ranks_own_stage(runs: list[dict[str, Any]]) -> None:
+    for rank, run in enumerate(runs):
+        report = run["fsdp2_1f1b_m2"]["report"]
+        title = report.splitlines()[0]
+        assert title.startswith(f"Sharding report (pipeline stage {rank // 2} of 2; "), report
+        mine, theirs = ("net.blocks.1", "net.blocks.2") if rank < 2 else ("net.blocks.2", "net.blocks.1")
+        assert re.search(rf"^{re.escape(mine)}\s", report, re.M) and not re.search(rf"^{re.escape(theirs)}\s", report, re.M), report
 
 
 def test_pipeline_resumes_its_own_checkpoint_exactly(runs: list[dict[str, Any]]) -> None:
