@@ -29,18 +29,37 @@ class StagedNet(nn.Module):
         return self.head(h) if self.head is not None else h
 
 
+class EncoderNet(nn.Module):
+    """torch's own ``nn.TransformerEncoder`` between an input projection and a head (sequences of 2 tokens)."""
+
+    def __init__(self, width: int = 16, depth: int = 4, d_in: int = 8, d_out: int = 4) -> None:
+        super().__init__()
+        self.inp: Optional[nn.Module] = nn.Linear(d_in, 2 * width)
+        layer = nn.TransformerEncoderLayer(width, nhead=2, dim_feedforward=2 * width, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, num_layers=depth, enable_nested_tensor=False)
+        self.head: Optional[nn.Module] = nn.Linear(2 * width, d_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x).unflatten(-1, (2, -1)) if self.inp is not None else x
+        h = self.encoder(h)  # a later stage's encoder holds its own layers only, under their own names
+        return self.head(h.flatten(-2)) if self.head is not None else h
+
+
+NETS = {"staged": StagedNet, "encoder": EncoderNet}
+
+
 class PipelinedModule(pl.LightningModule):
     """Trains the same way with or without a pipeline: ``training_step`` one process, ``pipeline_loss`` per stage."""
 
-    def __init__(self, lr: float = 1e-2, samples: int = 128, build_in_configure_model: bool = False) -> None:
+    def __init__(self, lr: float = 1e-2, samples: int = 128, build_in_configure_model: bool = False, net: str = "staged") -> None:
         super().__init__()
         self.save_hyperparameters()
-        self.net: Optional[StagedNet] = None if build_in_configure_model else StagedNet()
+        self.net: Optional[nn.Module] = None if build_in_configure_model else NETS[net]()
 
     def configure_model(self) -> None:
         # On the meta device under HSDPStrategy: each rank then materializes only its stage's shards.
         if self.net is None:
-            self.net = StagedNet()
+            self.net = NETS[self.hparams.net]()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)

@@ -38,6 +38,13 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "hsdp1x2_1f1b_m4": {"strategy": dict(mesh_shape=[1, 2], pipeline_schedule="1f1b", pipeline_microbatches=4), "trainer": {}},
     # Built in configure_model on the meta device: each rank materializes its own stage only.
     "hsdp1x2_gpipe_m2_meta": {"strategy": dict(mesh_shape=[1, 2], pipeline_schedule="gpipe", pipeline_microbatches=2), "trainer": {}, "meta": True},
+    # torch's own nn.TransformerEncoder, cut between its layers, built on the meta device.
+    "encoder_fsdp2_1f1b_m2_meta": {
+        "strategy": dict(mesh_shape=[2], pipeline_microbatches=2, pipeline_split_points=["net.encoder.layers.2"]),
+        "trainer": {},
+        "meta": True,
+        "net": "encoder",
+    },
 }
 
 
@@ -76,11 +83,12 @@ def fit(
     ckpt_path: Optional[Path] = None,
     samples: int = 128,
     meta: bool = False,
+    net: str = "staged",
 ) -> dict[str, Any]:
     import hp_lightning
 
     seed_everything(0)
-    model = PipelinedModule(samples=samples, build_in_configure_model=meta)
+    model = PipelinedModule(samples=samples, build_in_configure_model=meta, net=net)
     log, counter = LossLog(), CountOneStep()
     callbacks: list[Callback] = [log, *([counter] if count else [])]
     if save_to is not None:
@@ -89,7 +97,7 @@ def fit(
     if strategy is None:
         trainer = Trainer(devices=1, max_steps=steps, callbacks=callbacks, **kwargs)
     else:
-        options = dict(pipeline_parallel_size=2, pipeline_split_points=SPLIT, **strategy) if pipeline else strategy
+        options = {"pipeline_parallel_size": 2, "pipeline_split_points": SPLIT, **strategy} if pipeline else strategy
         trainer = Trainer(devices=world, strategy=hp_lightning.HSDPStrategy(**options), max_steps=steps, callbacks=callbacks, **kwargs)
     trainer.fit(model, ckpt_path=ckpt_path)
     out = {"params": full_params(model), "losses": log.losses, "val_losses": log.val_losses}
@@ -101,7 +109,10 @@ def fit(
 
 
 def worker(tmp: str) -> dict[str, Any]:
-    out = {name: fit(4, c["strategy"], c["trainer"], count=name == "fsdp2_1f1b_m2", meta=c.get("meta", False)) for name, c in CONFIGS.items()}
+    out = {
+        name: fit(4, c["strategy"], c["trainer"], count=name == "fsdp2_1f1b_m2", meta=c.get("meta", False), net=c.get("net", "staged"))
+        for name, c in CONFIGS.items()
+    }
     # Pipeline 2 x FSDP 2 (steps 1-2) -> FSDP over 4 ranks (steps 3-4) -> the pipeline again (steps 5-6).
     # Two batches per epoch: each save is at an epoch's end, so the resumed run reads the data the
     # straight run reads next, on any number of data-parallel ranks.
@@ -201,9 +212,21 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def references() -> dict[str, dict[str, Any]]:
-    out = {name: fit(1, None, c["trainer"]) for name, c in CONFIGS.items()}  # always built eagerly
+    out = {name: fit(1, None, c["trainer"], net=c.get("net", "staged")) for name, c in CONFIGS.items()}  # always built eagerly
     out["resume4"] = fit(1, None, {}, steps=4, samples=RESUME_SAMPLES)
     out["resume6"] = fit(1, None, {}, steps=6, samples=RESUME_SAMPLES)
+    return out
+
+
+def comparable(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Without the key third of attention's ``in_proj_bias``: its gradient is zero up to rounding (softmax
+    ignores a shift shared by all keys), and AdamW scales that rounding noise up to full-size steps, which
+    differ with the order of any sum (measured: it alone differs, by 7e-4, from FSDP without PP too)."""
+    out = dict(params)
+    for name, value in params.items():
+        if name.endswith("self_attn.in_proj_bias"):
+            q, _, v = value.chunk(3)
+            out[name] = torch.cat([q, v])
     return out
 
 
@@ -214,7 +237,7 @@ def test_pipeline_matches_one_process(runs: list[dict[str, Any]], references: di
     for rank in runs:
         whole.update(rank[name]["params"])
     assert sorted(whole) == sorted(ref["params"]), "the stages together hold the whole model, under its own names"
-    diff = max_rel_diff(whole, ref["params"])
+    diff = max_rel_diff(comparable(whole), comparable(ref["params"]))
     print(f"{name}: max relative parameter difference {diff:.2e} after {STEPS} AdamW steps")
     assert diff <= 1e-5, f"{name}: parameters differ from one process by {diff:.2e}"
     stage_params = [set(rank[name]["params"]) for rank in runs]
