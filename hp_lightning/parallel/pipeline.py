@@ -158,8 +158,14 @@ class _HeldEntries:
         return nn.ModuleList(held[index]) if isinstance(index, slice) else held[index]
 
 
+class StageModuleList(_HeldEntries, nn.ModuleList):
+    """An ``nn.ModuleList`` holding one pipeline stage's entries under their original keys."""
+
+
 def _held_entries(cls: type) -> type:
-    """``cls`` (``nn.ModuleList`` or a subclass) with :class:`_HeldEntries` indexing; same name in reprs."""
+    """``cls`` (``nn.ModuleList`` or a user's subclass) with :class:`_HeldEntries` indexing."""
+    if cls is nn.ModuleList:
+        return StageModuleList  # importable by name, so a cut model still pickles
     return type(cls.__name__, (_HeldEntries, cls), {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
 import torch
 from torch import nn
@@ -29,6 +31,7 @@ def test_each_stage_keeps_its_units_under_their_own_names(stage: int) -> None:
     assert names == {n for n, _ in whole.named_parameters() if any(n.startswith(u + ".") for u in expected)}
     assert [k for k, _ in model.net.blocks.named_children()] == [["0"], ["1", "2"], ["3"]][stage]  # keys kept
     assert model.net.blocks[0] is model.net.blocks.get_submodule(["0", "1", "3"][stage])  # index = held entry
+    assert pickle.loads(pickle.dumps(model)).net.blocks[0].fc1.weight.shape == model.net.blocks[0].fc1.weight.shape
     assert (model.net.inp is None) == (stage != 0) and (model.net.head is None) == (stage != 2)
     # The stages in sequence compute what the whole model computes.
     x = torch.randn(3, 8)
