@@ -111,8 +111,22 @@ def read_sharded(path: Path, *, weights_only: bool = False, verify_files: bool =
     checkpoint[MODEL_KEY] = state.pop(model_key)
     optimizers = sorted((k for k in state if str(k).startswith("optimizer_")), key=lambda k: int(str(k).split("_")[1]))
     if optimizers:
-        checkpoint[OPTIMIZER_KEY] = [state[k] for k in optimizers]
+        checkpoint[OPTIMIZER_KEY] = [_positions_back(state[k]) for k in optimizers]
     return checkpoint
+
+
+def _positions_back(optimizer_state: dict[str, Any]) -> dict[str, Any]:
+    """Integer state keys back, for state keyed by position (plain PyTorch / single-device Lightning).
+
+    DCP stores dict keys as strings, so position ``0`` comes back as ``"0"`` while the param groups
+    still list ``0``; ``Optimizer.load_state_dict`` would then file the state under ``"0"`` and
+    train on with fresh state, silently.
+    """
+    listed = [p for group in optimizer_state.get("param_groups", []) for p in group.get("params", [])]
+    state = optimizer_state.get("state", {})
+    if listed and all(isinstance(p, int) for p in listed) and all(str(k).isdigit() for k in state):
+        optimizer_state["state"] = {int(k): v for k, v in state.items()}
+    return optimizer_state
 
 
 def read_dcp(path: Path, roots: Optional[set[str]] = None) -> dict[str, Any]:

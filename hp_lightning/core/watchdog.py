@@ -384,8 +384,22 @@ class FaultWatchdog:
         try:
             assert self._store is not None
             self._store.set(f"exited/{self.rank}", "1")
+            if self._store_host_rank == self.rank:
+                self._hold_store_until_read()
         except Exception:  # noqa: BLE001 - best effort at interpreter exit
             pass
+
+    def _hold_store_until_read(self) -> None:
+        """The job's store lives in this process: keep it up until every other rank has read the failure.
+
+        A rank that fails within a poll interval of the start would otherwise take the store down
+        before the others looked, and they could only say that it is gone, not why. They read it
+        at their next poll, so the wait is bounded by a few polls (a frozen peer does not hold it).
+        """
+        assert self._store is not None
+        deadline = time.monotonic() + min(self.exit_grace, 3 * self.poll_interval + 1)
+        while time.monotonic() < deadline and int(self._store.add("read the failure", 0)) < self.world_size - 1:
+            time.sleep(_FINE_POLL)
 
     def _on_store_lost_in_report(self, exc: BaseException) -> None:
         """No store: the failure read before it went, else a dead peer on this host, else the store's host."""
@@ -587,14 +601,19 @@ class FaultWatchdog:
             return self._known
         if self._store_lost or not self._store_op(lambda s: s.check(["failure"])):
             return None
-        self._known = FailureReport.from_wire(self._store_op(lambda s: s.get("failure")))
-        return self._known
+        return self._learn(FailureReport.from_wire(self._store_op(lambda s: s.get("failure"))))
 
     def _post(self, report: FailureReport) -> FailureReport:
         """Post ``report`` unless a failure is already posted; return the one that stands."""
         wire = report.to_wire()
-        self._known = FailureReport.from_wire(self._store_op(lambda s: s.compare_set("failure", "", wire)))
-        return self._known
+        return self._learn(FailureReport.from_wire(self._store_op(lambda s: s.compare_set("failure", "", wire))))
+
+    def _learn(self, standing: FailureReport) -> FailureReport:
+        """Keep the failure that stands; tell the failed rank that this rank knows of it (see :meth:`_mark_exited`)."""
+        if self._known is None and standing.rank != self.rank:
+            self._store_op(lambda s: s.add("read the failure", 1))
+        self._known = standing
+        return standing
 
     def _await_local_death(self, seconds: float) -> None:
         deadline = time.monotonic() + seconds
@@ -815,7 +834,7 @@ def _record_for_torchrun(error: BaseException, not_before: float = 0.0) -> None:
             get_error_handler().record_exception(error)
             return
         try:
-            raise error  # the record's traceback is this frame: the message is what matters
+            raise error from None  # the record's traceback is this frame, not the peer error being handled
         except BaseException as raised:  # noqa: BLE001 - recorded, not handled
             get_error_handler().record_exception(raised)
     except OSError:

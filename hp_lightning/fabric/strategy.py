@@ -720,6 +720,7 @@ class HSDPStrategy(frontend.MeshAccess, ParallelStrategy):
     def teardown(self) -> None:
         """Finish a save in flight, stop the fault watchdog and release the environment (call it when the process goes on without Fabric)."""
         self.wait_for_checkpoint()
+        self._async_saves.close()
         if self._watchdog is not None:
             self._watchdog.stop()
             atexit.unregister(self._leave_at_exit)

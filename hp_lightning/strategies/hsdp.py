@@ -858,6 +858,7 @@ class HSDPStrategy(frontend.MeshAccess, ParallelStrategy):
     def teardown(self) -> None:
         if not self._failed:
             self.wait_for_checkpoint()
+        self._async_saves.close()
         self._preemption.restore()
         if self._watchdog is not None:
             self._watchdog.stop()

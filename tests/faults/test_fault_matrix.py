@@ -215,7 +215,8 @@ def test_configuration_error_on_every_rank_prints_one_traceback_torchrun(tmp_pat
     # One traceback from the ranks (rank 0's); the agent's own ChildFailedError summary aside.
     ranks_tracebacks = run.count(r"Traceback \(most recent call last\)") - run.count(r"^torch\.distributed\.elastic\.multiprocessing\.errors\.ChildFailedError")
     assert ranks_tracebacks == 1, run.tail()
-    assert run.count(r"^\[hp_lightning\] rank 1: exiting with ") == 1, run.tail()
+    # Not anchored to a line start: both ranks write to one pipe, so the line may land inside rank 0's traceback.
+    assert run.count(r"\[hp_lightning\] rank 1: exiting with ") == 1, run.tail()
 
 
 # ====================================================================== non-finite gradients

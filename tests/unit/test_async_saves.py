@@ -48,6 +48,28 @@ def test_the_state_is_copied_when_the_save_starts(tmp_path: Path) -> None:
     assert all(torch.equal(fresh.state_dict()[k], v) for k, v in before.items())
 
 
+def test_the_kept_host_copy_is_refreshed_at_every_save(tmp_path: Path) -> None:
+    # The host buffers are reused between saves: each save must still write the state of its own step.
+    model = RegressionModule()
+    saves = AsyncSaves()
+    expected = {}
+    for step in (1, 2, 3):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(step)
+        expected[step] = {k: v.clone() for k, v in model.state_dict().items()}
+        saves.save(lightning_checkpoint(model, step), tmp_path / f"s{step}.ckpt")
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(-1.0)  # changed in place while that save writes
+    saves.wait()
+    saves.close()
+    for step, state in expected.items():
+        fresh = RegressionModule()
+        assert load_checkpoint(tmp_path / f"s{step}.ckpt", fresh, [])["global_step"] == step
+        assert all(torch.equal(fresh.state_dict()[k], v) for k, v in state.items()), step
+
+
 def test_a_failed_publish_is_raised_at_the_next_wait_and_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     model = RegressionModule()
     saves = AsyncSaves()

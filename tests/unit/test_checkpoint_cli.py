@@ -189,6 +189,14 @@ def test_plain_pytorch_checkpoint_sharded_and_loaded_by_position(tmp_path: Path)
         for p_source, p_target in zip(source.parameters(), target.parameters()):
             for key, value in optimizer.state[p_source].items():
                 assert torch.equal(value, target_optimizer.state[p_target][key]), (path.name, key)
+    # Consolidated back to one file, the state is keyed by position again: plain torch restores it.
+    assert main(["consolidate", str(tmp_path / "sharded"), str(tmp_path / "back.ckpt")]) == 0
+    back = torch.load(tmp_path / "back.ckpt", weights_only=False)["optimizer_states"][0]
+    assert sorted(back["state"]) == sorted(native["state"])
+    _, plain = model_and_optimizer(1)
+    plain.load_state_dict(back)
+    for p_source, p_plain in zip(source.parameters(), plain.param_groups[0]["params"]):
+        assert torch.equal(optimizer.state[p_source]["exp_avg"], plain.state[p_plain]["exp_avg"])
 
 
 def test_stateful_loader_resumed_mid_epoch_on_another_data_parallel_size_is_warned_about() -> None:
