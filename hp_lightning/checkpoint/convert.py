@@ -33,7 +33,7 @@ from hp_lightning.checkpoint.layout import (
     CorruptCheckpointError,
 )
 from hp_lightning.checkpoint.load import dcp_index, read_full_file
-from hp_lightning.checkpoint.save import producer_record, save_checkpoint
+from hp_lightning.checkpoint.save import producer_record, save_checkpoint, write_file_atomically
 
 #: What a weights-only export keeps: enough for ``LightningModule.load_from_checkpoint``.
 WEIGHTS_ONLY_KEYS = (
@@ -50,6 +50,7 @@ WEIGHTS_ONLY_KEYS = (
     FULL_INFO_KEY,
 )
 FORMATS = ("torch", "safetensors")
+WHAT = "Will not write the output"
 
 
 def verify(path: Path) -> str:
@@ -171,21 +172,6 @@ def _weights_only(checkpoint: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in checkpoint.items() if k in WEIGHTS_ONLY_KEYS}
 
 
-def _write_atomically(out: Path, write: Any, *, overwrite: bool) -> None:
-    layout.refuse_foreign(out, overwrite=overwrite, what="Will not write the output")
-    layout.recover(out)
-    layout.clean_stale(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = layout.staging_path(out, layout.new_token())
-    try:
-        write(staging)
-        layout.fsync_file(staging)
-    except (OSError, RuntimeError) as exc:
-        layout.remove(staging)
-        raise layout.write_error(exc, out) from None
-    layout.publish(staging, out)
-
-
 def _safetensors_ready(weights: dict[str, Any]) -> tuple[dict[str, torch.Tensor], list[str]]:
     """Contiguous tensors, none sharing memory (safetensors refuses both); non-tensor entries left out."""
     tensors, skipped, seen = {}, [], set()
@@ -222,7 +208,7 @@ def consolidate(src: Path, out: Path, *, weights_only: bool = False, fmt: str = 
         raise ValueError(f"--format expects one of {list(FORMATS)}; got {fmt!r}.")
     if out.resolve() == src.resolve():
         raise ValueError(f"The output {str(out)!r} is the source checkpoint itself; choose another output path.")
-    layout.refuse_foreign(out, overwrite=overwrite, what="Will not write the output")
+    layout.refuse_foreign(out, overwrite=overwrite, what=WHAT)
     checkpoint = read_sharded(src, weights_only=weights_only or fmt == "safetensors")
     checkpoint[FULL_INFO_KEY] = {**producer_record(), "format": "full", "consolidated_from": str(src)}
     if fmt == "safetensors":
@@ -230,12 +216,12 @@ def consolidate(src: Path, out: Path, *, weights_only: bool = False, fmt: str = 
 
         tensors, skipped = _safetensors_ready(checkpoint[MODEL_KEY])
         metadata = {"format": "pt", "source": str(src), "hp_lightning_version": str(checkpoint[FULL_INFO_KEY]["hp_lightning_version"])}
-        _write_atomically(out, lambda staging: save_file(tensors, str(staging), metadata=metadata), overwrite=overwrite)
+        write_file_atomically(out, lambda staging: save_file(tensors, str(staging), metadata=metadata), overwrite=overwrite, what=WHAT)
         note = f"; left out non-tensor entries {skipped}" if skipped else ""
         return f"wrote {out} (safetensors, {len(tensors)} tensors{note}) from {src}"
     if weights_only:
         checkpoint = _weights_only(checkpoint)
-    _write_atomically(out, lambda staging: torch.save(checkpoint, staging), overwrite=overwrite)
+    write_file_atomically(out, lambda staging: torch.save(checkpoint, staging), overwrite=overwrite, what=WHAT)
     optimizers = len(checkpoint.get(OPTIMIZER_KEY, []))
     return f"wrote {out} ({'weights only' if weights_only else 'full'}, {len(checkpoint[MODEL_KEY])} model entries, {optimizers} optimizer state(s)) from {src}"
 
@@ -257,7 +243,7 @@ def shard(src: Path, out: Path, *, weights_only: Optional[bool] = None, overwrit
         raise ValueError(f"{str(src)!r} is a directory; shard reads single-file checkpoints (consolidate goes the other way).")
     if out.resolve() == src.resolve():
         raise ValueError(f"The output {str(out)!r} is the source checkpoint itself; choose another output path.")
-    layout.refuse_foreign(out, overwrite=overwrite, what="Will not write the output")
+    layout.refuse_foreign(out, overwrite=overwrite, what=WHAT)
     checkpoint = read_full_file(src, weights_only=weights_only)
     checkpoint.pop(FULL_INFO_KEY, None)
     save_checkpoint(checkpoint, out, sharded=True)

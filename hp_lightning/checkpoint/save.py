@@ -19,7 +19,7 @@ import threading
 from collections.abc import Mapping
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -69,12 +69,12 @@ def producer_record() -> dict[str, Any]:
     }
 
 
-def prepare_target(path: Path) -> Path:
+def prepare_target(path: Path, *, overwrite: bool = True, what: str = "Cannot save a checkpoint") -> Path:
     """Rank 0: finish a swap a kill interrupted, drop what killed saves left, pick a staging name."""
     if path.exists() and not path.is_dir() and not path.is_file():
-        raise ValueError(f"Cannot save a checkpoint to {str(path)!r}: something other than a file or directory is there.")
-    # A training save replaces an older checkpoint of the same name, and nothing else.
-    layout.refuse_foreign(path, overwrite=True, what="Cannot save a checkpoint")
+        raise ValueError(f"{what} to {str(path)!r}: something other than a file or directory is there.")
+    # A save replaces an older checkpoint of the same name (a conversion only when asked), and nothing else.
+    layout.refuse_foreign(path, overwrite=overwrite, what=what)
     layout.recover(path)
     layout.clean_stale(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -277,19 +277,21 @@ class AsyncSaves:
             self._stager = None
 
 
-def _save_full(checkpoint: dict[str, Any], path: Path) -> None:
-    def write() -> None:
-        staging = prepare_target(path)
-        checkpoint[FULL_INFO_KEY] = {**producer_record(), "format": "full"}
-        try:
-            torch.save(checkpoint, staging)
-            layout.fsync_file(staging)
-        except (OSError, RuntimeError) as exc:
-            layout.remove(staging)
-            raise layout.write_error(exc, path) from None
-        layout.publish(staging, path)
+def write_file_atomically(path: Path, write: Callable[[Path], Any], *, overwrite: bool = True, what: str = "Cannot save a checkpoint") -> None:
+    """``write(staging)`` one file under a staging name, then publish it: ``path`` never holds half a file."""
+    staging = prepare_target(path, overwrite=overwrite, what=what)
+    try:
+        write(staging)
+        layout.fsync_file(staging)
+    except (OSError, RuntimeError) as exc:
+        layout.remove(staging)
+        raise layout.write_error(exc, path) from None
+    layout.publish(staging, path)
 
-    on_rank0(write)
+
+def _save_full(checkpoint: dict[str, Any], path: Path) -> None:
+    checkpoint[FULL_INFO_KEY] = {**producer_record(), "format": "full"}
+    on_rank0(lambda: write_file_atomically(path, lambda staging: torch.save(checkpoint, staging)))
 
 
 def remove_checkpoint(path: Path) -> None:
