@@ -215,11 +215,42 @@ class HSDPModule(FSDPModule):
             divisor = float(self._hp_mesh.size() * extra) if self._hp_reduce_op == "avg" else 1.0
             if self._hp_scaling_factor is not None:
                 divisor /= self._hp_scaling_factor
+            alone = self._hp_shard_group_is_one_rank(divisor)
             super().set_gradient_divide_factor(divisor)
-            super().set_force_sum_reduction_for_comms(True)
+            super().set_force_sum_reduction_for_comms(not alone)
         if self._hp_replicated is not None:
             self._hp_replicated.reduce_op = self._hp_reduce_op
             self._hp_replicated.scaling_factor = self._hp_scaling_factor
+
+    def _hp_shard_group_is_one_rank(self, divisor: float) -> bool:
+        """Whether this unit shards over one rank (single device, HSDP ``(R, 1)``, experts with ``ep`` = shard size).
+
+        There FSDP2 (torch 2.13) runs no reduce-scatter: it copies the gradient divided by the
+        divide factor, and with sum-only reduction forced it divides by the factor again. Without
+        forcing, that copy is the only division and the replicate all-reduce is a plain sum (any
+        backend). For reduce dtypes other than float32/bfloat16 torch divides twice either way,
+        so that combination is refused rather than trained with a squared divisor.
+        """
+        if self._hp_mesh.size(self._hp_mesh.ndim - 1) != 1:
+            return False
+        from hp_lightning.core._torch_private import param_groups
+
+        dtypes = set()
+        for group in param_groups(self):
+            policy = group.mp_policy
+            for fsdp_param in group.fsdp_params:
+                dtypes.add(policy.reduce_dtype or policy.param_dtype or fsdp_param.sharded_param.dtype)
+        risky = sorted(str(d) for d in dtypes if d not in (torch.float32, torch.bfloat16))
+        if risky and divisor != 1.0:
+            raise ValueError(
+                f"Gradient reduction with reduce op {self._hp_reduce_op!r}, scaling factor {self._hp_scaling_factor} "
+                f"and expert divisor {getattr(self, '_hp_extra_divisor', 1)} on a unit sharded over one rank (mesh "
+                f"{tuple(self._hp_mesh.shape)}) needs a float32 or bfloat16 reduce dtype; got {risky}, for which "
+                f"torch's FSDP2 divides these gradients twice (by {divisor:g} squared). Reduce in float32 "
+                f"(MixedPrecisionPolicy(reduce_dtype=torch.float32)), shard over more than one rank, or keep the "
+                f"default reduction (avg, no scaling)."
+            )
+        return True
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
         """Load a state dict whose sharded entries may be DTensors, full tensors or this rank's shards.

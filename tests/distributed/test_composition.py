@@ -306,7 +306,9 @@ def _ep_worker() -> dict:
     plain = fit(kwargs, world=4, experts=4, count=True)
     accumulated = fit(kwargs, world=4, experts=4, accumulate=2, clip=0.05)
     sgd = fit(kwargs, world=4, experts=4, optimizer="sgd")
-    return {"plain": plain, "accumulated": accumulated, "sgd": sgd}
+    # HSDP 2 x 2 with ep = shard size: the experts shard over one rank (torch divides twice there).
+    one_rank = fit({"mesh_shape": [2, 2], "expert_parallel_size": 2}, world=4, experts=4, optimizer="sgd")
+    return {"plain": plain, "accumulated": accumulated, "sgd": sgd, "one_rank": one_rank}
 
 
 def test_fsdp_x_ep_matches_single_process_and_all_to_all_stays_in_ep_groups():
@@ -314,7 +316,10 @@ def test_fsdp_x_ep_matches_single_process_and_all_to_all_stays_in_ep_groups():
     assert_parity([r["plain"] for r in results], reference(dp=4, experts=4))
     assert_parity([r["accumulated"] for r in results], reference(dp=4, experts=4, accumulate=2, clip=0.05), losses=False)
     # Expert gradients average over all 4 data-parallel ranks (FSDP over 2, the ep all-to-all over 2).
-    assert_parity([r["sgd"] for r in results], reference(dp=4, experts=4, optimizer="sgd"))
+    sgd_reference = reference(dp=4, experts=4, optimizer="sgd")
+    assert_parity([r["sgd"] for r in results], sgd_reference)
+    assert_parity([r["one_rank"] for r in results], sgd_reference)
+    assert results[0]["one_rank"]["mesh"][1] == (2, 1, 2), results[0]["one_rank"]["mesh"]
     plain = results[0]["plain"]
     assert plain["mesh"] == (("expert_shard", "ep"), (2, 2))
     assert "Shard(dim=0)" in plain["placements"]["net.blocks.0.moe.experts.w_in"]

@@ -28,6 +28,7 @@ def validation_worker() -> list[tuple[str, str, str]]:
         fully_shard(block, mesh=mesh1)
     fully_shard(model, mesh=mesh1)
     hsdp = fully_shard(TinyNet(), mesh=mesh2)
+    half_reduce = fully_shard(nn.Linear(2, 2), mesh=mesh1, mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float16))
 
     cases = {
         "fully_shard(non-module)": lambda: fully_shard("model"),
@@ -58,6 +59,8 @@ def validation_worker() -> list[tuple[str, str, str]]:
         "set_gradient_scaling_factor(bool)": lambda: model.set_gradient_scaling_factor(True),
         "set_gradient_scaling_factor(0)": lambda: model.set_gradient_scaling_factor(0),
         "set_gradient_scaling_factor(nan)": lambda: model.set_gradient_scaling_factor(float("nan")),
+        # torch's FSDP2 divides twice on a one-rank shard group when reducing in float16: refused.
+        "set_gradient_scaling_factor(one-rank unit, float16 reduce)": lambda: half_reduce.set_gradient_scaling_factor(0.5),
         "set_reduce_op_type(mean)": lambda: model.set_reduce_op_type("mean"),
         "set_reduce_op_type(ReduceOp)": lambda: model.set_reduce_op_type(dist.ReduceOp.SUM),
         "unshard(async_op=str)": lambda: model.unshard(async_op="yes"),
