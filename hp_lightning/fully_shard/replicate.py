@@ -7,7 +7,11 @@ per-parameter). hp_lightning therefore hands those parameters to FSDP2 as ``igno
 calls only:
 
 * a post-accumulate-grad hook per parameter notices when its gradient is final for this
-  backward;
+  backward; a gradient hook hands it this backward's own gradient, so what is reduced is the
+  local gradient since the last reduction, never a gradient an earlier synced micro-batch
+  already reduced (``p.grad`` carries that one: reducing it again would count it once per rank
+  under "sum" and scale it twice; the new part is added to it, as FSDP2 adds to its sharded
+  ``.grad``);
 * without ``comm_fusion`` each gradient is all-reduced on its own as soon as it is ready;
   with ``comm_fusion`` the unit's replicate gradients are flattened into one bucket and reduced
   with a single collective once the last of them is ready;
@@ -51,9 +55,17 @@ class ReplicatedParamSync:
         self.scaling_factor: float | None = None
         self.reduce_op: str = "avg"
         self._ready: list[nn.Parameter] = []
-        self._in_flight: list[tuple[torch.Tensor, list[nn.Parameter], dist.Work | None]] = []
+        self._in_flight: list[tuple[torch.Tensor, list[nn.Parameter], list[torch.Tensor | None], dist.Work | None]] = []
         self._callback_queued = False
+        #: This backward's gradient, from the gradient hook (also called by ``autograd.grad``, so
+        #: it counts only once the accumulate hook confirms it went into ``.grad``).
+        self._fresh: dict[nn.Parameter, torch.Tensor] = {}
+        #: Local gradient accumulated since the last reduction.
+        self._local: dict[nn.Parameter, torch.Tensor] = {}
+        #: Per parameter: the ``.grad`` tensor holding reduced values, and its expected version.
+        self._reduced: dict[nn.Parameter, tuple[torch.Tensor, int]] = {}
         for param in self.params:
+            param.register_hook(lambda grad, param=param: self._fresh.__setitem__(param, grad))
             param.register_post_accumulate_grad_hook(self._on_grad_ready)
 
     @property
@@ -71,6 +83,18 @@ class ReplicatedParamSync:
         return self.requires_gradient_sync and self.requires_all_reduce
 
     def _on_grad_ready(self, param: nn.Parameter) -> None:
+        fresh = self._fresh.pop(param, None)
+        if fresh is not None:
+            held = self._local.get(param)
+            self._local[param] = fresh.detach().clone() if held is None else held.add_(fresh)
+        if param in self._reduced:
+            grad, version = self._reduced[param]
+            # Still the reduced .grad, changed only by this accumulation (else zeroed or replaced).
+            carried = param.grad is grad and grad._version == version + 1
+            if carried:
+                self._reduced[param] = (grad, grad._version)
+            else:
+                del self._reduced[param]
         if not self._syncing():
             return
         if not self._callback_queued:
@@ -84,8 +108,16 @@ class ReplicatedParamSync:
             self._launch(self._ready)
             self._ready = []
 
+    def _still_reduced(self, param: nn.Parameter) -> bool:
+        """Whether ``param.grad`` is the reduced gradient, changed since only by accumulation (not zeroed or replaced)."""
+        entry = self._reduced.get(param)
+        return entry is not None and param.grad is entry[0] and entry[0]._version == entry[1]
+
     def _launch(self, params: list[nn.Parameter]) -> None:
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        local = [self._local.pop(p, None) for p in params]
+        grads = [g if g is not None else torch.zeros_like(p) for g, p in zip(local, params)]
+        # Where .grad carries an earlier reduction, keep the local part to swap it for its reduction.
+        carried = [g if p in self._reduced else None for g, p in zip(grads, params)]
         flat = grads[0].detach().clone() if len(grads) == 1 else torch.cat([g.reshape(-1) for g in grads])
         groups = self._groups()
         if len(groups) == 1:
@@ -94,7 +126,7 @@ class ReplicatedParamSync:
             for group in groups:
                 dist.all_reduce(flat, group=group)
             work = None
-        self._in_flight.append((flat, params, work))
+        self._in_flight.append((flat, params, carried, work))
 
     def _finish(self) -> None:
         """End of backward: reduce a partly filled bucket, wait, scale and write the gradients back."""
@@ -108,18 +140,21 @@ class ReplicatedParamSync:
         multiplier = 1.0 if self.scaling_factor is None else float(self.scaling_factor)
         if self.reduce_op == "avg":
             multiplier /= self.data_parallel_size
-        for flat, params, work in self._in_flight:
+        for flat, params, carried, work in self._in_flight:
             if work is not None:
                 work.wait()
             if multiplier != 1.0:
                 flat.mul_(multiplier)
             offset = 0
-            for param in params:
+            for param, local in zip(params, carried):
                 numel = param.numel()
                 reduced = flat[offset : offset + numel].view_as(param).to(param.dtype)
                 offset += numel
                 if param.grad is None:
                     param.grad = reduced.clone()
+                elif local is not None and self._still_reduced(param):
+                    param.grad.add_(reduced - local.to(param.dtype))  # earlier reduction + this one
                 else:
-                    param.grad.copy_(reduced)
+                    param.grad.copy_(reduced)  # .grad held only local gradient: exact
+                self._reduced[param] = (param.grad, param.grad._version)
         self._in_flight = []

@@ -93,6 +93,17 @@ def api_worker(mesh_shape: list[int]) -> dict:
     out["accumulated"] = _full_grads(model)
     out["silent_gradient_collectives"] = silent.count("reduce_scatter") + silent.count("all_reduce")
 
+    # Synced at every micro-batch with "sum" and a factor: each half is reduced once, the first
+    # half's reduced gradient (already in .grad) never again.
+    model.zero_grad()
+    model.set_reduce_op_type("sum")
+    model.set_gradient_scaling_factor(0.25)
+    step(model, x[:half], y[:half])
+    step(model, x[half:], y[half:])
+    out["every_sum_quarter"] = _full_grads(model)
+    model.set_reduce_op_type("avg")
+    model.set_gradient_scaling_factor(None)
+
     # Training: replicate params identical across ranks and equal to the reference; ignored
     # params drift apart (each rank keeps its own gradient).
     model = build(mesh)
@@ -186,6 +197,8 @@ def test_fully_shard_api(mesh_shape):
         assert res["replicate_is_whole"]
         # Two half-batches accumulated without sync in between = twice the full-batch gradient.
         _close(res["accumulated"], ref, scale=2.0)
+        # Halves (each the mean of half the batch: twice the full batch's share) summed, x 0.25.
+        _close(res["every_sum_quarter"], res["sum"], scale=0.5, rtol=1e-6)
         assert res["silent_gradient_collectives"] == 0
         # Replicate params match the reference and every rank; ignored params are local.
         for name, value in res["trained"].items():
