@@ -194,7 +194,7 @@ class AsyncSaves:
         if self._group is None and dist.is_initialized():
             self._group = dist.new_group(backend=devices.default_backend(devices.CPU))  # host copies: gloo
         if self._stager is None:  # synchronous copy: training may change the state right after save() returns
-            pinned = torch.cuda.is_available()
+            pinned = devices.cuda_available()  # DCP pins host memory with CUDA only
             self._stager = DefaultStager(StagingOptions(pinned, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=False))
         tensors, rest = _split(dict(checkpoint))
         path = Path(path)
