@@ -189,19 +189,54 @@ def _stored_model(index: Mapping[tuple[Any, ...], Shape]) -> tuple[str, dict[str
     return model_key, {k[1]: shape for k, shape in index.items() if k[0] == model_key and len(k) == 2}
 
 
-def _stored_optimizer(index: Mapping[tuple[Any, ...], Shape], i: int) -> tuple[dict[Any, list[str]], int]:
-    """Per parameter, the state entries stored for optimizer ``i``; and its number of param groups."""
+def _stored_optimizer(index: Mapping[tuple[Any, ...], Shape], i: int) -> tuple[dict[Any, dict[str, Shape]], int]:
+    """Per parameter, the state entries stored for optimizer ``i`` with their shapes; and its number of param groups."""
     root = f"optimizer_{i}"
-    entries: dict[Any, list[str]] = {}
+    entries: dict[Any, dict[str, Shape]] = {}
     groups = set()
-    for k in index:
+    for k, shape in index.items():
         if k[0] != root or len(k) < 3:
             continue
         if k[1] == "state" and len(k) >= 4:
-            entries.setdefault(k[2], []).append(k[3])
+            entries.setdefault(k[2], {})[k[3]] = shape
         elif k[1] == "param_groups":
             groups.add(k[2])
     return entries, len(groups)
+
+
+#: State entries of torch's optimizers that have their parameter's shape (factored ones, such as
+#: Adafactor's row and column variances, do not, and are not compared).
+PARAMETER_SHAPED_STATE = frozenset(
+    {"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "square_avg", "grad_avg", "acc_delta", "sum", "exp_inf", "prev", "ax"}
+)
+
+
+def _check_positions(
+    model: nn.Module, flat: list[str], stored: Mapping[Any, Mapping[str, Shape]], missing: Collection[str], i: int, source: str
+) -> None:
+    """State keyed by position names this run's parameters only if they are the saved ones, in the saved order.
+
+    A parameter the checkpoint lacks means the model changed and every later position may be
+    shifted onto another parameter (of the same shape, where nothing else would notice); a
+    state tensor whose shape differs from its parameter's shows the same. Either is refused.
+    """
+    absent = [name for name in flat if name in missing]
+    shapes = model_shapes(model)
+    wrong = [
+        f"position {k} -> {flat[int(k)]!r}: {key} {tuple(shape)} vs parameter {shapes.get(flat[int(k)])}"
+        for k, entries in stored.items()
+        if int(k) < len(flat)
+        for key, shape in entries.items()
+        if key in PARAMETER_SHAPED_STATE and shape and shape != shapes.get(flat[int(k)])
+    ]
+    if absent or wrong:
+        why = f"parameters {absent[:6]} are not in it" if absent else f"state shapes do not fit: {wrong[:4]}"
+        raise ValueError(
+            f"Checkpoint {source}: optimizer {i} state is keyed by position (a plain PyTorch / Lightning checkpoint) and "
+            f"needs this run's optimizer to list the saved parameters in the saved order, but {why}, so positions "
+            f"would move state onto other parameters. Resume with the model that saved it, or load the weights only "
+            f"(hp_lightning.checkpoint.load_weights, strict=False) and start the optimizer fresh."
+        )
 
 
 def _count_optimizers(index: Mapping[tuple[Any, ...], Shape]) -> int:
@@ -277,7 +312,7 @@ def _load_sharded(
         if elsewhere:  # the stored groups list every stage's parameters; this stage's optimizer holds its own
             for group, mine in zip(named["param_groups"], names):
                 group["params"] = list(mine)
-        set_optimizer_state_dict(model, optimizer, named)
+        set_optimizer_state_dict(model, optimizer, named, options=StateDictOptions(strict=False))  # parameters without saved state start fresh (below)
         _forget_state(model, optimizer, skipped)
 
     return on_every_rank(lambda: _read_meta(path, weights_only))
@@ -307,8 +342,9 @@ def _optimizer_request(
             f"positions are its own. Resume it once without pipeline parallelism and save, or load the weights only."
         )
     if by_position:
+        _check_positions(model, flat, stored_entries, skipped, i, source)
         stored_entries = {flat[int(k)]: v for k, v in stored_entries.items() if int(k) < len(flat)}
-    check_optimizer_state(current, stored_entries, stored_groups, index=i, source=source)
+    check_optimizer_state(current, {k: sorted(v) for k, v in stored_entries.items()}, stored_groups, index=i, source=source)
     current["state"] = {k: v for k, v in current["state"].items() if k in stored_entries}
     request = names_to_positions(current, names) if by_position else current
     return request, names, by_position, skipped | (set(flat) - set(stored_entries))
@@ -449,7 +485,7 @@ def _load_full(
 def _summarize_optimizer(state: Mapping[str, Any]) -> dict[str, Any]:
     return {
         "by_position": is_keyed_by_position(state),
-        "entries": {k: sorted(v) for k, v in state.get("state", {}).items()},
+        "entries": {k: {key: tuple(v.shape) if isinstance(v, torch.Tensor) else None for key, v in entry.items()} for k, entry in state.get("state", {}).items()},
         "groups": len(state.get("param_groups", [])),
     }
 
@@ -461,10 +497,11 @@ def _check_full_optimizer(
     entries = dict(summary["entries"])
     if summary["by_position"]:
         flat = [n for group in names for n in group]
+        _check_positions(model, flat, {k: v for k, v in entries.items() if isinstance(k, int)}, missing, i, source)
         entries = {flat[k]: v for k, v in entries.items() if isinstance(k, int) and k < len(flat)}
     current = get_optimizer_state_dict(model, optimizer)
     current["state"] = {k: v for k, v in current["state"].items() if k not in missing}
-    check_optimizer_state(current, entries, summary["groups"], index=i, source=source)
+    check_optimizer_state(current, {k: sorted(v) for k, v in entries.items()}, summary["groups"], index=i, source=source)
     return names, missing | (set(sum(names, [])) - set(entries))
 
 

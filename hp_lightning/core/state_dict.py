@@ -121,7 +121,7 @@ def optimizer_param_names(model: nn.Module, optimizer: Optimizer) -> list[list[s
     Raises:
         ValueError: for an optimizer parameter that is not a parameter of ``model``.
     """
-    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+    names = {id(p): n for n, p in model.named_parameters()}  # a tied parameter by its first name, as torch's state-dict API
     groups = []
     for index, group in enumerate(optimizer.param_groups):
         try:

@@ -212,3 +212,4 @@ def test_stateful_loader_resumed_mid_epoch_on_another_data_parallel_size_is_warn
     assert loader_resume_warning({"loops": {}}, 4) is None  # no stateful loader
     message = loader_resume_warning(checkpoint(2, 3), 4)
     assert message is not None and "saved mid-epoch by 2 data-parallel ranks and resumes on 4" in message
+
