@@ -77,7 +77,8 @@ class FaultRun:
         return re.findall(r"^\[(rank\d+)\]: Traceback \(most recent call last\)", self.output, flags=re.MULTILINE)
 
     def watchdog_lines(self) -> list[str]:
-        return re.findall(r"^\[hp_lightning\] .*$", self.output, flags=re.MULTILINE)
+        # Not anchored to a line start: the ranks share one pipe, so a line can land inside another rank's output.
+        return re.findall(r"\[hp_lightning\] [^\n]*", self.output)
 
     def tail(self, chars: int = 6000) -> str:
         return self.output[-chars:]
