@@ -50,6 +50,22 @@ class MeshAccess:
             return {"num_replicas": world_size, "rank": global_rank}
         return {"num_replicas": self._mesh.dp_size, "rank": self._mesh.dp_rank}
 
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        """Every rank votes, TP peers and pipeline stages included (Lightning's ``ModelCheckpoint`` asks).
+
+        Lightning sums the votes with ``reduce``/``all_reduce`` and compares with the world size;
+        those default to the data-parallel group here under TP/PP, whose sum never reaches it, so
+        "all agree" would always be False (``ModelCheckpoint`` would stop keeping better checkpoints).
+        """
+        import torch
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            return decision
+        votes = torch.tensor(int(decision), device=self.root_device)  # type: ignore[attr-defined]
+        dist.all_reduce(votes, op=dist.ReduceOp.SUM)
+        return bool(votes == dist.get_world_size()) if all else bool(votes)
+
     def data_parallel_group(self, group: Any) -> Any:
         """``group``, or the data-parallel group under TP/PP when none is given (TP peers hold the same value)."""
         if group is None and self._mesh is not None and (self._mesh.layout.tp > 1 or self._mesh.layout.pp > 1):

@@ -176,6 +176,9 @@ def fit(strategy_kwargs: dict, *, world: int, experts: int = 0, accumulate: int 
         "mesh": (tuple(trainer.strategy.device_mesh.mesh_dim_names), tuple(trainer.strategy.device_mesh.shape)),
         "placements": {n: str(getattr(p, "placements", None)) for n, p in model.named_parameters()},
         "report": trainer.strategy.sharding_summary().table(),
+        # Every rank votes (ModelCheckpoint's "is this better" decision), TP peers included.
+        "votes": [trainer.strategy.reduce_boolean_decision(trainer.global_rank == 0, all=a) for a in (True, False)]
+        + [trainer.strategy.reduce_boolean_decision(True)],
     }
     if count:
         out.update(counter.summary())
@@ -213,6 +216,8 @@ def tp_run(tmp_path_factory) -> dict:
 
 def test_fsdp_x_tp_matches_single_process(tp_run):
     results = tp_run["results"]
+    # all(rank == 0) is False, any(...) True, all(True) True: every rank voted, TP peers included.
+    assert [r["plain"]["votes"] for r in results] == [[False, True, True]] * 4
     assert_parity([r["plain"] for r in results], reference(dp=2))
     assert_parity([r["accumulated"] for r in results], reference(dp=2, accumulate=2, clip=0.05), losses=False)
     assert_parity([r["sgd"] for r in results], reference(dp=2, optimizer="sgd"))
