@@ -192,6 +192,13 @@ class HSDPOptions:
             "pipeline_schedule": _check_choice(self.pipeline_schedule, "pipeline_schedule", tuple(PIPELINE_SCHEDULES)),
             "pipeline_microbatches": _check_microbatches(self.pipeline_microbatches, pp),
         }
+        if pp > 1 and normalized["replicate_params"]:
+            raise ValueError(
+                f"HSDPStrategy(replicate_params=...) needs pipeline_parallel_size=1; got replicate_params="
+                f"{list(normalized['replicate_params'])} with pipeline_parallel_size={pp}. torch's pipeline schedules turn "
+                f"gradient sync off for every micro-batch and reduce FSDP's gradients themselves, so replicate parameters "
+                f"would never be all-reduced (each rank would train its own copy). Let FSDP shard them under a pipeline."
+            )
         if normalized["async_save"] and normalized["state_dict_type"] != "sharded":
             raise ValueError(
                 f"HSDPStrategy(async_save=True) writes sharded checkpoints in the background, but got state_dict_type="

@@ -223,6 +223,13 @@ class PipelineRunner:
         microbatches: int,
         loss_fn: Callable[[Any, Any], torch.Tensor],
     ) -> None:
+        replicated = [name or "(stage root)" for name, m in stage_module.named_modules() if getattr(m, "_hp_replicated", None) is not None]
+        if replicated:
+            raise ValueError(
+                f"PipelineRunner needs a stage without replicate_params; got units with replicate_params at {replicated}. "
+                f"torch's pipeline schedules turn gradient sync off for every micro-batch and reduce FSDP's gradients "
+                f"themselves, so those parameters would never be all-reduced. Let fully_shard shard them under a pipeline."
+            )
         self.stage_index, self.num_stages, self.microbatches, self.group = stage_index, num_stages, microbatches, group
         self.loss_scale = float(microbatches)
         self._loss_fn = loss_fn

@@ -28,6 +28,10 @@ def validation_worker() -> list[tuple[str, str, str]]:
         fully_shard(block, mesh=mesh1)
     fully_shard(model, mesh=mesh1)
     hsdp = fully_shard(TinyNet(), mesh=mesh2)
+    replicated = nn.Linear(2, 2)
+    fully_shard(replicated, mesh=mesh1, replicate_params={replicated.bias})
+    from hp_lightning.parallel.pipeline import PipelineRunner
+
     half_reduce = fully_shard(nn.Linear(2, 2), mesh=mesh1, mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float16))
 
     cases = {
@@ -61,6 +65,10 @@ def validation_worker() -> list[tuple[str, str, str]]:
         "set_gradient_scaling_factor(nan)": lambda: model.set_gradient_scaling_factor(float("nan")),
         # torch's FSDP2 divides twice on a one-rank shard group when reducing in float16: refused.
         "set_gradient_scaling_factor(one-rank unit, float16 reduce)": lambda: half_reduce.set_gradient_scaling_factor(0.5),
+        "PipelineRunner(stage with replicate_params)": lambda: PipelineRunner(
+            replicated, stage_index=0, num_stages=2, device=torch.device("cpu"), group=dist.group.WORLD, schedule="gpipe",
+            microbatches=2, loss_fn=lambda out, target: out.sum(),
+        ),
         "set_reduce_op_type(mean)": lambda: model.set_reduce_op_type("mean"),
         "set_reduce_op_type(ReduceOp)": lambda: model.set_reduce_op_type(dist.ReduceOp.SUM),
         "unshard(async_op=str)": lambda: model.unshard(async_op="yes"),

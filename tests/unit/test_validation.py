@@ -55,6 +55,7 @@ BAD_STRATEGY_ARGS = [
     (dict(pipeline_parallel_size=0), ValueError, r"pipeline_parallel_size=.*int >= 1.*got 0"),
     (dict(pipeline_parallel_size=2, pipeline_split_points=["b"], pipeline_schedule="zb"), ValueError, r"\['gpipe', '1f1b'\]; got 'zb'"),
     (dict(pipeline_parallel_size=2, pipeline_split_points=["b"], pipeline_microbatches=0), ValueError, r"int >= 1 or None; got 0"),
+    (dict(pipeline_parallel_size=2, pipeline_split_points=["b"], replicate_params=["head.*"]), ValueError, r"replicate_params=.* needs pipeline_parallel_size=1; got .*'head.\*'.*never be all-reduced"),
     (dict(pipeline_parallel_size=2, pipeline_split_points=["b"], tensor_parallel_size=2), ValueError, r"got pipeline_parallel_size=2 with tensor_parallel_size=2.*TP or EP inside a stage"),
 ]
 
