@@ -66,6 +66,19 @@ class MeshAccess:
         dist.all_reduce(votes, op=dist.ReduceOp.SUM)
         return bool(votes == dist.get_world_size()) if all else bool(votes)
 
+    def warn_ignored_params_in_checkpoint(self) -> None:
+        """Once: ``ignored_params`` differ per rank, a checkpoint holds rank 0's copy and a resume gives it to every rank."""
+        if getattr(self, "_warned_ignored", False) or not getattr(self.options, "ignored_params", None):  # type: ignore[attr-defined]
+            return
+        self._warned_ignored = True
+        from lightning.fabric.utilities.rank_zero import rank_zero_warn
+
+        rank_zero_warn(
+            f"HSDPStrategy(ignored_params={list(self.options.ignored_params)}): these parameters are trained by each rank on "  # type: ignore[attr-defined]
+            f"its own and differ between ranks; a checkpoint holds rank 0's copy, and a resume gives that copy to every "
+            f"rank. Keep them identical (replicate_params all-reduces their gradients) if every rank's copy matters."
+        )
+
     def data_parallel_group(self, group: Any) -> Any:
         """``group``, or the data-parallel group under TP/PP when none is given (TP peers hold the same value)."""
         if group is None and self._mesh is not None and (self._mesh.layout.tp > 1 or self._mesh.layout.pp > 1):

@@ -7,7 +7,10 @@ is computed per kind and combined:
 * DTensor gradients: the norm of each mesh's group is a reduction across its shards, so every
   rank gets the global value (what one process holding the whole model would compute);
 * plain gradients: replicate-parameter gradients are identical on every rank after their
-  all-reduce, so their local norm is already the global one.
+  all-reduce, so their local norm is already the global one; ignored parameters' gradients
+  differ per rank, so with ``same_params`` (the data-parallel group) the plain part is averaged
+  over those ranks (its ``norm_type``-th power; the max for inf): a no-op for replicate
+  gradients, and every rank, hence every replica of a shard, is scaled by the same coefficient.
 """
 
 from __future__ import annotations
@@ -38,26 +41,36 @@ def _group_by_mesh(grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:
 
 
 def total_grad_norm(
-    parameters: ParamsLike, norm_type: float = 2.0, error_if_nonfinite: bool = False, across: Optional[dist.ProcessGroup] = None
+    parameters: ParamsLike,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    across: Optional[dist.ProcessGroup] = None,
+    same_params: Optional[dist.ProcessGroup] = None,
 ) -> torch.Tensor:
     """The global ``norm_type``-norm of all gradients, the same on every rank.
 
     ``across``: ranks holding the rest of the model (a pipeline's other stages, each with its own
-    parameters): their norms are combined too, as torchtitan does for PP.
+    parameters): their norms are combined too, as torchtitan does for PP. ``same_params``: ranks
+    holding the same parameters (data-parallel): their plain-gradient norms are averaged, so
+    that ignored parameters do not give each rank its own norm (one scalar all-reduce).
 
     Raises:
         RuntimeError: with ``error_if_nonfinite=True`` when the norm is NaN or infinite.
     """
     norm_type = float(norm_type)
     grads = _grads(parameters)
-    if not grads and across is None:
+    if not grads and across is None and same_params is None:
         return torch.tensor(0.0)
     partial_norms = []
     for group in _group_by_mesh(grads):
         norm = torch.nn.utils.get_total_norm(group, norm_type=norm_type, foreach=None)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
+        elif same_params is not None:
+            norm = _averaged(norm.float(), norm_type, same_params)
         partial_norms.append(norm.float())
+    if same_params is not None and all(isinstance(g, DTensor) for g in grads):
+        _averaged(torch.zeros(()), norm_type, same_params)  # every rank joins, with or without plain gradients
     partial_norms = partial_norms or [torch.zeros(())]  # a stage without gradients still joins `across`
     device = partial_norms[0].device
     stacked = torch.stack([n.to(device) for n in partial_norms])
@@ -78,18 +91,31 @@ def total_grad_norm(
     return total
 
 
+def _averaged(norm: torch.Tensor, norm_type: float, group: dist.ProcessGroup) -> torch.Tensor:
+    """The mean over ``group`` of ``norm``'s ``norm_type``-th power, as a norm again (the max for inf)."""
+    if dist.get_world_size(group) == 1:
+        return norm
+    if math.isinf(norm_type):
+        dist.all_reduce(norm, op=dist.ReduceOp.MAX, group=group)
+        return norm
+    powered = norm**norm_type
+    dist.all_reduce(powered, group=group)  # a sum: gloo has no average
+    return (powered / dist.get_world_size(group)) ** (1.0 / norm_type)
+
+
 def clip_grad_norm_(
     parameters: ParamsLike,
     max_norm: float,
     norm_type: float = 2.0,
     error_if_nonfinite: bool = False,
     across: Optional[dist.ProcessGroup] = None,
+    same_params: Optional[dist.ProcessGroup] = None,
 ) -> torch.Tensor:
     """Scale gradients in place so their global norm is at most ``max_norm``; return the norm before."""
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
     parameters = list(parameters)
-    total = total_grad_norm(parameters, norm_type, error_if_nonfinite, across)
+    total = total_grad_norm(parameters, norm_type, error_if_nonfinite, across, same_params)
     grads = _grads(parameters)
     if not grads:
         return total

@@ -566,7 +566,8 @@ class HSDPStrategy(frontend.MeshAccess, ParallelStrategy):
             The global norm before clipping, the same on every rank.
         """
         self.precision.unscale_gradients(optimizer)
-        return clip_grad_norm_(self.precision.main_params(optimizer), max_norm, norm_type, error_if_nonfinite)
+        same_params = self._mesh.dp_group if self._mesh is not None else None  # ignored parameters: one norm per replica
+        return clip_grad_norm_(self.precision.main_params(optimizer), max_norm, norm_type, error_if_nonfinite, same_params=same_params)
 
     @override
     def clip_gradients_value(self, module: nn.Module, optimizer: Optimizer, clip_val: Union[float, int]) -> None:
@@ -627,6 +628,7 @@ class HSDPStrategy(frontend.MeshAccess, ParallelStrategy):
                 f"states, as the Trainer's do, so either front end can resume them. Got a filter for {sorted(filter)}; "
                 f"save without it (hp_lightning.checkpoint.load_weights(..., strict=False) loads a subset later)."
             )
+        self.warn_ignored_params_in_checkpoint()
         parts = fabric_state.split_state(state, "fabric.save")
         self.reshard_all()
         target = Path(self.broadcast(str(path)))

@@ -366,6 +366,7 @@ class HSDPStrategy(frontend.MeshAccess, ParallelStrategy):
         self._watchdog = frontend.start_watchdog(self, self._watchdog)
         trainer = getattr(self.lightning_module, "_trainer", None)
         self._mesh = frontend.agree_and_build_mesh(self, self.precision_plugin.precision, trainer)
+        self.precision_plugin.data_parallel_group = self._mesh.dp_group  # gradient clipping: one norm per replica
         if trainer is not None:
             # Every rank must resume from the same checkpoint, or from none: compared when known.
             before_resume(trainer, lambda path: agreement.check_rank_agreement(agreement.resume_settings(path), stage="resume"))
@@ -771,6 +772,7 @@ class HSDPStrategy(frontend.MeshAccess, ParallelStrategy):
         if storage_options is not None:
             raise TypeError(f"HSDPStrategy.save_checkpoint does not take storage_options; got {storage_options!r}.")
         path = Path(self.broadcast(str(filepath)))
+        self.warn_ignored_params_in_checkpoint()
         if self._mesh is not None:  # a data loader's position is per data-parallel rank (see loader_resume_warning)
             checkpoint = {**checkpoint, checkpoint_io.DATA_PARALLEL_KEY: self._mesh.dp_size}
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None

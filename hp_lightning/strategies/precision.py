@@ -89,10 +89,12 @@ class HSDPPrecision(Precision):
 
     #: Under pipeline parallelism, the group of this rank's stages: the norm is over all of them.
     pipeline_group: Any = None
+    #: The ranks holding the same parameters: ignored parameters' norms are averaged over them.
+    data_parallel_group: Any = None
 
     @override
     def clip_grad_by_norm(self, optimizer: Optimizable, clip_val: int | float) -> None:
-        clip_grad_norm_(self.main_params(optimizer), clip_val, across=self.pipeline_group)
+        clip_grad_norm_(self.main_params(optimizer), clip_val, across=self.pipeline_group, same_params=self.data_parallel_group)
 
     @override
     def clip_grad_by_value(self, optimizer: Optimizable, clip_val: int | float) -> None:

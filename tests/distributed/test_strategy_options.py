@@ -124,10 +124,12 @@ def options_worker() -> dict:
     logging.getLogger("lightning.pytorch.utilities.rank_zero").addHandler(handler)
     fit(HSDPStrategy(mesh_shape=[2], sharding_report=True))
     out["report_lines"] = [r for r in records if "net.blocks.0" in r]
-    # ignored_params from the strategy: whole on every rank, never synchronized.
-    model, comms, _ = fit(HSDPStrategy(mesh_shape=[2], ignored_params=["net.inp.bias"]))
+    # ignored_params from the strategy: whole on every rank, never synchronized. HSDP 2 x 1 with
+    # clipping: the ignored gradients differ per rank, yet the two replicas of every shard agree.
+    model, comms, _ = fit(HSDPStrategy(mesh_shape=[2, 1], ignored_params=["net.inp.bias"]), gradient_clip_val=0.01)
     out["ignored_whole"] = not isinstance(model.net.inp.bias, DTensor)
     out["ignored_value"] = model.net.inp.bias.detach().clone()
+    out["replica_shards"] = {n: p.to_local().detach().clone() for n, p in model.named_parameters() if isinstance(p, DTensor)}
     return out
 
 
@@ -169,3 +171,6 @@ def test_strategy_options():
         assert max_rel_diff(res["clip_value"], clipped) <= 1e-5
     # Each rank trained its own copy of the ignored bias on its own data.
     assert not torch.allclose(results[0]["ignored_value"], results[1]["ignored_value"])
+    # One clipping coefficient on every rank: replicas of each shard stay equal.
+    shards = [res["replica_shards"] for res in results]
+    assert shards[0] and all(torch.equal(shards[0][n], shards[1][n]) for n in shards[0]), "HSDP replicas diverged"
