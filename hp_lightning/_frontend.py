@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.fabric.utilities.seed import reset_seed
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
-from hp_lightning._lightning_private import init_dist_connection
+from hp_lightning._lightning_private import all_gather_ddp_if_available, init_dist_connection
 from hp_lightning.core import agreement, devices, watchdog
 from hp_lightning.core.mesh import MeshLayout, ParallelMesh, build_parallel_mesh, resolve_layout
 
@@ -65,6 +65,28 @@ class MeshAccess:
         votes = torch.tensor(int(decision), device=self.root_device)  # type: ignore[attr-defined]
         dist.all_reduce(votes, op=dist.ReduceOp.SUM)
         return bool(votes == dist.get_world_size()) if all else bool(votes)
+
+    def all_gather(self, tensor: Any, group: Optional[Any] = None, sync_grads: bool = False) -> Any:
+        """Gather from every data-parallel rank (as ``reduce``/``all_reduce``): TP peers and pipeline
+        stages hold the same samples, and gathering over them would return each sample TP x PP times."""
+        return all_gather_ddp_if_available(tensor, group=self.data_parallel_group(group), sync_grads=sync_grads)
+
+    def scope_metrics_to_data_parallel(self, module: Any) -> None:
+        """Under TP/PP, torchmetrics ``Metric`` objects sync over the data-parallel group.
+
+        Their default, the world group, would count each sample once per TP peer and pipeline
+        stage (sums, counts and concatenations off by TP x PP; ratios hide it). A metric given a
+        ``process_group`` of its own keeps it.
+        """
+        if self._mesh is None or (self._mesh.layout.tp == 1 and self._mesh.layout.pp == 1):
+            return
+        try:
+            from torchmetrics import Metric
+        except ImportError:
+            return
+        for metric in module.modules():
+            if isinstance(metric, Metric) and metric.process_group is None:
+                metric.process_group = self._mesh.dp_group
 
     def warn_ignored_params_in_checkpoint(self) -> None:
         """Once: ``ignored_params`` differ per rank, a checkpoint holds rank 0's copy and a resume gives it to every rank."""

@@ -23,8 +23,9 @@ _PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
     ("lightning.fabric.utilities.types", "_PATH"),
     # the protocol Lightning checks to save and restore a loader's state (StatefulDataLoader has it)
     ("lightning.fabric.utilities.types", "_Stateful"),
-    # Lightning's own all-reduce for logged metrics (sync_dist)
+    # Lightning's own all-reduce for logged metrics (sync_dist), and its all-gather (uneven sizes padded)
     ("lightning.fabric.utilities.distributed", "_sync_ddp_if_available"),
+    ("lightning.fabric.utilities.distributed", "_all_gather_ddp_if_available"),
     # the launchers Lightning's DDP/FSDP strategies use for `python train.py` runs
     ("lightning.pytorch.strategies.launchers.subprocess_script", "_SubprocessScriptLauncher"),
     ("lightning.fabric.strategies.launchers.subprocess_script", "_SubprocessScriptLauncher"),
@@ -80,6 +81,7 @@ _DIST = "lightning.fabric.utilities.distributed"
 init_dist_connection = _load(_DIST, "_init_dist_connection")
 distributed_is_initialized = _load(_DIST, "_distributed_is_initialized")
 sync_ddp_if_available = _load(_DIST, "_sync_ddp_if_available")
+all_gather_ddp_if_available = _load(_DIST, "_all_gather_ddp_if_available")
 PathLike = _load("lightning.fabric.utilities.types", "_PATH")
 Stateful = _load("lightning.fabric.utilities.types", "_Stateful")
 TrainerSubprocessScriptLauncher = _load("lightning.pytorch.strategies.launchers.subprocess_script", "_SubprocessScriptLauncher")

@@ -413,6 +413,7 @@ class HSDPStrategy(frontend.MeshAccess, ParallelStrategy):
             )
         before = list(module.parameters())
         prepare_model(module, self.parallel_mesh, self.sharding_plan(), init_device=self._init_device(), device=self.root_device)
+        self.scope_metrics_to_data_parallel(module)
         current = {id(p) for p in module.parameters()}
         for param in before:
             if id(param) not in current:

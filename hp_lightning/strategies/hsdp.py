@@ -406,6 +406,7 @@ class HSDPStrategy(frontend.MeshAccess, ParallelStrategy):
             device=self.root_device,
         )
         self.barrier()
+        self.scope_metrics_to_data_parallel(self.model)
         if self.options.pipeline_parallel_size > 1:
             self._start_pipeline()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -431,6 +432,13 @@ class HSDPStrategy(frontend.MeshAccess, ParallelStrategy):
             raise ValueError(
                 f"{where}: the last stage computes the loss with the LightningModule's pipeline_loss(output, target), which "
                 f"{type(module).__name__} does not define. Add e.g. `def pipeline_loss(self, output, target): return F.mse_loss(output, target)`."
+            )
+        not_called = [hook for hook in ("training_step", "validation_step", "test_step", "predict_step") if is_overridden(hook, module, LightningModule)]
+        if not_called:
+            rank_zero_warn(
+                f"{where}: the pipeline schedule runs each stage's forward and the last stage's pipeline_loss, so "
+                f"{type(module).__name__}'s {not_called} are not called: train_loss / val_loss / test_loss are logged, and "
+                f"predict returns the last stage's forward output. Put per-batch work in pipeline_batch / pipeline_loss or a callback."
             )
         stage = self.parallel_mesh.pp.get_local_rank()
         if module.__dict__.get("_hp_pipeline_stage") is not None:  # cut by an earlier fit/validate/predict

@@ -25,6 +25,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
+import torchmetrics
 from lightning.pytorch import Trainer, seed_everything
 from torch import nn
 
@@ -75,10 +76,12 @@ class ComposedModule(pl.LightningModule):
         self.net = Net(experts=experts)
         self.optimizer = optimizer
         self.batches: list[torch.Tensor] = []
+        self.samples_seen = torchmetrics.SumMetric()  # synced over data-parallel ranks only (TP peers see the same)
 
     def training_step(self, batch, batch_idx):
         x, y = batch
         self.batches.append(x.detach().clone())
+        self.samples_seen.update(torch.tensor(float(x.shape[0])))
         loss = torch.nn.functional.mse_loss(self.net(x), y)
         self.log("train_loss", loss, sync_dist=True)
         return loss
@@ -176,6 +179,8 @@ def fit(strategy_kwargs: dict, *, world: int, experts: int = 0, accumulate: int 
         "mesh": (tuple(trainer.strategy.device_mesh.mesh_dim_names), tuple(trainer.strategy.device_mesh.shape)),
         "placements": {n: str(getattr(p, "placements", None)) for n, p in model.named_parameters()},
         "report": trainer.strategy.sharding_summary().table(),
+        "samples_seen": float(model.samples_seen.compute()),
+        "gathered_rows": tuple(trainer.strategy.all_gather(torch.zeros(3)).shape),
         # Every rank votes (ModelCheckpoint's "is this better" decision), TP peers included.
         "votes": [trainer.strategy.reduce_boolean_decision(trainer.global_rank == 0, all=a) for a in (True, False)]
         + [trainer.strategy.reduce_boolean_decision(True)],
@@ -218,6 +223,9 @@ def test_fsdp_x_tp_matches_single_process(tp_run):
     results = tp_run["results"]
     # all(rank == 0) is False, any(...) True, all(True) True: every rank voted, TP peers included.
     assert [r["plain"]["votes"] for r in results] == [[False, True, True]] * 4
+    # A torchmetrics sum and all_gather count each sample once (over the 2 dp ranks, not the 4 ranks).
+    assert [r["plain"]["samples_seen"] for r in results] == [float(STEPS * GLOBAL_BATCH)] * 4
+    assert [r["plain"]["gathered_rows"] for r in results] == [(2, 3)] * 4
     assert_parity([r["plain"] for r in results], reference(dp=2))
     assert_parity([r["accumulated"] for r in results], reference(dp=2, accumulate=2, clip=0.05), losses=False)
     assert_parity([r["sgd"] for r in results], reference(dp=2, optimizer="sgd"))
