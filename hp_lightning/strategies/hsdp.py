@@ -40,6 +40,7 @@ from hp_lightning._lightning_private import (
     Stateful,
     TrainerSubprocessScriptLauncher,
     distributed_is_initialized,
+    should_accumulate,
     sync_ddp_if_available,
 )
 from hp_lightning.core import agreement, devices, watchdog
@@ -784,12 +785,31 @@ class HSDPStrategy(frontend.MeshAccess, ParallelStrategy):
         if self._mesh is not None:  # a data loader's position is per data-parallel rank (see loader_resume_warning)
             checkpoint = {**checkpoint, checkpoint_io.DATA_PARALLEL_KEY: self._mesh.dp_size}
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        self._warn_mid_window_save(trainer)
         if self.options.async_save and trainer is not None and trainer.state.fn == TrainerFn.FITTING:
             self._async_saves.save(checkpoint, path, checksums=self.options.checkpoint_checksums)
             return
         self.wait_for_checkpoint()  # a save never overtakes the one in flight
         checkpoint_io.save_checkpoint(
             checkpoint, path, sharded=self.options.state_dict_type == "sharded", checksums=self.options.checkpoint_checksums
+        )
+
+    def _warn_mid_window_save(self, trainer: Optional[pl.Trainer]) -> None:
+        """Once per run: a save inside an accumulation window does not hold the window's gradients so far."""
+        module = self.lightning_module
+        if trainer is None or module is None or getattr(self, "_warned_mid_window", False):
+            return
+        if trainer.state.fn != TrainerFn.FITTING or trainer.sanity_checking or not module.automatic_optimization:
+            return
+        if trainer.accumulate_grad_batches == 1 or not should_accumulate(trainer):
+            return
+        self._warned_mid_window = True
+        rank_zero_warn(
+            f"A checkpoint was saved inside a gradient-accumulation window (accumulate_grad_batches="
+            f"{trainer.accumulate_grad_batches}, at global step {trainer.global_step}): the gradients accumulated in this "
+            f"window so far are not in it, so a resume from it continues with the next batch and steps without them (it "
+            f"differs from the uninterrupted run). Save at window ends: ModelCheckpoint(every_n_train_steps=...), or a "
+            f"val_check_interval that is a multiple of accumulate_grad_batches."
         )
 
     @property

@@ -217,6 +217,7 @@ def same_world_worker(tmp: str) -> dict[str, Any]:
             losses.append(float(trainer.callback_metrics["train_loss"]))
 
     fit_run(2, mesh_shape=[2], max_steps=2 * N, callbacks=(Losses(), top_k))
+    out["mid_window_warnings"] = mid_window_save_warnings(root / "mid_window.ckpt")
     out["top_k"] = {
         "losses": losses,
         "best": Path(top_k.best_model_path).name,
@@ -225,6 +226,28 @@ def same_world_worker(tmp: str) -> dict[str, Any]:
         "listing": sorted(os.listdir(root / "top_k")),
     }
     return out
+
+
+def mid_window_save_warnings(path: Path) -> list[str]:
+    """Warnings of a save after the first of two micro-batches (its window's gradients are not saved)."""
+    import warnings
+
+    import hp_lightning
+
+    class SaveMidWindow(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if batch_idx == 0:
+                trainer.save_checkpoint(path)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        seed_everything(0)
+        trainer = Trainer(
+            devices=2, strategy=hp_lightning.HSDPStrategy(mesh_shape=[2]), max_steps=1, accumulate_grad_batches=2,
+            callbacks=[SaveMidWindow()], **trainer_kwargs(),
+        )
+        trainer.fit(RegressionModule(), rank_loader(make_dataset(), GLOBAL_BATCH, 2))
+    return [str(w.message) for w in caught if "inside a gradient-accumulation window" in str(w.message)]
 
 
 @pytest.fixture(scope="module")
@@ -433,3 +456,9 @@ def test_cli_round_trip_of_a_4_rank_hsdp_checkpoint(chain: dict[str, Any]) -> No
     assert a.keys() == b.keys() == c.keys() and len(a) == 16 * 4
     assert all(torch.equal(a[k], b[k]) and torch.equal(a[k], c[k]) for k in a)
     assert first["global_step"] == again["global_step"] == strategy_full["global_step"] == N
+
+
+def test_a_save_inside_an_accumulation_window_is_warned_about(same_world: list[dict[str, Any]]) -> None:
+    said = same_world[0]["mid_window_warnings"]
+    assert len(said) == 1 and "accumulate_grad_batches=2" in said[0], said
+    assert same_world[1]["mid_window_warnings"] == []  # rank 0 speaks for the job
