@@ -94,6 +94,7 @@ def load_checkpoint(
         ValueError: not a checkpoint, a newer format, keys or shapes that do not fit the model.
     """
     path = Path(path)
+    model = _unwrapped(model)
     optimizers = [unwrap_optimizer(o) for o in optimizers]
 
     def find() -> CheckpointKind:
@@ -515,6 +516,14 @@ def _report_skipped(missing: list[str], unexpected: list[str], source: str) -> N
 # ---------------------------------------------------------------- weights for fine-tuning
 
 
+def _unwrapped(module: nn.Module) -> nn.Module:
+    """The module inside Fabric's wrapper: torch's broadcast load matches the other ranks' tensors by
+    parameter name, and the wrapper's names carry a prefix (``_forward_module.``) that no key has."""
+    from lightning.fabric.wrappers import is_wrapped
+
+    return module.module if is_wrapped(module) and isinstance(getattr(module, "module", None), nn.Module) else module
+
+
 def load_weights(module: nn.Module, path: Path, *, prefix: str = "", strict: bool = True, weights_only: Optional[bool] = None) -> None:
     """Load pretrained weights into a (sharded) module: fine-tuning from whole tensors or another run.
 
@@ -535,6 +544,7 @@ def load_weights(module: nn.Module, path: Path, *, prefix: str = "", strict: boo
         FileNotFoundError, CorruptCheckpointError, ValueError: as :func:`load_checkpoint`.
     """
     path = Path(path)
+    module = _unwrapped(module)
     kind = on_rank0(lambda: layout.classify(path))
     if kind is CheckpointKind.FULL_FILE:
         _load_full(path, module, [], strict=strict, weights_only=weights_only, verify=True, prefix=prefix)

@@ -330,6 +330,18 @@ def two_ranks_worker(tmp: str) -> dict[str, Any]:
         "weights_initialized": all(p.abs().sum() > 0 for n, p in params.items() if n.endswith("weight")),
     }
 
+    # load_weights on the wrapper fabric.setup returns (as docs/fabric.md shows): every rank's shards filled.
+    torch.manual_seed(3)
+    pretrained = FabricNet()
+    weights_file = Path(tmp) / "pretrained.pt"
+    if fabric.global_rank == 0:
+        torch.save(pretrained.state_dict(), weights_file)
+    fabric.barrier()
+    from hp_lightning.checkpoint import load_weights
+
+    load_weights(model, weights_file)
+    out["load_weights_into_wrapper"] = max_rel_diff(full_params(model.module), dict(pretrained.named_parameters()))
+
     # An optimizer built before setup_module holds parameters sharding replaced: a clear error.
     stale_model = FabricNet()
     stale_params = list(stale_model.parameters())
@@ -492,6 +504,7 @@ def test_meta_init_stale_optimizer_collectives_and_bf16_mixed(two) -> None:
         meta = res["meta"]
         assert meta["built_on_meta"] and meta["left_on_meta"] == []
         assert meta["sharded"] and meta["finite"] and meta["weights_initialized"]
+        assert res["load_weights_into_wrapper"] == 0.0, res["load_weights_into_wrapper"]
         assert res["stale_error"] is not None and "before sharding" in res["stale_error"] and "setup_module" in res["stale_error"]
         assert res["all_reduce_sum"] == 3.0 and res["all_reduce_mean"] == 1.5
         assert res["broadcast"] == {"from": 1}
