@@ -166,6 +166,10 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     losses: list[tuple[int, float]] = []
     val_losses: list[tuple[int, float]] = []
     stream = batches(train_loader)
+    # A resumed run continues the data where the saved run stopped: skip the micro-batches it
+    # consumed (the loader's epochs, and so its shuffles, come in the same order again).
+    for _ in range(start_step * args.accumulate):
+        next(stream)
     while state["step"] < args.steps:
         step_loss = torch.zeros((), device=fabric.device)
         for micro in range(args.accumulate):
