@@ -32,11 +32,10 @@ def _grads(parameters: ParamsLike) -> list[torch.Tensor]:
     return [p.grad for p in parameters if p.grad is not None]
 
 
-def _group_by_mesh(grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-    groups: dict[object, list[torch.Tensor]] = {}
+def _group_by_mesh(grads: list[DTensor]) -> list[list[DTensor]]:
+    groups: dict[object, list[DTensor]] = {}
     for g in grads:
-        key = g.device_mesh if isinstance(g, DTensor) else None
-        groups.setdefault(key, []).append(g)
+        groups.setdefault(g.device_mesh, []).append(g)
     return list(groups.values())
 
 
@@ -62,15 +61,15 @@ def total_grad_norm(
     if not grads and across is None and same_params is None:
         return torch.tensor(0.0)
     partial_norms = []
-    for group in _group_by_mesh(grads):
+    plain = [g for g in grads if not isinstance(g, DTensor)]
+    for group in _group_by_mesh([g for g in grads if isinstance(g, DTensor)]):
         norm = torch.nn.utils.get_total_norm(group, norm_type=norm_type, foreach=None)
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
-        elif same_params is not None:
-            norm = _averaged(norm.float(), norm_type, same_params)
-        partial_norms.append(norm.float())
-    if same_params is not None and all(isinstance(g, DTensor) for g in grads):
-        _averaged(torch.zeros(()), norm_type, same_params)  # every rank joins, with or without plain gradients
+        partial_norms.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).float())
+    if plain or same_params is not None:
+        norm = torch.nn.utils.get_total_norm(plain, norm_type=norm_type, foreach=None).float() if plain else torch.zeros(())
+        if same_params is not None:  # after the shards' collectives, on every rank, with or without plain gradients
+            norm = _averaged(norm, norm_type, same_params)
+        partial_norms.append(norm)
     partial_norms = partial_norms or [torch.zeros(())]  # a stage without gradients still joins `across`
     device = partial_norms[0].device
     stacked = torch.stack([n.to(device) for n in partial_norms])
