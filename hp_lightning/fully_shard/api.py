@@ -230,16 +230,15 @@ class HSDPModule(FSDPModule):
         forcing, that copy is the only division and the replicate all-reduce is a plain sum (any
         backend). For reduce dtypes other than float32/bfloat16 torch divides twice either way,
         so that combination is refused rather than trained with a squared divisor.
+
+        Raises:
+            ValueError: for a one-rank unit reducing in another dtype with a divisor other than 1.
         """
         if self._hp_mesh.size(self._hp_mesh.ndim - 1) != 1:
             return False
-        from hp_lightning.core._torch_private import param_groups
+        from hp_lightning.core._torch_private import managed_params
 
-        dtypes = set()
-        for group in param_groups(self):
-            policy = group.mp_policy
-            for fsdp_param in group.fsdp_params:
-                dtypes.add(policy.reduce_dtype or policy.param_dtype or fsdp_param.sharded_param.dtype)
+        dtypes = {policy.reduce_dtype or policy.param_dtype or param.dtype for param, policy, _ in managed_params(self)}
         risky = sorted(str(d) for d in dtypes if d not in (torch.float32, torch.bfloat16))
         if risky and divisor != 1.0:
             raise ValueError(

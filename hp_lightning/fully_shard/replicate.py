@@ -26,6 +26,7 @@ group when the mesh spans the world, else one all-reduce per mesh axis.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -62,8 +63,8 @@ class ReplicatedParamSync:
         self._fresh: dict[nn.Parameter, torch.Tensor] = {}
         #: Local gradient accumulated since the last reduction.
         self._local: dict[nn.Parameter, torch.Tensor] = {}
-        #: Per parameter: the ``.grad`` tensor holding reduced values, and its expected version.
-        self._reduced: dict[nn.Parameter, tuple[torch.Tensor, int]] = {}
+        #: Per parameter: the ``.grad`` tensor holding reduced values (weakly: zero_grad frees it), and its expected version.
+        self._reduced: dict[nn.Parameter, tuple[weakref.ref[torch.Tensor], int]] = {}
         for param in self.params:
             param.register_hook(lambda grad, param=param: self._fresh.__setitem__(param, grad))
             param.register_post_accumulate_grad_hook(self._on_grad_ready)
@@ -90,9 +91,9 @@ class ReplicatedParamSync:
         if param in self._reduced:
             grad, version = self._reduced[param]
             # Still the reduced .grad, changed only by this accumulation (else zeroed or replaced).
-            carried = param.grad is grad and grad._version == version + 1
+            carried = param.grad is not None and param.grad is grad() and param.grad._version == version + 1
             if carried:
-                self._reduced[param] = (grad, grad._version)
+                self._reduced[param] = (grad, param.grad._version)
             else:
                 del self._reduced[param]
         if not self._syncing():
@@ -111,7 +112,7 @@ class ReplicatedParamSync:
     def _still_reduced(self, param: nn.Parameter) -> bool:
         """Whether ``param.grad`` is the reduced gradient, changed since only by accumulation (not zeroed or replaced)."""
         entry = self._reduced.get(param)
-        return entry is not None and param.grad is entry[0] and entry[0]._version == entry[1]
+        return entry is not None and param.grad is not None and param.grad is entry[0]() and param.grad._version == entry[1]
 
     def _launch(self, params: list[nn.Parameter]) -> None:
         local = [self._local.pop(p, None) for p in params]
@@ -156,5 +157,5 @@ class ReplicatedParamSync:
                     param.grad.add_(reduced - local.to(param.dtype))  # earlier reduction + this one
                 else:
                     param.grad.copy_(reduced)  # .grad held only local gradient: exact
-                self._reduced[param] = (param.grad, param.grad._version)
+                self._reduced[param] = (weakref.ref(param.grad), param.grad._version)
         self._in_flight = []
