@@ -20,8 +20,9 @@ install: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q tests
 
+# The edit loop: unit tests and the in-process checks (no multi-rank launch), under a minute.
 test-fast: $(STAMP)
-	$(PY) -m pytest -q tests/unit
+	$(PY) -m pytest -q -m "not slow" tests/unit tests/faults/test_faults_unit.py tests/integration/test_cli.py
 
 demo: $(STAMP)
 	$(PY) examples/demo.py

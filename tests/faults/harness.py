@@ -1,11 +1,19 @@
 """Launch ``tests/scripts/fault_train.py`` like a user would, and watch every rank until it is gone.
 
-:func:`launch` starts the script with Lightning's subprocess launcher (``python script.py``) or
-with ``torchrun``. It then follows every process: the launcher or main process, and each rank,
-found through the ``pid.<rank>`` files the script writes. It records when each one ended. A
-zombie (ended, not yet reaped) counts as ended. Output goes to a file, not a pipe, so an orphaned
-rank cannot keep the test waiting for end-of-file. Whatever is still running at the timeout is
-killed, so that a hang fails the test instead of stalling the suite.
+:func:`launch` starts the script with Lightning's subprocess launcher (``python script.py``), with
+``torchrun``, as ``srun`` would (``slurm``), or ``warm``: each rank forked from the test session's
+forkserver (torch and Lightning already imported, see ``tests/helpers.py``), in a session of its
+own, running the script as ``__main__`` with the environment an external launcher gives; rank 0
+serves the store, as under Lightning's launcher. Warm ranks are real processes on real gloo and
+leave by the script's own exit paths (an uncaught error goes through ``sys.excepthook``, non-daemon
+threads are waited for, ``atexit`` runs, as at interpreter exit); they skip only the interpreter
+start-up, so every case whose subject is not the launcher uses them.
+
+It then follows every process: the launcher or main process, and each rank, found through the
+``pid.<rank>`` files the script writes. It records when each one ended. A zombie (ended, not yet
+reaped) counts as ended. Output goes to a file, not a pipe, so an orphaned rank cannot keep the
+test waiting for end-of-file. Whatever is still running at the timeout is killed, so that a hang
+fails the test instead of stalling the suite.
 """
 
 from __future__ import annotations
@@ -84,9 +92,82 @@ class FaultRun:
         return self.output[-chars:]
 
 
-def launch(out: Path, *script_args: str, launcher: str = "lightning", timeout: float = 150) -> FaultRun:
+def _warm_rank(argv: list[str], env: dict[str, str], log: str) -> None:
+    """One rank of a ``warm`` launch: what ``python fault_train.py ...`` does, minus the imports."""
+    import atexit
+    import runpy
+    import threading
+
+    os.setsid()  # a fault that signals "its process group" reaches this job only, never pytest
+    fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    for stream in (sys.stdout, sys.stderr):
+        stream.reconfigure(line_buffering=True, write_through=True)
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(argv[1])
+    sys.argv = argv
+    code = 0
+    try:
+        runpy.run_path(argv[0], run_name="__main__")
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException:  # noqa: BLE001 - an uncaught error, as the interpreter reports it
+        sys.excepthook(*sys.exc_info())
+        code = 1
+    # Interpreter exit: the main thread is done, non-daemon threads are waited for, then atexit.
+    threading._shutdown()  # type: ignore[attr-defined]
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _launch_warm(out: Path, script_args: tuple[str, ...], timeout: float) -> FaultRun:
+    from tests.helpers import rank_context
+
+    env = _env()
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD), NODE_RANK="0")
+    log = out / "output.txt"
+    log.write_bytes(b"")
+    argv = [str(SCRIPT), str(out), *script_args]
+    ctx = rank_context()
+    procs = [
+        ctx.Process(target=_warm_rank, args=(argv, {**env, "RANK": str(r), "LOCAL_RANK": str(r)}, str(log)), name=f"warm-rank{r}")
+        for r in range(WORLD)
+    ]
+    for proc in procs:
+        proc.start()
+    started, ended = time.monotonic(), {}
+    timed_out = False
+    while len(ended) < WORLD:
+        for rank, proc in enumerate(procs):
+            if f"rank{rank}" not in ended and not _running(proc.pid):
+                ended[f"rank{rank}"] = time.time()
+        if time.monotonic() - started > timeout:
+            timed_out = True
+            break
+        time.sleep(0.05)
+    leftovers = [] if timed_out else [m for proc in procs for m in _wait_for_session(proc.pid, 10.0)]
+    for proc in procs:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except OSError:
+            pass
+        proc.join(5)
+    fault_file = out / "fault.json"
+    fault = json.loads(fault_file.read_text()) if fault_file.exists() else None
+    # The code a shell would see under Lightning's launcher: rank 0's (its main process).
+    return FaultRun(procs[0].exitcode, log.read_text(errors="replace"), out, fault, ended, timed_out, leftovers)
+
+
+def launch(out: Path, *script_args: str, launcher: str = "warm", timeout: float = 150) -> FaultRun:
     """Run the fault script on 2 ranks; return once every process has ended (or ``timeout`` passed)."""
     out.mkdir(parents=True, exist_ok=True)
+    if launcher == "warm":
+        return _launch_warm(out, script_args, timeout)
     env = _env()
     port = str(free_port())
     if launcher == "lightning":
@@ -110,7 +191,7 @@ def launch(out: Path, *script_args: str, launcher: str = "lightning", timeout: f
         assert torchrun is not None, "torchrun ships with torch and must be on PATH next to the interpreter"
         cmd = [torchrun, "--nproc-per-node", str(WORLD), "--master-port", port, str(SCRIPT), str(out), *script_args]
     else:
-        raise ValueError(f"launcher must be 'lightning', 'slurm' or 'torchrun'; got {launcher!r}")
+        raise ValueError(f"launcher must be 'warm', 'lightning', 'slurm' or 'torchrun'; got {launcher!r}")
     log = out / "output.txt"
     with open(log, "wb") as sink:
         proc = subprocess.Popen(cmd, env=env, cwd=out, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)

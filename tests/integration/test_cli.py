@@ -1,8 +1,10 @@
-"""LightningCLI: every config in examples/configs trains, every strategy option and callback is reachable from YAML.
+"""LightningCLI: every config in examples/configs is parsed into the strategy it describes, and trains.
 
-Configs run as a user runs them: ``python examples/train.py fit --config ...`` in a subprocess,
-where Lightning launches the other ranks (2 or 4 CPU processes, gloo). The model and corpus are
-shrunk on the command line so each run takes seconds; everything else is the file's own.
+Every config is parsed and instantiated in this process (``run=False``) and its options, mesh and
+callbacks checked. The configs whose combination no distributed test builds also train end to end:
+``examples/train.py``'s ``main`` with the config, run on warm gloo ranks (2 or 4 CPU processes),
+the model and corpus shrunk on the command line so each run takes seconds. One run goes through
+``python examples/train.py`` itself, where Lightning's launcher starts the other rank.
 """
 
 from __future__ import annotations
@@ -140,18 +142,92 @@ def test_bad_strategy_option_in_yaml_is_refused(tmp_path, capsys, init_args, mes
 # ------------------------------------------------------------------ training runs (real processes)
 
 
-@pytest.mark.slow
+def expected_mesh(config: dict[str, Any]) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """The mesh a config asks for, worked out from its YAML alone (names outermost first, sizes)."""
+    trainer_cfg = config["trainer"]
+    world = trainer_cfg["devices"] * trainer_cfg.get("num_nodes", 1)
+    init_args = strategy_args(config)
+    mesh_shape = list(init_args["mesh_shape"])
+    tp, ep = init_args.get("tensor_parallel_size", 1), init_args.get("expert_parallel_size", 1)
+    pp = init_args.get("pipeline_parallel_size", 1)
+    replicate = mesh_shape[0] if len(mesh_shape) == 2 else None
+    shard = mesh_shape[-1] if mesh_shape[-1] != -1 else world // tp // pp // (replicate or 1)
+    dims: list[tuple[str, int]] = [("pp", pp)] if pp > 1 else []
+    dims += [("replicate", replicate)] if replicate else []
+    dims += [("expert_shard", shard // ep), ("ep", ep)] if ep > 1 else [("shard", shard)]
+    dims += [("tp", tp)] if tp > 1 else []
+    return tuple(n for n, _ in dims), tuple(s for _, s in dims)
+
+
 @pytest.mark.parametrize("name", CONFIG_NAMES)
+def test_config_is_parsed_into_the_strategy_it_describes(name, monkeypatch):
+    """Every config, parsed and instantiated as ``fit`` would (``run=False``): options, mesh, callbacks."""
+    monkeypatch.setattr(sys, "argv", ["train.py"])  # LightningCLI reads args=..., not pytest's own
+    from examples.gpt import CharDataModule, GPTLightningModule
+    from examples.train import GPTCLI
+    from hp_lightning.core.mesh import resolve_layout
+
+    config = load_config(name)
+    cli = GPTCLI(GPTLightningModule, CharDataModule, run=False, args=["--config", str(CONFIGS / f"{name}.yaml")])
+    strategy = cli.trainer.strategy
+    assert type(strategy) is HSDPStrategy
+    # YAML and the Python constructor give the same options, every one of them (typed the same way).
+    init_args = strategy_args(config)
+    assert strategy.options.settings() == HSDPStrategy(**init_args).options.settings()
+    trainer_cfg = config["trainer"]
+    world = trainer_cfg["devices"] * trainer_cfg.get("num_nodes", 1)
+    assert strategy.num_processes * strategy.num_nodes == world
+    assert cli.trainer.accumulate_grad_batches == trainer_cfg.get("accumulate_grad_batches", 1)
+    options = strategy.options
+    layout = resolve_layout(
+        options.mesh_shape, world_size=world, num_nodes=strategy.num_nodes, devices_per_node=strategy.num_processes,
+        tensor_parallel_size=options.tensor_parallel_size, expert_parallel_size=options.expert_parallel_size,
+        pipeline_parallel_size=options.pipeline_parallel_size,
+    )
+    assert (layout.names, layout.shape) == expected_mesh(config)
+    assert layout.world_size == world
+    configured = [c["class_path"].rpartition(".")[2] for c in trainer_cfg.get("callbacks", [])]
+    present = {type(c).__name__ for c in cli.trainer.callbacks}
+    assert set(configured) <= present, (configured, present)
+
+
+#: Trained end to end (3 optimizer steps, the tiny model). The other configs are parsed and checked
+#: above, and the distributed tests train their paths: FSDP/HSDP parity and checkpoints
+#: (test_parity, test_checkpoint_resume), the three accumulation modes against one process
+#: (test_callbacks), CPU offload (test_strategy_options). These four combine options or models no
+#: distributed test builds: every option and callback at once on HSDP 2x2 (full_options), the
+#: example GPT cut into pipeline stages (fsdp_pp), its tensor-parallel plan (fsdp_tp) and its MoE
+#: blocks under expert parallelism on HSDP (hsdp_ep).
+TRAINED_CONFIGS = ["full_options", "fsdp_pp", "fsdp_tp", "hsdp_ep"]
+
+
+def _train_config(name: str, out: str) -> dict[str, Any]:
+    """On each warm rank: ``examples/train.py fit --config <name>`` as the CLI runs it, in ``out``."""
+    os.chdir(out)
+    sys.argv = ["train.py"]  # LightningCLI reads args=..., not the test runner's own
+    from examples.train import main
+
+    config = load_config(name)
+    steps, accumulate = 3, config["trainer"].get("accumulate_grad_batches", 1)
+    pp = strategy_args(config).get("pipeline_parallel_size", 1)
+    args = ["fit", "--config", str(CONFIGS / f"{name}.yaml"), f"--trainer.max_steps={steps}",
+            f"--trainer.val_check_interval={steps * accumulate}", *TINY, *(["--model.n_layer=4"] if pp > 1 else [])]
+    cli = main(args)
+    return {"global_step": cli.trainer.global_step, "world": cli.trainer.world_size}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", TRAINED_CONFIGS)
 def test_config_trains(tmp_path, name):
+    from tests.helpers import run_distributed
+
     config = load_config(name)
     trainer_cfg = config["trainer"]
     world = trainer_cfg["devices"] * trainer_cfg.get("num_nodes", 1)
     accumulate = trainer_cfg.get("accumulate_grad_batches", 1)
     steps = 3
-    pp = strategy_args(config).get("pipeline_parallel_size", 1)
-    args = ["fit", "--config", str(CONFIGS / f"{name}.yaml"), f"--trainer.max_steps={steps}",
-            f"--trainer.val_check_interval={steps * accumulate}", *TINY, *(["--model.n_layer=4"] if pp > 1 else [])]
-    run_script(TRAIN, args, cwd=tmp_path)
+    results = run_distributed(_train_config, world, name, str(tmp_path), timeout=300)
+    assert [r["global_step"] for r in results] == [steps] * world and {r["world"] for r in results} == {world}
 
     # The run went through HSDPStrategy: the checkpoint is a sharded directory, one file per rank,
     # and it recorded exactly `steps` optimizer steps of `accumulate` micro-batches.
@@ -167,15 +243,8 @@ def test_config_trains(tmp_path, name):
     assert len(val) == 1 and math.isfinite(val[0]) and 3.0 < val[0] < 5.0  # ~ln(96) = 4.56 after 3 steps
     # The sharding report shows the mesh the config asked for.
     report = next(tmp_path.rglob("sharding.txt")).read_text()
-    init_args = strategy_args(config)
-    mesh_shape = init_args["mesh_shape"]
-    tp, ep = init_args.get("tensor_parallel_size", 1), init_args.get("expert_parallel_size", 1)
-    shard = mesh_shape[-1] if mesh_shape[-1] != -1 else world // tp // pp // (mesh_shape[0] if len(mesh_shape) == 2 else 1)
-    dims = [f"pp={pp}"] if pp > 1 else []
-    dims += [f"replicate={mesh_shape[0]}"] if len(mesh_shape) == 2 else []
-    dims += [f"expert_shard={shard // ep}", f"ep={ep}"] if ep > 1 else [f"shard={shard}"]
-    dims += [f"tp={tp}"] if tp > 1 else []
-    expected = ", ".join(dims)
+    names, shape = expected_mesh(config)
+    expected = ", ".join(f"{n}={s}" for n, s in zip(names, shape))
     assert expected in report.splitlines()[0], report
     if strategy_args(config).get("cpu_offload"):
         assert "cpu" in report.splitlines()[3].split()  # the offload column of the first unit

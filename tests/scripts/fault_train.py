@@ -21,7 +21,7 @@ Faults (on rank R at global step S):
   still beats);
 * ``caught``: an exception in rank R's ``training_step`` that the script catches, carrying on
   with other work afterwards;
-* ``sleepy``: rank R's main thread sleeps 12 s (run with ``--no-watchdog --train-timeout T``);
+* ``sleepy``: rank R's main thread sleeps 8 s (run with ``--no-watchdog --train-timeout T``);
 * ``junk_ckpt``: every rank resumes from a file of random bytes (a checkpoint error on every rank);
 * ``bad_mesh`` / ``bad_backend``: every rank asks for a mesh of 3 ranks, or for NCCL on CPUs
   (configuration errors raised before the process group exists);
@@ -113,7 +113,7 @@ class Injector(Callback):
             return
         if a.fault == "sleepy":
             mark_fault(a.out, a.fault)
-            time.sleep(12)
+            time.sleep(8)
         if a.fault == "deadlock":
             mark_fault(a.out, a.fault)
             lock = threading.Lock()
