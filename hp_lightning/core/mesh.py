@@ -271,6 +271,8 @@ def resolve_layout(
             f"{devices_per_node} device(s)). Choose a number of stages that divides it, e.g. 2."
         )
     dp_world = world_size // tp // pp
+    if mesh_shape is not None and (tp > 1 or pp > 1):
+        _check_composed_product(validate_mesh_shape(mesh_shape), world_size=world_size, tp=tp, ep=ep, pp=pp)
     if mesh_shape is None and pp > 1:
         mesh_shape = [dp_world]
     if mesh_shape is None and tp > 1:
@@ -287,6 +289,39 @@ def resolve_layout(
             f"are carved out of it. Choose an EP size that divides {dp[-1]}."
         )
     return MeshLayout(dp=tuple(dp), tp=tp, ep=ep, pp=pp)
+
+
+def _check_composed_product(shape: tuple[int, ...], *, world_size: int, tp: int, ep: int, pp: int) -> None:
+    """Check ``prod(mesh_shape) x tp x pp == world`` (EP lies inside the shard dim), naming every size.
+
+    Raises:
+        ValueError: with the numbers and both ways out: resize ``mesh_shape`` or the parallel sizes.
+    """
+    known = 1
+    for size in shape:
+        known *= size if size != INFER else 1
+    infers = INFER in shape
+    if world_size % (tp * pp):
+        raise ValueError(
+            f"tensor_parallel_size={tp} x pipeline_parallel_size={pp} = {tp * pp} does not divide the world size "
+            f"{world_size}, so no mesh_shape can fill the rest. Choose sizes whose product divides {world_size}."
+        )
+    fits = (world_size // (tp * pp)) % known == 0 if infers else known * tp * pp == world_size
+    if fits:
+        return
+    dp_world = world_size // (tp * pp)
+    product = f"{known} x {tp} x {pp} = {known * tp * pp}" + (" (before the -1 is inferred)" if infers else "")
+    if not infers and world_size % (known * pp) == 0:
+        other = f"set tensor_parallel_size={world_size // (known * pp)} for this mesh_shape"
+    else:
+        other = f"change tensor_parallel_size / pipeline_parallel_size so that {known} x tp x pp divides {world_size}"
+    raise ValueError(
+        f"HSDPStrategy(mesh_shape={list(shape)}, tensor_parallel_size={tp}, pipeline_parallel_size={pp}) needs "
+        f"prod(mesh_shape) x tensor_parallel_size x pipeline_parallel_size == world size {world_size} "
+        f"(mesh_shape gives the data-parallel dims only; expert_parallel_size, here {ep}, is carved out of its "
+        f"shard dim and does not multiply); got {product}. Either set mesh_shape to sizes that multiply to "
+        f"{world_size} / ({tp} x {pp}) = {dp_world} (e.g. [{dp_world}], or [-1] to infer it), or {other}."
+    )
 
 
 @dataclass(frozen=True, eq=False)

@@ -135,6 +135,8 @@ def select_modules(model: nn.Module, specs: Sequence[UnitSpec], option: str = "s
             )
         for m in matched:
             add(m)
+    if option == "shard_modules":  # activation checkpointing wraps modules; ties do not matter there
+        refuse_split_ties(model, chosen, option)
     return bottom_up(model, chosen)
 
 
@@ -196,6 +198,7 @@ def auto_units(model: nn.Module) -> list[nn.Module]:
         no_split.update(getattr(module, "_no_split_modules", None) or ())
     if no_split:
         units = [m for _, m in named if user_class(m).__name__ in no_split and _has_params(m)]
+        units = keep_ties_together(model, units)
         if units:
             return bottom_up(model, units)
     block_names: list[str] = []
@@ -208,7 +211,89 @@ def auto_units(model: nn.Module) -> list[nn.Module]:
                 continue
             block_names.append(f"{name}.{child_name}" if name else child_name)
             blocks.append(child)
-    return bottom_up(model, [b for b in blocks if b is not model])
+    return bottom_up(model, keep_ties_together(model, [b for b in blocks if b is not model]))
+
+
+def _split_ties(model: nn.Module, units: Sequence[nn.Module]) -> list[tuple[list[tuple[str, str]], str]]:
+    """Tied parameters that ``units`` (plus the root) would put in more than one sharding unit.
+
+    ``fully_shard`` on a unit manages the parameters of every module below it that no inner
+    unit holds; the root manages the rest. A parameter reached under names managed by two
+    different units would be sharded twice, which torch's FSDP2 refuses at the first forward.
+
+    Returns:
+        For each such parameter: its ``(name, managing unit's name)`` pairs (``""`` is the root),
+        and the name of the innermost of those units (the one to give up).
+    """
+    unit_ids = {id(u) for u in units}
+    unit_names = sorted({n for n, m in model.named_modules(remove_duplicate=False) if n and id(m) in unit_ids}, key=len)
+
+    def manager(param_name: str) -> str:
+        return max((u for u in unit_names if param_name.startswith(u + ".")), key=len, default="")
+
+    names_of: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(param), []).append(name)
+    split = []
+    for names in names_of.values():
+        if len(names) < 2:
+            continue
+        pairs = [(name, manager(name)) for name in names]
+        managers = {unit for _, unit in pairs}
+        if len(managers) > 1:
+            split.append((pairs, max(managers, key=len)))
+    return split
+
+
+def keep_ties_together(model: nn.Module, units: Sequence[nn.Module]) -> list[nn.Module]:
+    """``units`` without those that would split a tied parameter across units (automatic plans).
+
+    One parameter cannot belong to two sharding units: Hugging Face's ``BertForMaskedLM`` ties
+    ``BertEmbeddings.word_embeddings`` (a ``_no_split_modules`` unit) to ``cls.predictions.decoder``
+    (in the root). The innermost unit involved is given up, so its modules are sharded with the
+    enclosing unit (the root, here) together with the other side of the tie; repeated until no
+    tie is split. The cost is that unit's parameters staying gathered with the root's.
+    """
+    kept = list(units)
+    while True:
+        split = _split_ties(model, kept)
+        if not split:
+            return kept
+        lookup = dict(model.named_modules(remove_duplicate=False))
+        drop = lookup[split[0][1]]
+        kept = [u for u in kept if u is not drop]
+
+
+def refuse_split_ties(model: nn.Module, units: Sequence[nn.Module], option: str = "shard_modules") -> None:
+    """Refuse user-named units that split a tied parameter (before any collective runs).
+
+    Raises:
+        ValueError: naming both modules of the first such tie, the unit to drop, and the fix.
+    """
+    split = _split_ties(model, units)
+    if not split:
+        return
+    pairs, innermost = split[0]
+    (first, first_unit), (second, second_unit) = next(
+        (a, b) for i, a in enumerate(pairs) for b in pairs[i + 1 :] if a[1] != b[1]
+    )
+
+    def where(unit: str) -> str:
+        return "the root" if not unit else f"unit {unit!r}"
+
+    def module_of(name: str) -> str:
+        return name.rpartition(".")[0] or "<root>"
+
+    lookup = dict(model.named_modules(remove_duplicate=False))
+    raise ValueError(
+        f"{option} splits a tied parameter across sharding units: {module_of(first)!r} "
+        f"({type(lookup.get(module_of(first), model)).__name__}, in {where(first_unit)}) and {module_of(second)!r} "
+        f"({type(lookup.get(module_of(second), model)).__name__}, in {where(second_unit)}) share {first!r} "
+        f"(= {second!r}). One parameter cannot belong to two units (torch's FSDP2 fails at the first forward). "
+        f"Fix: drop {innermost!r} ({type(lookup[innermost]).__name__}) from {option}, so the tied parameter is "
+        f"sharded with the unit that encloses both; or name a module that contains both; or untie the weights."
+        + (f" {len(split) - 1} more tied parameter(s) are split the same way." if len(split) > 1 else "")
+    )
 
 
 #: Embeddings / the output head become units of their own when they hold at least this share of

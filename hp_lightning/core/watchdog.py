@@ -322,6 +322,36 @@ class FaultWatchdog:
         except Exception as internal:  # noqa: BLE001 - never hide the user's exception behind ours
             _say(f"rank {self.rank}: fault watchdog could not report the failure ({internal!r}).")
 
+    def report_uncaught_errors(self) -> None:
+        """Report an error that ends the main thread uncaught *before* its traceback is printed.
+
+        For loops with no exception hook of their own (Fabric): the rank's own error is posted at
+        once, so a peer waiting in a collective is stopped with one line naming it, and the peer's
+        "Connection closed by peer" error is answered by that line instead of a traceback of its
+        own. Reporting at interpreter exit instead (after the traceback, after non-daemon threads)
+        would leave the peers to race the failed rank's sockets closing. Installed once.
+        """
+        if getattr(sys.excepthook, "__hp_lightning_watchdog__", None) is self:
+            return
+        previous = sys.excepthook
+        reporting = False
+
+        def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+            nonlocal reporting
+            if reporting or not isinstance(value, Exception):
+                previous(kind, value, tb)
+                return
+            reporting = True
+            try:
+                self.report(value)  # a consequence of a peer's failure does not return (one line, exit 3)
+                current = sys.excepthook  # report may have put a one-line hook for a duplicate error first
+                (current if current is not hook else previous)(kind, value, tb)
+            finally:
+                reporting = False
+
+        hook.__hp_lightning_watchdog__ = self  # type: ignore[attr-defined]
+        sys.excepthook = hook
+
     def _report(self, exc: BaseException) -> None:
         _quiet_signals()
         if not is_communication_error(exc):

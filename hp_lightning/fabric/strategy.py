@@ -353,6 +353,7 @@ class HSDPStrategy(frontend.MeshAccess, ParallelStrategy):
         # First thing once the process group exists: from here on, a failure anywhere stops every rank.
         self._watchdog = frontend.start_watchdog(self, self._watchdog)
         if self._watchdog is not None:
+            self._watchdog.report_uncaught_errors()  # posted before the traceback prints, not at exit
             atexit.unregister(self._leave_at_exit)  # once per strategy, however often Fabric launches
             atexit.register(self._leave_at_exit)
         self._mesh = frontend.agree_and_build_mesh(self, self.precision.precision)

@@ -19,6 +19,7 @@ seed                       here
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -32,7 +33,7 @@ from torch.distributed.fsdp import fully_shard as _torch_fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from hp_lightning.fully_shard.errors import ArgumentTypeError
-from hp_lightning.fully_shard.policies import MixedPrecisionPolicy, OffloadPolicy
+from hp_lightning.fully_shard.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from hp_lightning.fully_shard.replicate import ReplicatedParamSync
 
 __all__ = [
@@ -130,25 +131,19 @@ class HSDPModule(FSDPModule):
                 unit._hp_replicated.requires_gradient_sync = requires_gradient_sync
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
-        """HSDP only: run (True) or defer (False) the all-reduce across replicate groups.
+        """HSDP: run (True) or defer (False) the all-reduce across replicate groups.
 
         With False, gradients are still reduce-scattered inside each shard group every backward,
         and the cross-group all-reduce waits for a backward with True: the middle road between
         syncing every micro-batch and syncing only the last. On a 1-D (FSDP) mesh there is no
-        such all-reduce: True is what already happens (a no-op, as in HyperParallel); only False
-        is refused, since it cannot be honoured.
+        such all-reduce, so both values are accepted as no-ops, as in HyperParallel and torch:
+        gradients are still reduced every backward. To skip reduction on FSDP, use
+        ``set_requires_gradient_sync(False)``.
         """
         _require_bool(requires_all_reduce, "set_requires_all_reduce")
         _require_bool(recurse, "set_requires_all_reduce(recurse=...)")
         if self._hp_mesh.ndim != 2:
-            if requires_all_reduce:
-                return
-            raise ValueError(
-                f"set_requires_all_reduce(False) expects an HSDP unit (2-D (replicate, shard) mesh), whose all-reduce "
-                f"across replicate groups it defers; got a unit on a {self._hp_mesh.ndim}-D mesh "
-                f"{tuple(self._hp_mesh.shape)}, which has none (True is a no-op there). Use "
-                f"set_requires_gradient_sync(False) to skip gradient reduction on FSDP."
-            )
+            return
         super().set_requires_all_reduce(requires_all_reduce, recurse=recurse)
         for unit in self._hp_units(recurse):
             if unit._hp_replicated is not None:
@@ -257,13 +252,21 @@ class HSDPModule(FSDPModule):
         HyperParallel's ``load_state_dict`` takes all three; FSDP2 only DTensors. Full tensors (the
         parameter's global shape: what ``torch.save(model.state_dict())`` of an unsharded model
         holds, given to every rank) keep this rank's slice; plain tensors of the local shard's
-        shape are this rank's shard. ``assign=True`` makes the (converted) tensors the parameters
-        themselves, ``assign=False`` copies into the existing ones; FSDP2 re-registers either way.
+        shape are this rank's shard. FSDP2 re-registers the parameters either way.
+
+        ``assign=True`` makes the loaded values the parameters themselves (what a module still on
+        the meta device needs), but never the caller's storage: HyperParallel copies into its
+        shards whatever ``assign`` says, so training the module never changes ``state_dict``.
+        Where torch's plain ``assign=True`` would alias an entry (a DTensor, a local shard, an
+        unsharded tensor), it is copied first: one copy per such tensor, as ``assign=False`` makes.
 
         Raises:
             ValueError: an entry whose shape is neither the parameter's global nor its local shape.
         """
-        return super().load_state_dict(to_model_placements(self, state_dict), strict=strict, assign=assign)
+        converted = to_model_placements(self, state_dict)
+        if assign:
+            converted = {key: _unaliased(value, state_dict[key]) for key, value in converted.items()}
+        return super().load_state_dict(converted, strict=strict, assign=assign)
 
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """All-gather this unit's parameters now; with ``async_op=True`` return a handle to wait on."""
@@ -273,6 +276,22 @@ class HSDPModule(FSDPModule):
     def reshard(self) -> None:
         """Free this unit's gathered parameters, keeping only the local shards."""
         super().reshard()
+
+
+def _storage_of(value: Any) -> torch.UntypedStorage | None:
+    if isinstance(value, DTensor):
+        value = value.to_local()
+    if not isinstance(value, torch.Tensor) or value.is_meta:
+        return None
+    return value.untyped_storage()
+
+
+def _unaliased(loaded: Any, given: Any) -> Any:
+    """``loaded`` (converted from the caller's ``given``), copied when it shares ``given``'s storage."""
+    loaded_storage, given_storage = _storage_of(loaded), _storage_of(given)
+    if loaded_storage is None or given_storage is None or loaded_storage.data_ptr() != given_storage.data_ptr():
+        return loaded
+    return loaded.detach().clone()
 
 
 _HP_CLASSES: dict[type, type] = {}
@@ -308,6 +327,21 @@ def _default_mesh(device_type: str | None = None) -> DeviceMesh:
             "first, or pass mesh=hp_lightning.init_device_mesh(...)."
         )
     return build_device_mesh(device_type or default_device_type(), (dist.get_world_size(),))
+
+
+def _host_offload_for(mesh: DeviceMesh, offload_policy: OffloadPolicy) -> OffloadPolicy:
+    """``offload_policy`` with pinning dropped where no accelerator would read the pinned memory.
+
+    Pinned (page-locked) host memory only speeds up host<->accelerator copies, and pinning needs an
+    accelerator runtime: on a CPU mesh (a CPU-only machine, say) torch would raise "Cannot access
+    accelerator device when none is available". There the shards already live on the host, so the
+    same policy without pinning keeps exactly the same numbers.
+    """
+    from hp_lightning.core.devices import is_accelerator
+
+    if isinstance(offload_policy, CPUOffloadPolicy) and offload_policy.pin_memory and not is_accelerator(mesh.device_type):
+        return dataclasses.replace(offload_policy, pin_memory=False)
+    return offload_policy
 
 
 def _param_set(params: Iterable[nn.Parameter] | None, what: str) -> list[nn.Parameter]:
@@ -372,7 +406,8 @@ def fully_shard(
         shard_placement_fn: ``param -> Shard(dim) | None``; None → dim 0.
         mp_policy: compute (``param_dtype``) and gradient-reduction (``reduce_dtype``) dtypes.
         offload_policy: ``CPUOffloadPolicy()`` keeps shards, gradients and optimizer state on
-            the host; ``OffloadPolicy()`` or None keeps them on the device.
+            the host; ``OffloadPolicy()`` or None keeps them on the device. On a CPU mesh the
+            host memory is not pinned (pinning needs an accelerator and buys nothing there).
         ignored_params: left alone: not sharded, gradients not synchronized (each rank keeps its own).
         replicate_params: kept whole on every rank, gradients all-reduced over the whole
             data-parallel domain, honouring every control below.
@@ -433,6 +468,7 @@ def fully_shard(
             f"built on {device_type!r} (hp_lightning.init_device_mesh({device_type!r}, ...)), or drop device=."
         )
     mesh = mesh if mesh is not None else _default_mesh(device_type)
+    offload_policy = _host_offload_for(mesh, offload_policy)
     if mesh.ndim not in (1, 2):
         raise ValueError(
             f"fully_shard expects a 1-D mesh (FSDP) or a 2-D (replicate, shard) mesh (HSDP); got a "

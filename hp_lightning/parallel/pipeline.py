@@ -77,6 +77,7 @@ def stage_units(model: nn.Module, split_points: Sequence[str]) -> list[str]:
         ValueError: a split point that is not such a module, split points out of order, or a
             parameter held by a module on the way to a split point (it would belong to no stage).
     """
+    _refuse_points_inside_blocks(model, split_points)
     on_the_way = {""} | {p.rsplit(".", i)[0] for p in split_points for i in range(1, p.count(".") + 1)}
     for name in sorted(on_the_way, key=len):
         try:
@@ -91,18 +92,7 @@ def stage_units(model: nn.Module, split_points: Sequence[str]) -> list[str]:
                 f"to a split point, so no single stage would own them. Move them into a submodule (e.g. the embedding or "
                 f"head module) or choose split points below a module without its own parameters."
             )
-    # Walk from the root, descending into every module on the way to a split point.
-    units: list[str] = []
-
-    def walk(prefix: str, module: nn.Module) -> None:
-        for child_name, child in module.named_children():
-            full = f"{prefix}{child_name}"
-            if full in on_the_way:
-                walk(f"{full}.", child)
-            else:
-                units.append(full)
-
-    walk("", model)
+    units = _cut_points(model, on_the_way)
     missing = [p for p in split_points if p not in units]
     if missing:
         names = [n for n, _ in model.named_modules() if n]
@@ -119,6 +109,71 @@ def stage_units(model: nn.Module, split_points: Sequence[str]) -> list[str]:
             f"each starts a stage, in the order {units[:24]}."
         )
     return units
+
+
+_CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+
+
+def _cut_points(model: nn.Module, on_the_way: set[str]) -> list[str]:
+    """The units: walking from the root, the children of every module on the way to a split point."""
+    units: list[str] = []
+
+    def walk(prefix: str, module: nn.Module) -> None:
+        for child_name, child in module.named_children():
+            full = f"{prefix}{child_name}"
+            if full in on_the_way:
+                walk(f"{full}.", child)
+            else:
+                units.append(full)
+
+    walk("", model)
+    return units
+
+
+def _enclosing_block(model: nn.Module, point: str, no_split: set[str]) -> Optional[tuple[str, nn.Module]]:
+    """The outermost block strictly above ``point``: an entry of a container (not a container itself) or a
+    Hugging Face ``_no_split_modules`` class. None when the point is not inside one (or not a module)."""
+    parts = point.split(".")
+    parent: nn.Module = model
+    for depth in range(1, len(parts)):
+        name = ".".join(parts[:depth])
+        module = parent._modules.get(parts[depth - 1])
+        if module is None:
+            return None  # not a module: reported later with the cut points
+        entry = isinstance(parent, _CONTAINERS) and not isinstance(module, _CONTAINERS)
+        if entry or type(module).__name__ in no_split:
+            return name, module
+        parent = module
+    return None
+
+
+def _refuse_points_inside_blocks(model: nn.Module, split_points: Sequence[str]) -> None:
+    """Refuse split points inside a block (``net.blocks.2.fc1``): neither stage could run that block.
+
+    A block's ``forward`` calls all of its layers, so the stage holding some of them would call a
+    ``None`` in place of the others (``'NoneType' object is not callable`` at step 0). Blocks are
+    the entries of ``nn.ModuleList`` / ``nn.Sequential`` / ``nn.ModuleDict`` and Hugging Face's
+    ``_no_split_modules`` classes; a stage starts at a block, never inside one.
+
+    Raises:
+        ValueError: naming the split point, the block it lies in, the option and the cut points.
+    """
+    no_split: set[str] = set()
+    for module in model.modules():
+        no_split.update(getattr(module, "_no_split_modules", None) or ())
+    inside = {p: b for p in split_points if (b := _enclosing_block(model, p, no_split)) is not None}
+    if not inside:
+        return
+    fixed = [inside[p][0] if p in inside else p for p in split_points]
+    on_the_way = {""} | {p.rsplit(".", i)[0] for p in fixed for i in range(1, p.count(".") + 1)}
+    units = _cut_points(model, on_the_way)
+    described = "; ".join(f"{p!r} lies inside the block {b!r} ({type(m).__name__})" for p, (b, m) in inside.items())
+    raise ValueError(
+        f"HSDPStrategy(pipeline_split_points={list(split_points)}) names points that are not cut points: {described}. "
+        f"A block's forward runs all of its layers, so a stage holding part of it could not run it. A stage starts "
+        f"at a block, never inside one: use {fixed}, or another of the cut points (in order): "
+        f"{units[:24]}{' ...' if len(units) > 24 else ''}."
+    )
 
 
 def split_stage(model: nn.Module, split_points: Sequence[str], stage_index: int) -> tuple[list[str], list[str]]:

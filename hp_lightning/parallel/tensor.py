@@ -86,12 +86,100 @@ def _style(spec: StyleSpec) -> ParallelStyle:
     return TP_STYLES[spec]() if isinstance(spec, str) else spec
 
 
-def resolve_tp_plan(model: nn.Module, plan: Mapping[str, StyleSpec], owner: str = "tp_plan") -> dict[str, ParallelStyle]:
-    """Expand the globs of ``plan`` to ``{module name: style}`` (the first matching pattern wins).
+def _unsplittable_message(owner: str, name: str, module: nn.Module, spec: StyleSpec) -> str:
+    """Why ``module`` cannot take a colwise/rowwise style, and what to do instead."""
+    cls = type(module).__name__
+    inner = [n for n, m in module.named_modules() if n and isinstance(m, _SPLITTABLE)]
+    head = (
+        f"{owner} gives {name!r} ({cls}) the style {spec!r}, which splits nn.Linear and nn.Embedding weights "
+        f"only (torch's ColwiseParallel / RowwiseParallel)."
+    )
+    if inner:
+        return f"{head} Point the pattern at the layers inside it: {[f'{name}.{n}' for n in inner[:6]]}."
+    convs = [n for n, m in module.named_modules() if type(m).__name__ == "Conv1D" and hasattr(m, "nf")]
+    if convs:
+        where = "it is" if convs == [""] else f"it holds {[f'{name}.{n}' for n in convs[:6]]}, which are"
+        return (
+            f"{head} {where} Hugging Face's Conv1D (GPT-2 style, weight stored as [in, out]), which torch's "
+            f"ParallelStyles do not support. Leave it out of the plan (it stays whole on every TP rank, still "
+            f"sharded by FSDP), or replace the Conv1D layers by nn.Linear (weight = conv.weight.T) in "
+            f"configure_model before TP."
+        )
+    return (
+        f"{head} {cls} holds no such layer. Leave it out of the plan (it stays whole on every TP rank, still "
+        f"sharded by FSDP), or give it a torch ParallelStyle written for {cls}."
+    )
+
+
+#: Attribute names under which attention modules keep their head count.
+_HEAD_COUNT_ATTRS = ("n_heads", "num_heads", "n_head", "num_attention_heads", "num_key_value_heads", "n_kv_heads")
+
+
+def _forward_reads(module: nn.Module, attr: str) -> bool:
+    """Whether ``type(module).forward``'s source visibly reads ``self.<attr>`` (False when it cannot be read)."""
+    import inspect
+    import re
+
+    try:
+        source = inspect.getsource(type(module).forward)
+    except (OSError, TypeError):
+        return False
+    return re.search(rf"\bself\.{attr}\b", source) is not None
+
+
+def check_head_split(model: nn.Module, resolved: Mapping[str, ParallelStyle], owner: str) -> None:
+    """Refuse a colwise split of an attention projection whose module computes with its full head count.
+
+    Colwise TP leaves each rank ``1/T`` of the heads. A module whose ``forward`` reads its head
+    count attribute (``self.n_heads`` in T5's attention, which builds its relative-attention bias
+    for all heads) would mix shapes for ``T`` heads' worth of data: a raw broadcast error deep in
+    forward, or silently wrong numbers. Modules that infer the local head count (``view(..., -1,
+    head_dim)``, as Llama's attention does) pass. Only what can be seen is checked: the parent of
+    each colwise ``nn.Linear``, its int head-count attributes, and its ``forward``'s source.
 
     Raises:
-        ValueError: a pattern that matches no module, or a colwise/rowwise style on a module that
-            is neither ``nn.Linear`` nor ``nn.Embedding``.
+        ValueError: naming the module, the attribute, the projection and the fix.
+    """
+    modules = dict(model.named_modules())
+    for name, style in resolved.items():
+        layer = modules.get(name)
+        if not isinstance(style, ColwiseParallel) or not isinstance(layer, nn.Linear) or "." not in name:
+            continue
+        parent_name = name.rpartition(".")[0]
+        parent = modules[parent_name]
+        for attr in _HEAD_COUNT_ATTRS:
+            heads = getattr(parent, attr, None)
+            if not isinstance(heads, int) or isinstance(heads, bool) or heads <= 0 or layer.out_features % heads:
+                continue
+            if _forward_reads(parent, attr):
+                cls = type(parent).__name__
+                raise ValueError(
+                    f"{owner} splits {name!r} colwise, so each TP rank holds 1/tensor_parallel_size of the heads of "
+                    f"{parent_name!r} ({cls}, {attr}={heads}); but {cls}.forward computes with self.{attr}, the full "
+                    f"head count (T5's attention builds its relative-attention bias for all heads), so its shapes "
+                    f"would not match on any rank. Leave the projections of {parent_name!r} out of the plan "
+                    f"(split the MLPs only), or apply TP yourself in configure_model with "
+                    f"hp_lightning.parallelize_module and set {attr} (and whatever else holds all heads) to the "
+                    f"local count."
+                )
+
+
+def resolve_tp_plan(
+    model: nn.Module, plan: Mapping[str, StyleSpec], owner: str = "tp_plan", *, check_heads: bool = True
+) -> dict[str, ParallelStyle]:
+    """Expand the globs of ``plan`` to ``{module name: style}`` (the first matching pattern wins).
+
+    Args:
+        model: the model the plan's globs name modules of.
+        plan: module-name glob -> style name or ParallelStyle.
+        owner: the option's name, for messages.
+        check_heads: refuse colwise splits of attention modules that compute with their full head
+            count (:func:`check_head_split`). ``parallelize_module`` turns it off: its caller may
+            set the local head count after the call, as torchtitan does.
+
+    Raises:
+        ValueError: a pattern that matches no module, a colwise/rowwise style on a module that
+            is neither ``nn.Linear`` nor ``nn.Embedding``, or a head split its module cannot run.
     """
     plan = validate_tp_plan(plan, owner) or {}
     modules = {name: module for name, module in model.named_modules() if name}
@@ -108,11 +196,10 @@ def resolve_tp_plan(model: nn.Module, plan: Mapping[str, StyleSpec], owner: str 
                 continue
             style = _style(spec)
             if isinstance(style, (ColwiseParallel, RowwiseParallel)) and not isinstance(modules[name], _SPLITTABLE):
-                raise ValueError(
-                    f"{owner} gives {name!r} ({type(modules[name]).__name__}) the style {spec!r}, which splits "
-                    f"nn.Linear and nn.Embedding weights only. Point the pattern at the Linear layers inside it."
-                )
+                raise ValueError(_unsplittable_message(owner, name, modules[name], spec))
             resolved[name] = style
+    if check_heads:
+        check_head_split(model, resolved, owner)
     return resolved
 
 
@@ -150,6 +237,9 @@ def parallelize_module(module: nn.Module, device_mesh: DeviceMesh, parallelize_p
     globs to style names (:data:`TP_STYLES`) or ParallelStyles. Call it before ``fully_shard``;
     inside ``configure_model`` (meta device) it keeps the parameters' recorded construction, so
     the strategy initializes them after sharding as if the model had been built for real.
+    Colwise splits of attention projections are not checked against the module's head count
+    here: a module whose ``forward`` reads its head count needs it set to the local count after
+    this call (e.g. ``attn.n_heads //= tp``), as torchtitan does.
 
     Raises:
         TypeError / ValueError: a malformed plan, a pattern matching nothing, a style on the wrong module.
@@ -166,4 +256,5 @@ def parallelize_module(module: nn.Module, device_mesh: DeviceMesh, parallelize_p
     link_construction(module)
     if isinstance(parallelize_plan, ParallelStyle):
         return _torch_parallelize_module(module, device_mesh, parallelize_plan)
-    return _torch_parallelize_module(module, device_mesh, resolve_tp_plan(module, parallelize_plan, "parallelize_module plan"))
+    resolved = resolve_tp_plan(module, parallelize_plan, "parallelize_module plan", check_heads=False)
+    return _torch_parallelize_module(module, device_mesh, resolved)

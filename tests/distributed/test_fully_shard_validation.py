@@ -52,7 +52,6 @@ def validation_worker() -> list[tuple[str, str, str]]:
         "fully_shard(both sets)": lambda: fully_shard(other, mesh=mesh1, ignored_params={other.weight}, replicate_params={other.weight}),
         "set_requires_gradient_sync(int)": lambda: model.set_requires_gradient_sync(1),
         "set_requires_gradient_sync(recurse=str)": lambda: model.set_requires_gradient_sync(True, recurse="yes"),
-        "set_requires_all_reduce(FSDP)": lambda: model.set_requires_all_reduce(False),
         "set_requires_all_reduce(str)": lambda: hsdp.set_requires_all_reduce("no"),
         "set_reshard_after_forward(None)": lambda: model.set_reshard_after_forward(None),
         "set_reshard_after_backward(str)": lambda: model.set_reshard_after_backward("true"),

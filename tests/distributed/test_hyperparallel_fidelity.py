@@ -68,12 +68,19 @@ def fidelity_worker() -> dict:
 
                     dt = distribute_tensor(value, like.device_mesh, like.placements, src_data_rank=None)
                     state[key] = dt if form == "dtensor" else dt.to_local().clone()
+            given = {k: (v.to_local() if isinstance(v, DTensor) else v).clone() for k, v in state.items()}
             model.load_state_dict(state, assign=assign)
             still_dtensors = all(isinstance(p, DTensor) for p in model.parameters())
             x = torch.randn(4, 8, generator=torch.Generator().manual_seed(2))
             loss = model(x).pow(2).mean()
             loss.backward()  # the loaded model still trains (FSDP re-registered the parameters)
-            out["load"][(form, assign)] = (_full(model), still_dtensors, float(loss))
+            loaded = _full(model)
+            torch.optim.SGD(model.parameters(), lr=0.5).step()
+            # Training the module never writes into the caller's dict (HyperParallel copies on load).
+            touched = [
+                k for k, v in state.items() if not torch.equal(v.to_local() if isinstance(v, DTensor) else v, given[k])
+            ]
+            out["load"][(form, assign)] = (loaded, still_dtensors, float(loss), touched)
     try:
         _sharded().load_state_dict({"head.weight": torch.zeros(3, 3)}, strict=False)
         out["bad_shape"] = None
@@ -92,14 +99,24 @@ def fidelity_worker() -> dict:
         "after_set": _full(other),
     }
 
-    # 4. set_requires_all_reduce(True) on a 1-D mesh is a no-op; False is refused.
-    model = _sharded()
-    model.set_requires_all_reduce(True)
-    try:
-        model.set_requires_all_reduce(False)
-        out["all_reduce_false"] = None
-    except ValueError as exc:
-        out["all_reduce_false"] = str(exc)
+    # 4. set_requires_all_reduce on a 1-D mesh: True and False are no-ops (gradients still reduced).
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(3 + dist.get_rank()))
+    out["all_reduce"] = {}
+    for flag in (True, False):
+        model = _sharded()
+        model.set_requires_all_reduce(flag)
+        model(x).pow(2).mean().backward()
+        out["all_reduce"][flag] = {n: p.grad.full_tensor().clone() for n, p in model.named_parameters()}
+
+    # 6. CPUOffloadPolicy() on a CPU-only machine: no pinning needed, same gradients as no offload.
+    from hp_lightning import CPUOffloadPolicy
+
+    model = _sharded(offload_policy=CPUOffloadPolicy())
+    model(x).pow(2).mean().backward()
+    out["offload"] = {
+        "grads": {n: p.grad.full_tensor().clone() for n, p in model.named_parameters()},
+        "on_host": all(p.to_local().device.type == "cpu" for p in model.parameters()),
+    }
 
     # 5. Argument errors: TypeError for wrong types, catchable as ValueError too.
     caught = {}
@@ -138,8 +155,9 @@ def test_load_state_dict_takes_full_tensors_local_shards_and_dtensors_with_assig
         expected_loss = float(reference(x).pow(2).mean())
     for res in results:
         assert len(res["load"]) == 6
-        for (form, assign), (params, still_dtensors, loss) in res["load"].items():
+        for (form, assign), (params, still_dtensors, loss, touched) in res["load"].items():
             assert still_dtensors, (form, assign)
+            assert touched == [], (form, assign, touched)
             for name, value in expected.items():
                 torch.testing.assert_close(params[name], value, rtol=0, atol=0, msg=f"{form} assign={assign} {name}")
             assert loss == pytest.approx(expected_loss, rel=1e-6), (form, assign)
@@ -157,10 +175,30 @@ def test_get_and_set_model_state_dict(results):
             torch.testing.assert_close(state["after_set"][name], value.detach(), rtol=0, atol=0)
 
 
-def test_set_requires_all_reduce_true_is_a_no_op_on_fsdp(results):
+def _reference_grads(world: int = 2) -> dict[str, torch.Tensor]:
+    """Gradients of the mean loss over every rank's batch, on one process."""
+    torch.manual_seed(0)
+    reference = TinyNet()
+    for rank in range(world):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(3 + rank))
+        (reference(x).pow(2).mean() / world).backward()
+    return {n: p.grad for n, p in reference.named_parameters()}
+
+
+def test_set_requires_all_reduce_is_a_no_op_on_fsdp_either_way(results):
+    expected = _reference_grads()
     for res in results:
-        assert "set_requires_all_reduce(False)" in res["all_reduce_false"]
-        assert "set_requires_gradient_sync(False)" in res["all_reduce_false"]
+        for flag, grads in res["all_reduce"].items():
+            for name, value in expected.items():
+                torch.testing.assert_close(grads[name], value, rtol=1e-5, atol=1e-6, msg=f"flag={flag} {name}")
+
+
+def test_cpu_offload_policy_trains_on_a_cpu_only_machine(results):
+    expected = _reference_grads()
+    for res in results:
+        assert res["offload"]["on_host"]
+        for name, value in expected.items():
+            torch.testing.assert_close(res["offload"]["grads"][name], value, rtol=1e-5, atol=1e-6, msg=name)
 
 
 def test_argument_type_errors_are_also_value_errors(results):

@@ -125,14 +125,14 @@ def _warm_rank(argv: list[str], env: dict[str, str], log: str) -> None:
     os._exit(code)
 
 
-def _launch_warm(out: Path, script_args: tuple[str, ...], timeout: float) -> FaultRun:
+def _launch_warm(out: Path, script_args: tuple[str, ...], timeout: float, script: Path = SCRIPT) -> FaultRun:
     from tests.helpers import rank_context
 
     env = _env()
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD), NODE_RANK="0")
     log = out / "output.txt"
     log.write_bytes(b"")
-    argv = [str(SCRIPT), str(out), *script_args]
+    argv = [str(script), str(out), *script_args]
     ctx = rank_context()
     procs = [
         ctx.Process(target=_warm_rank, args=(argv, {**env, "RANK": str(r), "LOCAL_RANK": str(r)}, str(log)), name=f"warm-rank{r}")
@@ -163,16 +163,16 @@ def _launch_warm(out: Path, script_args: tuple[str, ...], timeout: float) -> Fau
     return FaultRun(procs[0].exitcode, log.read_text(errors="replace"), out, fault, ended, timed_out, leftovers)
 
 
-def launch(out: Path, *script_args: str, launcher: str = "warm", timeout: float = 150) -> FaultRun:
-    """Run the fault script on 2 ranks; return once every process has ended (or ``timeout`` passed)."""
+def launch(out: Path, *script_args: str, launcher: str = "warm", timeout: float = 150, script: Path = SCRIPT) -> FaultRun:
+    """Run a fault script (default ``fault_train.py``) on 2 ranks; return once every process has ended (or ``timeout`` passed)."""
     out.mkdir(parents=True, exist_ok=True)
     if launcher == "warm":
-        return _launch_warm(out, script_args, timeout)
+        return _launch_warm(out, script_args, timeout, script)
     env = _env()
     port = str(free_port())
     if launcher == "lightning":
         env["MASTER_ADDR"], env["MASTER_PORT"] = "127.0.0.1", port
-        cmd = [sys.executable, str(SCRIPT), str(out), *script_args]
+        cmd = [sys.executable, str(script), str(out), *script_args]
     elif launcher == "slurm":
         # What `srun --ntasks=2` does on one node: start every task with SLURM's variables set;
         # Lightning then picks SLURMEnvironment (with auto_requeue, its default).
@@ -181,7 +181,7 @@ def launch(out: Path, *script_args: str, launcher: str = "warm", timeout: float 
             SLURM_NODEID="0", SLURM_JOB_ID="4242", SLURM_JOB_NAME="hp_lightning_faults", SLURM_NODELIST="127.0.0.1",
         )
         tasks = " ".join(
-            f"SLURM_PROCID={r} SLURM_LOCALID={r} {shlex.quote(sys.executable)} {shlex.quote(str(SCRIPT))} "
+            f"SLURM_PROCID={r} SLURM_LOCALID={r} {shlex.quote(sys.executable)} {shlex.quote(str(script))} "
             f"{' '.join(shlex.quote(a) for a in (str(out), *script_args))} &"
             for r in range(WORLD)
         )
@@ -189,7 +189,7 @@ def launch(out: Path, *script_args: str, launcher: str = "warm", timeout: float 
     elif launcher == "torchrun":
         torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which("torchrun")
         assert torchrun is not None, "torchrun ships with torch and must be on PATH next to the interpreter"
-        cmd = [torchrun, "--nproc-per-node", str(WORLD), "--master-port", port, str(SCRIPT), str(out), *script_args]
+        cmd = [torchrun, "--nproc-per-node", str(WORLD), "--master-port", port, str(script), str(out), *script_args]
     else:
         raise ValueError(f"launcher must be 'warm', 'lightning', 'slurm' or 'torchrun'; got {launcher!r}")
     log = out / "output.txt"

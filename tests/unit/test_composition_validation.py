@@ -40,13 +40,35 @@ def test_strategy_arguments_are_checked_at_construction(kwargs, error, message):
     ("kwargs", "message"),
     [
         ({"tensor_parallel_size": 3}, "tensor_parallel_size=3 does not divide the world size 4"),
-        ({"mesh_shape": [4], "tensor_parallel_size": 2}, "needs shard == world size 2"),
+        (
+            {"mesh_shape": [4], "tensor_parallel_size": 2},
+            r"needs prod\(mesh_shape\) x tensor_parallel_size x pipeline_parallel_size == world size 4 .*"
+            r"got 4 x 2 x 1 = 8\. Either set mesh_shape to sizes that multiply to 4 / \(2 x 1\) = 2 .*"
+            r"or set tensor_parallel_size=1 for this mesh_shape",
+        ),
         ({"mesh_shape": [4], "expert_parallel_size": 3}, "expert_parallel_size=3 does not divide the shard dim"),
     ],
 )
 def test_sizes_that_do_not_fit_the_world_fail_in_trainer(kwargs, message):
     with pytest.raises(ValueError, match=message):
         Trainer(accelerator="cpu", devices=4, strategy=HSDPStrategy(**kwargs), logger=False)
+
+
+@pytest.mark.parametrize(
+    ("mesh_shape", "world", "tp", "pp", "numbers", "other"),
+    [
+        ([2], 2, 2, 1, "got 2 x 2 x 1 = 4", "set tensor_parallel_size=1"),  # the reported case
+        ([2, 2], 8, 1, 4, "got 4 x 1 x 4 = 16", "so that 4 x tp x pp divides 8"),  # no TP size alone fixes it
+        ([3, -1], 8, 2, 1, "got 3 x 2 x 1 = 6 (before the -1 is inferred)", "so that 3 x tp x pp divides 8"),
+    ],
+)
+def test_composed_sizes_state_the_product_rule_with_the_numbers_and_both_options(mesh_shape, world, tp, pp, numbers, other):
+    with pytest.raises(ValueError) as caught:
+        resolve_layout(mesh_shape, world_size=world, num_nodes=1, devices_per_node=world, tensor_parallel_size=tp, pipeline_parallel_size=pp)
+    message = str(caught.value)
+    assert "prod(mesh_shape) x tensor_parallel_size x pipeline_parallel_size == world size" in message
+    assert f"world size {world}" in message and numbers in message and other in message
+    assert "expert_parallel_size" in message and f"= {world // (tp * pp)}" in message
 
 
 def test_layouts_order_dims_and_carve_ep_out_of_shard():
@@ -97,3 +119,39 @@ def test_hugging_face_plans_are_found_and_prefixed():
     assert plan["model.model.layers.*.self_attn.q_proj"] == "colwise"
     assert plan["model.model.layers.*.mlp.down_proj"] == "rowwise"
     assert sorted(resolve_tp_plan(holder, plan))[0] == "model.model.layers.0.mlp.down_proj"
+
+
+def test_a_plan_on_gpt2_conv1d_says_conv1d_is_not_supported_and_what_to_do():
+    transformers = pytest.importorskip("transformers")
+    gpt2 = transformers.GPT2Model(transformers.GPT2Config(vocab_size=32, n_embd=16, n_layer=1, n_head=2, n_positions=8))
+    with pytest.raises(ValueError) as caught:
+        resolve_tp_plan(gpt2, {"h.*.attn.c_attn": "colwise"}, "HSDPStrategy(tp_plan=...)")
+    message = str(caught.value)
+    assert "'h.0.attn.c_attn' (Conv1D)" in message and "it is Hugging Face's Conv1D" in message
+    assert "ParallelStyles do not support" in message and "Leave it out of the plan" in message
+    assert "nn.Linear (weight = conv.weight.T)" in message and "Linear layers inside" not in message
+    with pytest.raises(ValueError, match=r"'h.0.attn' \(GPT2Attention\).*it holds \['h.0.attn.c_attn', 'h.0.attn.c_proj'\]"):
+        resolve_tp_plan(gpt2, {"h.*.attn": "rowwise"})
+    # A module with Linear layers inside is pointed at them, by name.
+    with pytest.raises(ValueError, match=r"Point the pattern at the layers inside it: \['blocks.0.fc'\]"):
+        resolve_tp_plan(Tiny(), {"blocks.0": "colwise"})
+
+
+def test_a_colwise_attention_split_its_module_cannot_run_is_refused_at_setup():
+    transformers = pytest.importorskip("transformers")
+    t5 = transformers.T5Model(transformers.T5Config(vocab_size=32, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=4))
+    attention = {"encoder.block.*.layer.0.SelfAttention.[qkv]": "colwise", "encoder.block.*.layer.0.SelfAttention.o": "rowwise"}
+    with pytest.raises(ValueError) as caught:
+        resolve_tp_plan(t5, attention, "HSDPStrategy(tp_plan=...)")
+    message = str(caught.value)
+    assert "'encoder.block.0.layer.0.SelfAttention' (T5Attention, n_heads=4)" in message
+    assert "forward computes with self.n_heads" in message and "split the MLPs only" in message
+    # The MLPs split fine; and a by-hand parallelize_module (which may fix n_heads itself) is not checked.
+    mlp = {"encoder.block.*.layer.1.DenseReluDense.wi": "colwise", "encoder.block.*.layer.1.DenseReluDense.wo": "rowwise"}
+    assert len(resolve_tp_plan(t5, mlp)) == 2
+    assert len(resolve_tp_plan(t5, attention, check_heads=False)) == 4
+    # Attention that infers its local head count (Llama: view(..., -1, head_dim)) passes with HF's own plan.
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2
+    ))
+    assert "model.layers.0.self_attn.q_proj" in resolve_tp_plan(llama, hf_tp_plan(llama))

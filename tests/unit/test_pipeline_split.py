@@ -140,3 +140,26 @@ def test_a_hugging_face_decoder_cut_fails_loudly_not_silently() -> None:
     assert removed == ["layers.1", "norm"] and model.rotary_emb is not None  # non-persistent tables stay everywhere
     with pytest.raises(TypeError, match="'NoneType' object is not callable"):
         model(torch.randint(0, 64, (1, 5)))
+
+
+def test_split_points_inside_a_block_are_refused_naming_the_block_and_the_cut_points() -> None:
+    model = PipelinedModule()
+    with pytest.raises(ValueError) as caught:
+        stage_units(model, ["net.blocks.2.fc1"])  # cut inside block 2: neither stage could run it
+    message = str(caught.value)
+    assert "pipeline_split_points=['net.blocks.2.fc1']" in message
+    assert "'net.blocks.2.fc1' lies inside the block 'net.blocks.2' (Block)" in message
+    assert "use ['net.blocks.2']" in message and "'net.blocks.3', 'net.head'" in message
+    with pytest.raises(ValueError, match=r"'net.blocks.3.norm' lies inside the block 'net.blocks.3'"):
+        stage_units(model, ["net.blocks.1", "net.blocks.3.norm"])
+
+
+def test_split_points_inside_a_hugging_face_no_split_module_are_refused() -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2
+    )
+    model = transformers.LlamaForCausalLM(config)
+    with pytest.raises(ValueError, match=r"'model.layers.1.mlp' lies inside the block 'model.layers.1' \(LlamaDecoderLayer\)"):
+        stage_units(model, ["model.layers.1.mlp"])
+    assert "model.layers.1" in stage_units(model, ["model.layers.1"])
