@@ -17,6 +17,7 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from hp_lightning._lightning_private import all_gather_ddp_if_available, init_dist_connection
 from hp_lightning.core import agreement, devices, watchdog
+from hp_lightning.fully_shard.divergence import divergence_check
 from hp_lightning.core.mesh import MeshLayout, ParallelMesh, build_parallel_mesh, resolve_layout
 
 
@@ -184,3 +185,27 @@ def agree_and_build_mesh(strategy: Any, precision: Optional[str], trainer: Any =
 def _local_ranks(strategy: Any) -> range:
     """Global ranks on this node: Lightning and torchrun place them in consecutive blocks."""
     return range(strategy.node_rank * strategy.num_processes, (strategy.node_rank + 1) * strategy.num_processes)
+
+
+def move_agreement_to_host_group(strategy: Any, step_agreement: agreement.StepAgreement) -> None:
+    """Give the strategy's step agreement its host-side gloo group, once (a collective the first time).
+
+    Called right after the mesh is built, on every rank: later setups (``fit`` then ``test``) reuse it.
+    """
+    if step_agreement.group is None:
+        step_agreement.group = agreement.host_group(strategy.options.timeout)
+
+
+def configure_divergence_check(model: Any, step_agreement: agreement.StepAgreement, mode: str) -> None:
+    """Point ``model``'s divergence check at the strategy's step agreement, on or off per ``divergence_check``."""
+    check = divergence_check(model)
+    if check is not None:
+        check.agreement = step_agreement
+        check.enabled = mode != "off"
+
+
+def forget_divergence_window(model: Any) -> None:
+    """A new run starts a new accumulation window: drop what an interrupted one recorded."""
+    check = divergence_check(model) if model is not None else None
+    if check is not None:
+        check.forget_window()

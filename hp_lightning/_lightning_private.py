@@ -41,6 +41,9 @@ _PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
     ("lightning.pytorch.trainer.connectors.signal_connector", "_SignalConnector._slurm_sigusr_handler_fn"),
     # whether the running batch is a non-final micro-batch (what Lightning itself decides)
     ("lightning.pytorch.loops.fit_loop", "_FitLoop._should_accumulate"),
+    # the per-batch SIGTERM flag broadcast (a world collective and a device read per micro-batch)
+    ("lightning.pytorch.loops.training_epoch_loop", "_TrainingEpochLoop._broadcast_sigterm_tensor"),
+    ("lightning.pytorch.loops.training_epoch_loop", "_TrainingEpochLoop.advance"),
 )
 
 
@@ -112,6 +115,21 @@ def before_resume(trainer: Any, check: Any) -> None:
 
     resume_start.__hp_lightning_original__ = original  # type: ignore[attr-defined]
     connector.resume_start = resume_start
+
+
+def replace_sigterm_broadcast(trainer: Any, replacement: Any) -> None:
+    """Call ``replacement()`` where this trainer's training epoch loop broadcasts its SIGTERM flag.
+
+    Before every training batch (``_TrainingEpochLoop.advance``), Lightning broadcasts from rank 0
+    whether its SIGTERM handler fired and reads the flag back (``.item()``): a collective over the
+    whole world and a host-device synchronization on every micro-batch. hp_lightning agrees on
+    preemption once per optimizer step instead, on a host group; this replaces the method on this
+    trainer's loop instance only (nothing global changes; calling it again replaces it again).
+    """
+    loop = trainer.fit_loop.epoch_loop
+    if not hasattr(type(loop), "_broadcast_sigterm_tensor"):  # the version check, at the call
+        _load("lightning.pytorch.loops.training_epoch_loop", "_TrainingEpochLoop._broadcast_sigterm_tensor")
+    loop._broadcast_sigterm_tensor = replacement
 
 
 def slurm_save_and_requeue(trainer: Any, signum: int) -> None:

@@ -23,6 +23,8 @@
 #   4. benchmark: a small transformer LM, bf16-mixed, median step time, tokens/s and peak memory
 #      for Lightning's single-device strategy, HSDP and HSDP with CPU offload (and Lightning's
 #      FSDPStrategy on CUDA).
+#   5. host-device synchronizations per optimizer step (torch.cuda.set_sync_debug_mode("warn")),
+#      each attributed to its Python caller: hp_lightning's must be 0.
 # Output: a PASS/FAIL line per step, the benchmark table, and $OUT_DIR (default runs/gpu_check).
 set -uo pipefail
 
@@ -342,6 +344,94 @@ if rows:
     for r in rows:
         print(f"{r['config']:<18}{r['device']:<9}{r['params_M']:>7}M{r['step_ms']:>10}{r['tokens_per_s']:>12}{r['peak_GiB']:>10}")
 EOF
+
+# ------------------------------------------------------------------ 5. host-device syncs per step
+# Self-contained: torch.cuda.set_sync_debug_mode("warn") from the third optimizer step on; each
+# warning's Python stack names who synchronized (the first frame outside torch). hp_lightning's
+# own count per optimizer step must be 0 (one rank: the step agreement has no peers here; its
+# host-side gloo path is pinned on CPU by tests/distributed/test_hot_path.py). Lightning's and
+# the optimizer's are reported, not judged. HP_CHECK_DEVICE=cpu rehearses it with
+# hp_lightning.core.diagnostics.HostReads (reads of tensor values into Python) instead.
+cat > "$WORK/syncs.py" <<'EOF'
+import json, sys, traceback, warnings
+from collections import Counter
+from pathlib import Path
+
+import torch
+from lightning.pytorch import Callback, Trainer, seed_everything
+
+import hp_lightning
+from hp_lightning.core.diagnostics import HostReads
+from tests.helpers import RegressionModule, loader, make_dataset
+
+DEVICE, OUT = sys.argv[1], Path(sys.argv[2])
+TORCH, PACKAGE = str(Path(torch.__file__).parent), str(Path(hp_lightning.__file__).parent)
+WARMUP, COUNTED, ACCUMULATE = 2, 4, 2
+sites: Counter = Counter()
+
+
+def who(stack) -> str:
+    """The first frame outside torch (and this handler) on the warning's stack."""
+    for frame in reversed(stack[:-2]):
+        if not frame.filename.startswith(TORCH) and not frame.filename.endswith("warnings.py"):
+            owner = "hp_lightning" if frame.filename.startswith(PACKAGE) else "other"
+            return f"{owner} {frame.filename.rpartition('site-packages/')[2]}:{frame.lineno}"
+    return "torch"
+
+
+def on_warning(message, category, filename, lineno, file=None, line=None):
+    if "synchroniz" in str(message).lower():
+        sites[who(traceback.extract_stack())] += 1
+
+
+class Window(Callback):
+    """Counts from the start of optimizer step WARMUP to the end of fit."""
+
+    def __init__(self):
+        self.reads, self.on = HostReads(), False
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if not self.on and trainer.global_step == WARMUP:
+            self.on = True
+            if DEVICE == "cuda":
+                torch.cuda.set_sync_debug_mode("warn")
+            else:
+                self.reads.__enter__()
+
+    def on_train_end(self, trainer, pl_module):
+        if self.on:
+            if DEVICE == "cuda":
+                torch.cuda.set_sync_debug_mode(0)
+            else:
+                self.reads.__exit__(None, None, None)
+                sites.update(f"hp_lightning {site} {kind}" for kind, site in self.reads.reads)
+
+
+seed_everything(0)
+window = Window()
+trainer = Trainer(
+    accelerator=DEVICE, devices=1, strategy="hsdp", max_steps=WARMUP + COUNTED, accumulate_grad_batches=ACCUMULATE,
+    callbacks=[window], limit_val_batches=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+    enable_model_summary=False,
+)
+with warnings.catch_warnings():
+    warnings.simplefilter("always")
+    warnings.showwarning = on_warning
+    trainer.fit(RegressionModule(), loader(make_dataset(), 8))
+ours = sum(n for site, n in sites.items() if site.startswith("hp_lightning"))
+result = {
+    "device": DEVICE,
+    "what": "CUDA synchronizations" if DEVICE == "cuda" else "reads of tensor values (CPU rehearsal)",
+    "optimizer_steps_counted": COUNTED,
+    "per_optimizer_step_hp_lightning": ours / COUNTED,
+    "per_optimizer_step_all": sum(sites.values()) / COUNTED,
+    "sites": dict(sites.most_common()),
+}
+(OUT / "syncs.json").write_text(json.dumps(result, indent=1))
+print(json.dumps(result, indent=1))
+sys.exit(0 if ours == 0 else 1)
+EOF
+step syncs_per_step 180 "$PYTHON" "$WORK/syncs.py" "$DEVICE" "$OUT_DIR"
 
 echo "---- $(( SECONDS - START )) s in all on $DEVICE"
 if (( ${#FAILED[@]} )); then

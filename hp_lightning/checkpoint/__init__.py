@@ -8,10 +8,14 @@
   on a sharded directory, in one plain CPU process.
 * :class:`ResumableLoader`: a training loader that continues its epoch on resume.
 * ``python -m hp_lightning.checkpoint consolidate | shard | verify``: offline conversion and checks.
+
+Every pickle a load reads is unpickled safely (torch's ``weights_only=True``) unless
+``weights_only=False`` is passed for a trusted file; :class:`UnsafeCheckpointError` names what was
+refused. No checkpoint entry may lead outside its directory (see ``docs/security.md``).
 """
 
 from hp_lightning.checkpoint.data import DATA_PARALLEL_KEY, ResumableLoader, loader_resume_warning
-from hp_lightning.checkpoint.layout import FORMAT_VERSION, CheckpointKind, CorruptCheckpointError, classify, recover
+from hp_lightning.checkpoint.layout import FORMAT_VERSION, CheckpointKind, CorruptCheckpointError, UnsafeCheckpointError, classify, recover
 from hp_lightning.checkpoint.load import LoadsShardedCheckpoints, load_checkpoint, load_from_checkpoint, load_weights, read_full_file
 from hp_lightning.checkpoint.save import AsyncSaves, is_sharded_checkpoint, remove_checkpoint, save_checkpoint
 from hp_lightning.core.state_dict import model_state_dict, optimizer_state_dict
@@ -24,6 +28,7 @@ __all__ = [
     "CorruptCheckpointError",
     "LoadsShardedCheckpoints",
     "ResumableLoader",
+    "UnsafeCheckpointError",
     "classify",
     "is_sharded_checkpoint",
     "load_checkpoint",

@@ -2,15 +2,17 @@
 
 Subcommands::
 
-    consolidate SRC_DIR OUT.ckpt [--weights-only] [--format torch|safetensors] [--overwrite]
+    consolidate SRC_DIR OUT.ckpt [--weights-only] [--format torch|safetensors] [--overwrite] [--trust-pickle]
         sharded directory (hp_lightning, Lightning ModelParallelStrategy or FSDPStrategy) -> one file
-    shard SRC.ckpt OUT_DIR [--overwrite]
+    shard SRC.ckpt OUT_DIR [--overwrite] [--trust-pickle]
         one file -> hp_lightning sharded directory (loads into any world size)
-
-An existing output is an error unless --overwrite is given, and even then only a checkpoint is
-replaced: the converter never deletes anything it did not write.
     verify PATH
         check sizes and checksums recorded at save; exit status 1 on any problem
+
+An existing output is an error unless --overwrite is given, and even then only a checkpoint is
+replaced: the converter never deletes anything it did not write. Sources are unpickled safely
+(torch's weights_only=True): a pickle that needs more is refused unless --trust-pickle says the
+source is trusted (it then runs whatever code the file carries).
 
 No process group and no accelerator are needed. Exit status: 0 done, 1 bad checkpoint or path,
 2 bad command line.
@@ -25,6 +27,7 @@ from pathlib import Path
 from typing import Optional
 
 PROG = "hp-lightning-checkpoint"
+TRUST_HELP = "unpickle SRC without safe loading (torch weights_only=False); runs code it carries: only for files you trust"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,11 +40,13 @@ def build_parser() -> argparse.ArgumentParser:
     merge.add_argument("--weights-only", action="store_true", help="model weights and hyper-parameters only (no optimizer or trainer state)")
     merge.add_argument("--format", dest="fmt", choices=("torch", "safetensors"), default="torch", help="output format (default: torch)")
     merge.add_argument("--overwrite", action="store_true", help="replace OUT if it is a checkpoint (never anything else)")
+    merge.add_argument("--trust-pickle", action="store_true", help=TRUST_HELP)
 
     split = commands.add_parser("shard", help="one checkpoint file -> sharded directory")
     split.add_argument("src", type=Path, metavar="SRC", help="single-file checkpoint (.ckpt)")
     split.add_argument("out", type=Path, metavar="OUT_DIR", help="output directory")
     split.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it is a checkpoint (never anything else)")
+    split.add_argument("--trust-pickle", action="store_true", help=TRUST_HELP)
 
     check = commands.add_parser("verify", help="check a checkpoint against the sizes and checksums recorded at save")
     check.add_argument("path", type=Path, metavar="PATH", help="checkpoint directory or file")
@@ -55,9 +60,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     try:
         if args.command == "consolidate":
-            summary = convert.consolidate(args.src, args.out, weights_only=args.weights_only, fmt=args.fmt, overwrite=args.overwrite)
+            summary = convert.consolidate(
+                args.src, args.out, weights_only=args.weights_only, fmt=args.fmt, overwrite=args.overwrite, trust_pickle=args.trust_pickle
+            )
         elif args.command == "shard":
-            summary = convert.shard(args.src, args.out, overwrite=args.overwrite)
+            summary = convert.shard(args.src, args.out, overwrite=args.overwrite, weights_only=False if args.trust_pickle else None)
         else:
             summary = convert.verify(args.path)
     except (OSError, ValueError, TypeError, KeyError) as exc:

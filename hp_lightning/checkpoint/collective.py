@@ -13,7 +13,7 @@ from typing import Any, Callable, Optional, TypeVar
 
 import torch.distributed as dist
 
-from hp_lightning.checkpoint.layout import CorruptCheckpointError
+from hp_lightning.checkpoint.layout import CorruptCheckpointError, UnsafeCheckpointError
 
 T = TypeVar("T")
 
@@ -29,6 +29,7 @@ def world_size() -> int:
 _ERROR_TYPES: dict[str, type[Exception]] = {
     "FileNotFoundError": FileNotFoundError,
     "CorruptCheckpointError": CorruptCheckpointError,
+    "UnsafeCheckpointError": UnsafeCheckpointError,
     "ValueError": ValueError,
     "TypeError": TypeError,
     "KeyError": KeyError,

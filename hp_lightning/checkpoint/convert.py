@@ -8,6 +8,9 @@
   which DCP splits across however many ranks later load it).
 
 Outputs are written like training saves: staged under a temporary name, renamed into place.
+Inputs are read like training loads: every pickle safely (torch's ``weights_only=True``) unless
+``trust_pickle=True`` / ``--trust-pickle`` says the source is trusted, and no entry may name a file
+outside the source directory.
 """
 
 from __future__ import annotations
@@ -18,10 +21,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from hp_lightning.core import devices
 from hp_lightning.checkpoint import layout
 from hp_lightning.checkpoint.layout import (
     FSDP_MODEL_KEY,
@@ -33,6 +34,7 @@ from hp_lightning.checkpoint.layout import (
     CorruptCheckpointError,
 )
 from hp_lightning.checkpoint.load import dcp_index, read_full_file
+from hp_lightning.checkpoint.unpickle import dcp_load, read_dcp_metadata, torch_load
 from hp_lightning.checkpoint.save import producer_record, save_checkpoint, write_file_atomically
 
 #: What a weights-only export keeps: enough for ``LightningModule.load_from_checkpoint``.
@@ -56,8 +58,12 @@ WHAT = "Will not write the output"
 def verify(path: Path) -> str:
     """Check a checkpoint against its integrity records; return a one-line summary.
 
+    Only DCP's index is unpickled (DCP's own types, nothing else); a manifest or index that names a
+    file outside the directory is refused.
+
     Raises:
         CorruptCheckpointError: a missing, truncated or altered file.
+        UnsafeCheckpointError: an entry naming a file outside the checkpoint directory.
         ValueError: not a checkpoint, or one written by a newer format version.
     """
     path = Path(path)
@@ -73,13 +79,14 @@ def verify(path: Path) -> str:
             check = "legacy torch.save format, which records no checksums"
         return f"OK: {path} (single file, {path.stat().st_size} bytes, {check})"
     if kind is CheckpointKind.LIGHTNING_SHARDED:
-        dcp_index(path)
+        dcp_index(path)  # its index, safely unpickled, names only files inside
         return f"OK: {path} is readable, but Lightning's sharded layout records no checksums to verify"
     manifest = layout.read_manifest(path)
     records = manifest["files"]
     problems = layout.verify_records(path, records, sorted(records))
     if problems:
         raise CorruptCheckpointError(layout.corruption_message(problems, path))
+    dcp_index(path)  # the index must name only files inside too (the manifest cannot vouch for that)
     total = sum(r["size"] for r in records.values())
     if all("sha256" in r for r in records.values()):
         return f"OK: {path} (sharded, {len(records)} files, {total} bytes match their recorded sizes and SHA-256)"
@@ -89,12 +96,19 @@ def verify(path: Path) -> str:
     )
 
 
-def read_sharded(path: Path, *, weights_only: bool = False, verify_files: bool = True) -> dict[str, Any]:
+def read_sharded(path: Path, *, weights_only: bool = False, verify_files: bool = True, trust_pickle: bool = False) -> dict[str, Any]:
     """A sharded directory as one Lightning checkpoint dict of whole CPU tensors (no process group).
+
+    Args:
+        weights_only: read the model state only (no optimizer state). Not torch's flag of that name.
+        verify_files: check the manifest's sizes and checksums first.
+        trust_pickle: unpickle ``meta.pt``, DCP's index and its non-tensor entries without safe
+            loading (torch's ``weights_only=False``), which runs code they carry: only for trusted files.
 
     Raises:
         ValueError: ``path`` is a single file, or not a checkpoint.
         CorruptCheckpointError: a file does not match its integrity record.
+        UnsafeCheckpointError: a pickle safe loading refuses, or an entry naming a file outside ``path``.
     """
     path = Path(path)
     kind = layout.classify(path)
@@ -102,13 +116,17 @@ def read_sharded(path: Path, *, weights_only: bool = False, verify_files: bool =
         raise ValueError(f"{str(path)!r} is already a single-file checkpoint; consolidate reads sharded directories.")
     if kind is CheckpointKind.HP_SHARDED and verify_files:
         verify(path)
-    roots = {k[0] for k in dcp_index(path)}
+    pickles = False if trust_pickle else None
+    layout.check_contained(path, [META_FILE], what="its trainer state")
+    checkpoint = torch_load(path / META_FILE, weights_only=pickles)  # before any tensor is read
+    if not isinstance(checkpoint, dict):
+        raise CorruptCheckpointError(f"{str(path / META_FILE)!r} does not hold a dict (got {type(checkpoint).__name__}); the checkpoint is damaged.")
+    roots = {k[0] for k in dcp_index(path, weights_only=pickles)}
     model_key = MODEL_KEY if MODEL_KEY in roots else FSDP_MODEL_KEY
     if model_key not in roots:
         raise ValueError(f"{str(path)!r} holds no model state (no {MODEL_KEY!r} or {FSDP_MODEL_KEY!r} entries; found {sorted(map(str, roots))}).")
     # Every entry is rebuilt whole from the index: no model needed, no process group.
-    state = read_dcp(path, {model_key} if weights_only else None)
-    checkpoint = torch.load(path / META_FILE, map_location=devices.cpu_device(), weights_only=False)
+    state = read_dcp(path, {model_key} if weights_only else None, trust_pickle=trust_pickle)
     checkpoint[MODEL_KEY] = state.pop(model_key)
     optimizers = sorted((k for k in state if str(k).startswith("optimizer_")), key=lambda k: int(str(k).split("_")[1]))
     if optimizers:
@@ -130,14 +148,16 @@ def _positions_back(optimizer_state: dict[str, Any]) -> dict[str, Any]:
     return optimizer_state
 
 
-def read_dcp(path: Path, roots: Optional[set[str]] = None) -> dict[str, Any]:
+def read_dcp(path: Path, roots: Optional[set[str]] = None, *, trust_pickle: bool = False) -> dict[str, Any]:
     """A DCP directory (or the entries under ``roots``) as nested whole CPU tensors, in this process.
 
     torch's public API only: the target is built from the directory's own metadata (each tensor
     allocated at its global shape and dtype, other values as placeholders), ``dcp.load`` fills it
     without a process group, and the flat keys are nested back along the metadata's recorded paths.
+    The index and the non-tensor entries are unpickled safely unless ``trust_pickle``.
     """
-    metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    pickles = False if trust_pickle else None
+    metadata = read_dcp_metadata(path, weights_only=pickles)
     routes = metadata.planner_data or {}
     flat: dict[str, Any] = {}
     for key, entry in metadata.state_dict_metadata.items():
@@ -147,7 +167,7 @@ def read_dcp(path: Path, roots: Optional[set[str]] = None) -> dict[str, Any]:
         flat[key] = torch.empty(entry.size, dtype=entry.properties.dtype) if isinstance(entry, TensorStorageMetadata) else None
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
-        dcp.load(flat, checkpoint_id=str(path), no_dist=True)
+        dcp_load(flat, path, weights_only=pickles, no_dist=True)
     nested: dict[Any, Any] = {}
     for key, value in flat.items():
         *parents, leaf = tuple(routes.get(key, (key,)))
@@ -189,7 +209,9 @@ def _safetensors_ready(weights: dict[str, Any]) -> tuple[dict[str, torch.Tensor]
     return tensors, skipped
 
 
-def consolidate(src: Path, out: Path, *, weights_only: bool = False, fmt: str = "torch", overwrite: bool = False) -> str:
+def consolidate(
+    src: Path, out: Path, *, weights_only: bool = False, fmt: str = "torch", overwrite: bool = False, trust_pickle: bool = False
+) -> str:
     """Write sharded checkpoint ``src`` as one file ``out``; return a one-line summary.
 
     Args:
@@ -197,9 +219,11 @@ def consolidate(src: Path, out: Path, *, weights_only: bool = False, fmt: str = 
             optimizer, scheduler, loop-internal and callback state (smaller; cannot resume training).
         fmt: ``"torch"`` (a Lightning ``.ckpt``) or ``"safetensors"`` (model tensors only).
         overwrite: replace ``out`` if it holds a checkpoint already (anything else is never replaced).
+        trust_pickle: unpickle the source without safe loading (only for a trusted source).
 
     Raises:
         FileExistsError: ``out`` exists and ``overwrite`` is False.
+        UnsafeCheckpointError: a pickle safe loading refuses, or an entry naming a file outside ``src``.
         ValueError: a bad format name, ``out`` equal to ``src``, ``out`` holding something that is
             not a checkpoint, or ``src`` not a sharded checkpoint.
     """
@@ -209,7 +233,7 @@ def consolidate(src: Path, out: Path, *, weights_only: bool = False, fmt: str = 
     if out.resolve() == src.resolve():
         raise ValueError(f"The output {str(out)!r} is the source checkpoint itself; choose another output path.")
     layout.refuse_foreign(out, overwrite=overwrite, what=WHAT)
-    checkpoint = read_sharded(src, weights_only=weights_only or fmt == "safetensors")
+    checkpoint = read_sharded(src, weights_only=weights_only or fmt == "safetensors", trust_pickle=trust_pickle)
     checkpoint[FULL_INFO_KEY] = {**producer_record(), "format": "full", "consolidated_from": str(src)}
     if fmt == "safetensors":
         from safetensors.torch import save_file
@@ -230,10 +254,13 @@ def shard(src: Path, out: Path, *, weights_only: Optional[bool] = None, overwrit
     """Write single-file checkpoint ``src`` as an hp_lightning sharded directory ``out``; return a summary.
 
     Args:
+        weights_only: torch's flag for reading ``src``: None (default) or True: safely; False:
+            unpickle anything, which runs code the file carries (only for a trusted source).
         overwrite: replace ``out`` if it holds a checkpoint already (anything else is never replaced).
 
     Raises:
         FileExistsError: ``out`` exists and ``overwrite`` is False.
+        UnsafeCheckpointError: a pickle safe loading refuses (the file, the type and the opt-in named).
         ValueError: ``src`` is not a single-file checkpoint, ``out`` is ``src``, or ``out`` holds
             something that is not a checkpoint.
         CorruptCheckpointError: ``src`` fails its CRC-32 check.

@@ -39,7 +39,7 @@ import sys
 import uuid
 import zipfile
 from collections.abc import Iterable, Mapping
-from pathlib import Path
+from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
 #: Version of the layout above. Loaders refuse newer versions instead of misreading them.
@@ -80,6 +80,14 @@ class CorruptCheckpointError(ValueError):
     """A checkpoint whose files do not match what was recorded when it was saved."""
 
 
+class UnsafeCheckpointError(ValueError):
+    """A checkpoint that loading would let run code (a pickle safe loading refuses) or read files outside it.
+
+    Raised before the refused object is built or the outside file is opened, naming the file or
+    entry; a pickle refusal also names the opt-in for trusted files (``weights_only=False``).
+    """
+
+
 # ---------------------------------------------------------------- recognizing a checkpoint
 
 
@@ -116,6 +124,7 @@ def classify(path: Path) -> CheckpointKind:
         return CheckpointKind.HP_SHARDED
     has_index = (path / DCP_METADATA_FILE).is_file()
     if has_index and (path / META_FILE).is_file():
+        check_contained(path, [DCP_METADATA_FILE, META_FILE], what="its layout")
         if _written_by_hp_lightning(path / META_FILE):
             raise ValueError(
                 f"{str(path)!r} was written by hp_lightning but its completion mark {MANIFEST_FILE!r} is "
@@ -145,9 +154,9 @@ def _written_by_hp_lightning(meta_file: Path) -> bool:
 
     from hp_lightning.core.devices import cpu_device
 
-    try:
-        meta = torch.load(meta_file, map_location=cpu_device(), weights_only=False, mmap=True)
-    except Exception:  # noqa: BLE001 - unreadable: the loader reports it with its own message
+    try:  # safe loading always: this is only a guess at the producer, the load itself decides what to trust
+        meta = torch.load(meta_file, map_location=cpu_device(), weights_only=True, mmap=True)
+    except Exception:  # noqa: BLE001 - unreadable or refused: the loader reports it with its own message
         return False
     return isinstance(meta, Mapping) and isinstance(meta.get(FULL_INFO_KEY), Mapping)
 
@@ -361,13 +370,54 @@ def read_manifest(root: Path) -> dict[str, Any]:
         CorruptCheckpointError: when it is not valid JSON or lacks its file records.
     """
     where = root / MANIFEST_FILE
+    check_contained(root, [MANIFEST_FILE], what="its manifest")
     try:
         manifest = json.loads(where.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CorruptCheckpointError(f"{str(where)!r} is damaged (not valid JSON: {exc}); restore the checkpoint from a good copy.") from None
     if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
         raise CorruptCheckpointError(f"{str(where)!r} is damaged: it has no 'files' table; restore the checkpoint from a good copy.")
+    check_contained(root, list(manifest["files"]), what=f"its manifest {str(where)!r}")
     return manifest
+
+
+def outside_reason(root: Path, name: Any) -> str | None:
+    """Why entry ``name`` of checkpoint directory ``root`` would lead outside it; None when it stays inside.
+
+    Two checks: the name itself (no absolute path, drive or ``..`` part, in POSIX or Windows
+    spelling: DCP and the manifest name files relative to the directory), then where it resolves
+    to (a symlink, of the file or of a folder on the way, that leads out of ``root``).
+    """
+    if not isinstance(name, str) or not name or "\x00" in name:
+        return "it is not a file name"
+    spelled = PureWindowsPath(name)  # parses both '/' and '\\' as separators
+    if spelled.anchor or PurePosixPath(name).is_absolute():
+        return "it is an absolute path"
+    if ".." in spelled.parts:
+        return "it climbs out with '..'"
+    base = root.resolve()
+    target = (root / name).resolve()
+    if target != base and base not in target.parents:
+        return f"it is a symlink (or lies under one) that leads to {str(target)!r}"
+    return None
+
+
+def check_contained(root: Path, names: Iterable[Any], *, what: str) -> None:
+    """Refuse a checkpoint whose ``names`` (read from ``what``) lead outside directory ``root``.
+
+    Raises:
+        UnsafeCheckpointError: naming each such entry and where it leads.
+    """
+    root = Path(root)
+    problems = [f"{name!r} ({reason})" for name in names if (reason := outside_reason(root, name))]
+    if problems:
+        listed = "; ".join(problems[:6]) + (f"; and {len(problems) - 6} more" if len(problems) > 6 else "")
+        raise UnsafeCheckpointError(
+            f"Checkpoint {str(root)!r}: {what} names files outside the checkpoint directory: {listed}. A checkpoint "
+            f"reads only its own files, so it is refused before any of them is opened. It was altered or built to "
+            f"read other files; restore it from a good copy (if you moved files out on purpose, copy them back in "
+            f"instead of linking them)."
+        )
 
 
 def data_files(root: Path) -> list[str]:

@@ -9,6 +9,9 @@ sharded checkpoint; rank 0 checks a single file), compare keys and shapes with t
 only then move tensors: DCP reads each rank's part of a sharded checkpoint (resharding to this
 mesh), or rank 0 reads a single file and broadcasts it tensor by tensor, so only rank 0 needs to
 see that file.
+
+Every pickle is read with torch's safe loading unless ``weights_only=False`` is passed (see
+:mod:`.unpickle`), and no entry of a checkpoint directory may name a file outside it.
 """
 
 from __future__ import annotations
@@ -19,7 +22,6 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
@@ -32,6 +34,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from hp_lightning.core import devices
 from hp_lightning.checkpoint import layout
+from hp_lightning.checkpoint.unpickle import dcp_load, read_dcp_metadata, torch_load
 from hp_lightning.checkpoint.collective import on_every_rank, on_rank0, rank, warn_rank0, world_size
 from hp_lightning.checkpoint.layout import (
     DCP_METADATA_FILE,
@@ -77,7 +80,12 @@ def load_checkpoint(
 
     Args:
         strict: missing or unexpected model keys are an error (else they are reported and skipped).
-        weights_only: passed to ``torch.load`` for the pickled parts (None: False, as Lightning).
+        weights_only: how the pickled parts (``meta.pt``, a full file, DCP's index and non-tensor
+            entries) are read. None (torch's and Lightning's default) or True: safely, rebuilding
+            only tensors, primitive containers and types registered with
+            ``torch.serialization.add_safe_globals``; anything else is refused with
+            :class:`UnsafeCheckpointError`. False: unpickle anything, which runs code the file
+            carries: only for files you trust.
         verify: check what the save recorded before reading: the sizes and the manifest (no
             read), and the SHA-256 of every file when it was saved with checksums (one extra read
             of every file, spread over the ranks); single files: their zip CRC-32s.
@@ -91,6 +99,9 @@ def load_checkpoint(
     Raises:
         FileNotFoundError: nothing at ``path``.
         CorruptCheckpointError: a missing, truncated or altered file (named in the message).
+        UnsafeCheckpointError: a pickle safe loading refuses (the file, the type and the opt-in are
+            named), or an entry naming a file outside the checkpoint directory; on every rank,
+            before any tensor is read.
         ValueError: not a checkpoint, a newer format, keys or shapes that do not fit the model.
     """
     path = Path(path)
@@ -168,10 +179,19 @@ def _verify_sharded(path: Path, manifest: Mapping[str, Any]) -> None:
         raise CorruptCheckpointError(layout.corruption_message(everything, path))
 
 
-def dcp_index(path: Path) -> dict[tuple[Any, ...], Shape]:
-    """Every entry DCP stored, as its nested path (``('state_dict', 'net.w')``) -> global shape."""
+def dcp_index(path: Path, *, weights_only: Optional[bool] = None) -> dict[tuple[Any, ...], Shape]:
+    """Every entry DCP stored, as its nested path (``('state_dict', 'net.w')``) -> global shape.
+
+    DCP's index is a pickle: it is read safely unless ``weights_only=False`` (see :mod:`.unpickle`).
+
+    Raises:
+        UnsafeCheckpointError: the index needs a type outside DCP's own, or names a file outside ``path``.
+        CorruptCheckpointError: the index is missing or damaged.
+    """
     try:
-        metadata = dcp.FileSystemReader(str(path)).read_metadata()
+        metadata = read_dcp_metadata(path, weights_only=weights_only)
+    except (layout.UnsafeCheckpointError, CorruptCheckpointError):
+        raise
     except Exception as exc:  # noqa: BLE001 - re-raised with the file named
         raise CorruptCheckpointError(
             f"{str(path / DCP_METADATA_FILE)!r} cannot be read ({type(exc).__name__}: {exc}); the checkpoint is damaged."
@@ -279,7 +299,14 @@ def _load_sharded(
     verify: bool,
     prefix: str = "",
     elsewhere: Collection[str] = (),
+    rest: bool = True,
 ) -> dict[str, Any]:
+    """Read a sharded directory into ``model`` and ``optimizers``; return ``meta.pt`` (empty without ``rest``).
+
+    Every pickle is read before any tensor moves: ``meta.pt`` (only with ``rest``: weights need
+    none of it) and DCP's index, each rank reading them itself, so a refusal is raised by every
+    rank alike through one agreement.
+    """
     source = repr(str(path))
 
     manifest = on_every_rank(lambda: layout.read_manifest(path)) if kind is CheckpointKind.HP_SHARDED else None
@@ -287,7 +314,8 @@ def _load_sharded(
         warn_rank0(f"{source} is in Lightning's sharded layout, which records no checksums; it is loaded unverified.")
     elif verify:
         _verify_sharded(path, manifest)  # before anything else in the directory is read
-    index = on_every_rank(lambda: dcp_index(path))
+    meta = on_every_rank(lambda: _read_meta(path, weights_only)) if rest else {}
+    index = on_every_rank(lambda: dcp_index(path, weights_only=weights_only))
 
     model_key, stored = _stored_model(index)
     stored = {k[len(prefix) :]: shape for k, shape in stored.items() if k.startswith(prefix) and k[len(prefix) :] not in elsewhere}
@@ -305,7 +333,7 @@ def _load_sharded(
         )
         request[f"optimizer_{i}"] = plans[-1][0]
 
-    dcp.load(request, checkpoint_id=str(path), planner=dcp.DefaultLoadPlanner(allow_partial_load=True), no_dist=not dist.is_initialized())
+    dcp_load(request, path, weights_only=weights_only, no_dist=not dist.is_initialized(), allow_partial_load=True)
     loaded_model = {k[len(prefix) :]: v for k, v in request[model_key].items()}
     set_model_state_dict(model, loaded_model, options=StateDictOptions(strict=False))
     for optimizer, (loaded, names, by_position, skipped) in zip(restoring, plans):
@@ -316,7 +344,7 @@ def _load_sharded(
         set_optimizer_state_dict(model, optimizer, named, options=StateDictOptions(strict=False))  # parameters without saved state start fresh (below)
         _forget_state(model, optimizer, skipped)
 
-    return on_every_rank(lambda: _read_meta(path, weights_only))
+    return meta
 
 
 def _optimizer_request(
@@ -362,7 +390,8 @@ def _forget_state(model: nn.Module, optimizer: Any, names: set[str]) -> None:
 
 
 def _read_meta(path: Path, weights_only: Optional[bool]) -> dict[str, Any]:
-    meta = _torch_load(path / META_FILE, weights_only=weights_only)
+    layout.check_contained(path, [META_FILE], what="its trainer state")
+    meta = torch_load(path / META_FILE, weights_only=weights_only)
     if not isinstance(meta, dict):
         raise CorruptCheckpointError(f"{str(path / META_FILE)!r} does not hold a dict (got {type(meta).__name__}); the checkpoint is damaged.")
     return meta
@@ -371,24 +400,19 @@ def _read_meta(path: Path, weights_only: Optional[bool]) -> dict[str, Any]:
 # ------------------------------------------------ full file
 
 
-def _torch_load(path: Path, *, weights_only: Optional[bool]) -> Any:
-    try:
-        try:
-            return torch.load(path, map_location=devices.cpu_device(), mmap=True, weights_only=bool(weights_only))
-        except RuntimeError as exc:
-            if "mmap" not in str(exc):
-                raise
-        return torch.load(path, map_location=devices.cpu_device(), weights_only=bool(weights_only))  # legacy (non-zip) format
-    except Exception as exc:  # noqa: BLE001 - unpickling damaged bytes can raise almost anything
-        raise ValueError(f"Could not read checkpoint {str(path)!r}: {type(exc).__name__}: {exc}") from None
-
-
 def read_full_file(path: Path, *, weights_only: Optional[bool] = None, verify: bool = True) -> dict[str, Any]:
     """Read a single-file checkpoint into a dict on this process (tensors memory-mapped, not copied).
 
     Bare state dicts and ``.safetensors`` files come back as ``{"state_dict": ...}``.
 
+    Args:
+        weights_only: None (default) or True: torch's safe loading, which refuses any type but
+            tensors, primitive containers and registered safe globals; False: unpickle anything,
+            which runs code the file carries: only for files you trust.
+        verify: check the zip CRC-32s first.
+
     Raises:
+        UnsafeCheckpointError: safe loading refused a type (the file, the type and the opt-in named).
         CorruptCheckpointError: a truncated or altered file (zip CRC-32 check).
         ValueError: not a checkpoint, or written by a newer format version.
     """
@@ -399,7 +423,7 @@ def read_full_file(path: Path, *, weights_only: Optional[bool] = None, verify: b
         return {MODEL_KEY: _read_safetensors(path)}
     if verify and (problem := layout.verify_zip(path)):
         raise CorruptCheckpointError(layout.corruption_message([problem], path))
-    checkpoint = _torch_load(path, weights_only=weights_only)
+    checkpoint = torch_load(path, weights_only=weights_only)
     if not isinstance(checkpoint, dict):
         raise ValueError(f"{str(path)!r} holds a {type(checkpoint).__name__}, not a checkpoint dict or a state dict.")
     if isinstance(checkpoint.get(FULL_INFO_KEY), Mapping):
@@ -538,7 +562,10 @@ def load_weights(module: nn.Module, path: Path, *, prefix: str = "", strict: boo
         prefix: use only the checkpoint's keys starting with it, with it stripped (``"net."`` loads
             a LightningModule checkpoint's ``net.*`` weights into ``self.net``).
         strict: missing or unexpected keys (among those with ``prefix``) are an error.
-        weights_only: passed to ``torch.load``.
+        weights_only: None (default) or True: safe loading, which never unpickles anything but
+            tensors and plain values (a ``.safetensors`` file holds no pickle at all, the format to
+            prefer for weights from elsewhere); False: unpickle anything, only for files you trust.
+            A sharded directory's ``meta.pt`` is not read at all.
 
     Raises:
         FileNotFoundError, CorruptCheckpointError, ValueError: as :func:`load_checkpoint`.
@@ -549,7 +576,7 @@ def load_weights(module: nn.Module, path: Path, *, prefix: str = "", strict: boo
     if kind is CheckpointKind.FULL_FILE:
         _load_full(path, module, [], strict=strict, weights_only=weights_only, verify=True, prefix=prefix)
     else:
-        _load_sharded(path, kind, module, [], strict=strict, weights_only=weights_only, verify=True, prefix=prefix)
+        _load_sharded(path, kind, module, [], strict=strict, weights_only=weights_only, verify=True, prefix=prefix, rest=False)
 
 
 # ---------------------------------------------------------------- the Lightning way, one CPU process
@@ -583,10 +610,14 @@ def load_from_checkpoint(cls: type, checkpoint_path: Any, **kwargs: Any) -> Any:
     Args:
         cls: the ``LightningModule`` subclass, e.g. ``MyModule``.
         checkpoint_path: a checkpoint file or a sharded checkpoint directory.
-        kwargs: passed to ``cls.load_from_checkpoint`` (``map_location``, ``strict``, hparam overrides).
+        kwargs: passed to ``cls.load_from_checkpoint`` (``map_location``, ``strict``, hparam
+            overrides, ``weights_only``). ``weights_only`` (None: safe, as Lightning) also decides
+            how a directory's pickles are read: only ``weights_only=False`` unpickles anything,
+            for checkpoints you trust.
 
     Raises:
         FileNotFoundError: nothing at ``checkpoint_path``.
+        UnsafeCheckpointError: a pickle safe loading refuses, or a file outside the directory.
         CorruptCheckpointError, ValueError: as :func:`hp_lightning.checkpoint.convert.read_sharded`.
     """
     import io
@@ -595,13 +626,13 @@ def load_from_checkpoint(cls: type, checkpoint_path: Any, **kwargs: Any) -> Any:
 
     if not isinstance(checkpoint_path, (str, Path)) or not Path(checkpoint_path).is_dir():
         return cls.load_from_checkpoint(checkpoint_path, **kwargs)
-    checkpoint = read_sharded(Path(checkpoint_path), weights_only=True)
+    trusted = kwargs.get("weights_only") is False
+    checkpoint = read_sharded(Path(checkpoint_path), weights_only=True, trust_pickle=trusted)
     buffer = io.BytesIO()
     torch.save(checkpoint, buffer)
     del checkpoint
     buffer.seek(0)
-    # Produced just now from the directory's own files (read like `consolidate` does).
-    kwargs.setdefault("weights_only", False)
+    # Read safely above unless trusted, so Lightning's own (safe by default) load of it succeeds.
     return cls.load_from_checkpoint(buffer, **kwargs)
 
 

@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 import torch.distributed as dist
 
+from hp_lightning.core import devices
+
 if TYPE_CHECKING:
     import lightning.pytorch as pl
     from torch import nn
@@ -199,3 +201,97 @@ def _short_list(items: Sequence[str], limit: int = 8) -> str:
         return f"{len(items)}: [{', '.join(items)}]"
     digest = hashlib.sha256(repr(list(items)).encode()).hexdigest()[:8]
     return f"{len(items)}: [{', '.join(items[:limit])}, ...] (digest {digest})"
+
+
+# ---------------------------------------------------------------------------- per optimizer step
+
+
+def host_group(timeout: Optional[Any] = None) -> Optional[dist.ProcessGroup]:
+    """A gloo group over the world, for control collectives on host tensors (None with one process).
+
+    A collective: every rank calls it, at the same point (the front ends do, at setup). Its own
+    group, even when the default one is gloo too: a control all-reduce then never queues behind
+    the gradient collectives of the default group, and with NCCL it never touches the device.
+
+    Args:
+        timeout: the group's collective timeout (None: torch's default).
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return None
+    backend = devices.default_backend(devices.CPU)
+    return dist.new_group(backend=backend, timeout=timeout) if timeout is not None else dist.new_group(backend=backend)
+
+
+class StepAgreement:
+    """The one control collective of an optimizer step: one small integer all-reduce on the host.
+
+    What the ranks must decide together during training (was any of them told to stop? will
+    every rank's coming backward reach the same parameters?) is folded into a single all-reduce
+    (MAX) of one int32 CPU tensor, ``[signal, flags...]``, over a host-side gloo group: reading the
+    result is a host read of a host tensor, never a host-device synchronization, so the CPU keeps
+    running ahead of the accelerator as in a raw FSDP2 loop. The divergence check
+    (:mod:`hp_lightning.fully_shard.divergence`) exchanges its flags through :meth:`exchange`
+    before the backward that issues gradient collectives; the preemption decision at the window's
+    end (:meth:`step_signal`) reuses the signal agreed there, and only communicates itself when no
+    exchange happened in the step (divergence check off, a manual step without backward).
+
+    Every rank must make the same calls in the same order (the front ends do).
+
+    Args:
+        group: a host-side group over every training rank (:func:`host_group`); None: the default
+            group, or no collective at all with one process.
+        device: where the exchanged tensor lives: the CPU (default) for a gloo group; the
+            accelerator only for a default group that cannot carry host tensors.
+    """
+
+    def __init__(self, group: Optional[dist.ProcessGroup] = None, device: Optional[torch.device] = None) -> None:
+        self.group = group
+        self.device = device if device is not None else devices.cpu_device()
+        #: This rank's preemption signal (0: none): the front end points it at its signal record.
+        self.local_signal: Any = lambda: 0
+        #: Collectives issued so far (for tests and reports).
+        self.exchanges = 0
+        self._agreed_signal: Optional[int] = None
+
+    @classmethod
+    def for_default_group(cls, device_type: str) -> StepAgreement:
+        """The fallback without a front end: the default group, on host tensors when its backend takes them."""
+        host_backend = devices.default_backend(devices.CPU)
+        backend = dist.get_backend() if dist.is_available() and dist.is_initialized() else host_backend
+        host = host_backend in str(backend)
+        return cls(None, devices.cpu_device() if host else torch.device(device_type))
+
+    def _peers(self) -> bool:
+        return dist.is_available() and dist.is_initialized() and dist.get_world_size(self.group) > 1
+
+    def exchange(self, flags: Sequence[int] = ()) -> list[int]:
+        """All-reduce (MAX) this rank's signal and ``flags``; return the reduced flags (a collective).
+
+        Also records the agreed signal for this step's :meth:`step_signal`.
+
+        Args:
+            flags: small non-negative integers, as many on every rank.
+        """
+        values = [int(self.local_signal()), *flags]
+        if self._peers():
+            tensor = torch.tensor(values, dtype=torch.int32, device=self.device)
+            dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
+            values = tensor.tolist()  # a host tensor on a gloo group: no device synchronization
+            self.exchanges += 1
+        self._agreed_signal = values[0]
+        return values[1:]
+
+    def step_signal(self) -> int:
+        """The largest signal any rank received, agreed for this optimizer step (0: none).
+
+        Takes the signal agreed by this step's :meth:`exchange`, or exchanges it now when there
+        was none (a collective then).
+        """
+        if self._agreed_signal is None:
+            self.exchange()
+        signal, self._agreed_signal = self._agreed_signal, None
+        return int(signal or 0)
+
+    def reset(self) -> None:
+        """Forget an agreed signal not taken yet (a new ``fit``)."""
+        self._agreed_signal = None

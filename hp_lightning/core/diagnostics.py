@@ -10,19 +10,34 @@ FSDP2 calls ``dist.all_gather_single`` / ``dist.reduce_scatter_single``; those, 
 inside another wrapped call is not counted twice. DTensor (tensor parallelism, gradient-norm
 reductions) communicates through torch's *functional* collectives instead, which never pass
 through those functions: a dispatch mode counts them at the op (``_c10d_functional.*``).
+
+Calls can be bucketed: :meth:`CollectiveCounter.mark` opens a bucket (say, one per micro-batch,
+from a callback's ``on_train_batch_start``) and every call until the next mark belongs to it,
+the loop's own calls between batches included.
+
+:class:`HostReads` counts the other hidden cost of a training step: each read of a tensor's
+value into Python (``.item()``, ``.tolist()``, ``.cpu()``, ``.numpy()``, ``bool(t)``, ...),
+which on an accelerator is a host-device synchronization, attributed to the line of a chosen
+package (hp_lightning by default) that caused it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import sys
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
+
+from torch.overrides import TorchFunctionMode
 
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as _c10d
+from hp_lightning.core import devices
 from hp_lightning.core._torch_private import TorchDispatchMode, resolve_process_group
 
 #: Wrapped function name -> the kind it is counted as.
@@ -64,6 +79,13 @@ class CollectiveCall:
     ranks: tuple[int, ...]
     bytes: int
     dtype: torch.dtype | None = None
+    #: The label of the :meth:`CollectiveCounter.mark` in effect when it was issued (None: before any).
+    bucket: Any = None
+
+    @property
+    def floating(self) -> bool:
+        """Whether it carries floating-point data (parameters, gradients) rather than flags or counts."""
+        return self.dtype is not None and self.dtype.is_floating_point
 
 
 @dataclass
@@ -83,6 +105,8 @@ class CollectiveCounter:
     paused: bool = False
     #: Called with each recorded call, in issue order (e.g. to interleave with compute events).
     listeners: list[Callable[[CollectiveCall], None]] = field(default_factory=list)
+    #: The label calls are recorded under (set by :meth:`mark`).
+    bucket: Any = None
 
     def __enter__(self) -> CollectiveCounter:
         for name in WRAPPED:
@@ -112,6 +136,8 @@ class CollectiveCounter:
     def _record(self, call: CollectiveCall) -> None:
         if self.paused or getattr(self._local, "depth", 0):
             return
+        if self.bucket is not None:
+            call = dataclasses.replace(call, bucket=self.bucket)
         self.calls.append(call)
         for listener in self.listeners:
             listener(call)
@@ -141,6 +167,17 @@ class CollectiveCounter:
 
     def reset(self) -> None:
         self.calls.clear()
+
+    def mark(self, label: Any) -> None:
+        """Record the calls from now on under ``label`` (until the next mark)."""
+        self.bucket = label
+
+    def buckets(self) -> dict[Any, list[CollectiveCall]]:
+        """The recorded calls per :meth:`mark` label, in the order the labels were first used."""
+        out: dict[Any, list[CollectiveCall]] = {}
+        for call in self.calls:
+            out.setdefault(call.bucket, []).append(call)
+        return out
 
     def count(self, kind: str | None = None, ranks: tuple[int, ...] | None = None) -> int:
         return sum(1 for c in self.calls if (kind is None or c.kind == kind) and (ranks is None or c.ranks == ranks))
@@ -206,3 +243,88 @@ def _largest_tensor(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tens
     flat += [t for a in flat if isinstance(a, (list, tuple)) for t in a]
     tensors = [a for a in flat if isinstance(a, torch.Tensor)]
     return max(tensors, key=lambda t: t.numel() * t.element_size(), default=None)
+
+
+#: ``torch.Tensor`` methods that read a tensor's value into Python (on an accelerator: a sync).
+HOST_READS: dict[Any, str] = {
+    torch.Tensor.item: "item",
+    torch.Tensor.tolist: "tolist",
+    torch.Tensor.numpy: "numpy",
+    torch.Tensor.cpu: devices.CPU,
+    torch.Tensor.__bool__: "bool",
+    torch.Tensor.__int__: "int",
+    torch.Tensor.__float__: "float",
+    torch.Tensor.__index__: "index",
+}
+
+_PACKAGE = str(Path(__file__).resolve().parents[1])
+#: torch's folder as imported and as resolved (a virtual environment reached through a symlink
+#: names its files by the link).
+_TORCH = tuple({str(Path(torch.__file__).parent), str(Path(torch.__file__).resolve().parent)})
+
+
+@dataclass
+class HostReads(TorchFunctionMode):
+    """Context manager counting reads of tensor values into Python made from one package's code.
+
+    Each read (:data:`HOST_READS`, and ``.to("cpu")``) is attributed to the first frame outside
+    torch that led to it (a read inside a torch function called from hp_lightning counts for
+    hp_lightning's line); reads whose caller is elsewhere (Lightning, the user, an optimizer
+    Lightning steps) are not recorded. On CPU these
+    reads cost nothing, but the same lines on an accelerator each wait for the device: this is
+    the way to find them without one. Only the calling thread is observed.
+
+    Example::
+
+        with HostReads() as reads:
+            trainer.fit(model)
+        reads.by_site()  # {"hp_lightning/core/agreement.py:123 tolist": 4, ...}
+
+    Args:
+        package: the folder whose code is counted (default: hp_lightning's).
+    """
+
+    package: str = _PACKAGE
+    #: (kind, "path/relative/to/package/parent:line") per read, in order.
+    reads: list[tuple[str, str]] = field(default_factory=list)
+    paused: bool = False
+
+    def __post_init__(self) -> None:
+        super().__init__()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 - torch protocol
+        kwargs = kwargs or {}
+        kind = HOST_READS.get(func)
+        if kind is None and func is torch.Tensor.to and _to_host(args, kwargs):
+            kind = "to(cpu)"
+        if kind is not None and not self.paused:
+            site = self._site()
+            if site is not None:
+                self.reads.append((kind, site))
+        return func(*args, **kwargs)
+
+    def _site(self) -> str | None:
+        # The first frame outside torch made the read: count it when it is the package's (a read
+        # inside torch.optim called by Lightning is Lightning's, not hp_lightning's).
+        frame = sys._getframe(2)
+        while frame is not None and frame.f_code.co_filename.startswith(_TORCH):
+            frame = frame.f_back
+        if frame is None or not frame.f_code.co_filename.startswith(self.package):
+            return None
+        return f"{Path(frame.f_code.co_filename).relative_to(Path(self.package).parent)}:{frame.f_lineno}"
+
+    def count(self) -> int:
+        return len(self.reads)
+
+    def by_site(self) -> Counter[str]:
+        """``"file:line kind"`` -> how many reads it made."""
+        return Counter(f"{site} {kind}" for kind, site in self.reads)
+
+    def reset(self) -> None:
+        self.reads.clear()
+
+
+def _to_host(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether a ``Tensor.to(...)`` call targets the CPU."""
+    targets = [*args[1:], kwargs.get("device")]
+    return any((isinstance(t, str) and t.startswith(devices.CPU)) or (isinstance(t, torch.device) and t.type == devices.CPU) for t in targets)

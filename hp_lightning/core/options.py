@@ -28,6 +28,8 @@ from hp_lightning.parallel.tensor import validate_tp_plan
 from hp_lightning.fully_shard import REDUCE_OPS, CPUOffloadPolicy, OffloadPolicy, build_mp_policy, parse_dtype, validate_scaling_factor
 
 STATE_DICT_TYPES = ("sharded", "full")
+#: ``divergence_check``: compare what each rank's backward reaches before gradient collectives, or not.
+DIVERGENCE_CHECKS = ("per_step", "off")
 #: torch.distributed's default collective timeout (30 minutes).
 DEFAULT_TIMEOUT = timedelta(minutes=30)
 
@@ -42,6 +44,13 @@ def _check_choice(value: Any, name: str, choices: Sequence[str]) -> str:
     if not isinstance(value, str) or value.lower() not in choices:
         raise ValueError(f"HSDPStrategy({name}=...) expects one of {list(choices)}; got {value!r}.")
     return value.lower()
+
+
+def _check_divergence_check(value: Any) -> str:
+    """``"per_step"`` or ``"off"``; YAML reads a bare ``off`` as False (and ``on`` as True), so the booleans mean the same."""
+    if isinstance(value, bool):
+        return "per_step" if value else "off"
+    return _check_choice(value, "divergence_check", DIVERGENCE_CHECKS)
 
 
 def _check_microbatches(value: Any, stages: int) -> int:
@@ -142,6 +151,7 @@ class HSDPOptions:
     heartbeat_timeout: float = 120.0
     failure_exit_grace: float = 30.0
     save_on_preemption: bool = False
+    divergence_check: Union[str, bool] = "per_step"
     meta_init: bool = True
     resumable_dataloaders: bool = False
     checkpoint_checksums: bool = False
@@ -183,6 +193,7 @@ class HSDPOptions:
             "heartbeat_timeout": check_seconds(self.heartbeat_timeout, "heartbeat_timeout", "HSDPStrategy"),
             "failure_exit_grace": check_seconds(self.failure_exit_grace, "failure_exit_grace", "HSDPStrategy"),
             "save_on_preemption": _check_bool(self.save_on_preemption, "save_on_preemption"),
+            "divergence_check": _check_divergence_check(self.divergence_check),
             "meta_init": _check_bool(self.meta_init, "meta_init"),
             "resumable_dataloaders": _check_bool(self.resumable_dataloaders, "resumable_dataloaders"),
             "checkpoint_checksums": _check_bool(self.checkpoint_checksums, "checkpoint_checksums"),

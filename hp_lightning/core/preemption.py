@@ -3,10 +3,13 @@
 A signal handler runs on the main thread between two bytecodes, wherever that thread is. Any
 collective started from it (Lightning's own SIGTERM handler broadcasts a flag) pairs with
 whatever the other ranks happen to be doing, and the job hangs. So here the handler only
-records the signal. The ranks agree at a point they all reach in step (after a training batch):
-one all-reduce of a single number, the largest signal seen on any rank. A signal that reached
-one rank only (torchrun forwarding to one worker, a SIGTERM to the launcher alone) so stops
-every rank at the same batch, where a checkpoint can be saved collectively before leaving.
+records the signal. The ranks agree at a point they all reach in step, once per optimizer step:
+the signal rides in the step's one control collective
+(:class:`~hp_lightning.core.agreement.StepAgreement`: an all-reduce, MAX, of a small int32 host
+tensor on a gloo group, shared with the divergence check), so it costs no collective of its own
+and no host-device synchronization. A signal that reached one rank only (torchrun forwarding to
+one worker, a SIGTERM to the launcher alone) so stops every rank at the same batch, where a
+checkpoint can be saved collectively before leaving.
 """
 
 from __future__ import annotations
@@ -16,8 +19,6 @@ import threading
 from types import FrameType
 from typing import Any, Callable, Optional
 
-import torch
-import torch.distributed as dist
 
 #: Exit status of a preempted rank: 128 + SIGTERM, what a shell reports for a process it terminated.
 PREEMPTED_EXIT_CODE = 128 + signal.SIGTERM
@@ -37,7 +38,7 @@ class Preempted(SystemExit):
 
 
 class PreemptionWatch:
-    """Records preemption signals without acting on them; :meth:`agreed` is the collective decision.
+    """Records preemption signals without acting on them; the step's agreement reads :attr:`received`.
 
     Args:
         signals: the signals that mean "the job must stop" (SIGTERM; a scheduler's warning signal).
@@ -81,11 +82,3 @@ class PreemptionWatch:
             if getattr(signal.getsignal(signum), "__hp_lightning_watch__", None) is self and previous is not None:
                 signal.signal(signum, previous)
         self._previous.clear()
-
-    def agreed(self, device: torch.device) -> int:
-        """The largest signal any rank received (0: none). A collective: every rank calls it at the same point."""
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
-            return self.received
-        flag = torch.tensor([self.received], dtype=torch.int32, device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return int(flag.item())

@@ -66,10 +66,23 @@ def _first_line(text: str, limit: int = 300) -> str:
 
 
 def is_communication_error(exc: BaseException) -> bool:
-    """Whether ``exc`` looks like a lost peer (a gloo/NCCL/store error) rather than a cause of its own."""
-    if isinstance(exc, dist.DistError):
-        return True
-    return isinstance(exc, RuntimeError) and any(marker in str(exc) for marker in _COMMUNICATION_MARKERS)
+    """Whether ``exc`` looks like a lost peer (a gloo/NCCL/store error) rather than a cause of its own.
+
+    Errors raised *from* one (``raise ... from e``) count too: torch's pipeline stages wrap a lost
+    peer's gloo error in ``RuntimeError("[Stage 0] failed to run forward ...")``. Only explicit
+    causes are followed, not an error raised while another was being handled, which may be a
+    cause of its own.
+    """
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, dist.DistError):
+            return True
+        if isinstance(current, RuntimeError) and any(marker in str(current) for marker in _COMMUNICATION_MARKERS):
+            return True
+        current = current.__cause__
+    return False
 
 
 class _Wire:

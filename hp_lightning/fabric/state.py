@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
@@ -35,7 +34,8 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from hp_lightning import checkpoint as checkpoint_io
 from hp_lightning.checkpoint.layout import FULL_INFO_KEY, META_FILE, MODEL_KEY, OPTIMIZER_KEY
-from hp_lightning.core import devices
+from hp_lightning.checkpoint import layout
+from hp_lightning.checkpoint.unpickle import torch_load
 
 #: Where a Fabric-written checkpoint records the ``state`` keys of its model, optimizers and schedulers.
 RECORD_KEY = "hp_lightning_fabric"
@@ -147,7 +147,8 @@ def read_record(path: Path, weights_only: Optional[bool]) -> Optional[dict[str, 
     """
     try:
         if path.is_dir():
-            meta = torch.load(path / META_FILE, map_location=devices.cpu_device(), weights_only=bool(weights_only))
+            layout.check_contained(path, [META_FILE], what="its trainer state")
+            meta = torch_load(path / META_FILE, weights_only=weights_only)  # safe unless weights_only=False
         else:
             meta = checkpoint_io.read_full_file(path, weights_only=weights_only, verify=False)
     except Exception:  # noqa: BLE001 - the load that follows raises the right error

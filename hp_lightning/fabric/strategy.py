@@ -43,7 +43,7 @@ from hp_lightning._lightning_private import (
     sync_ddp_if_available,
 )
 from hp_lightning.checkpoint.collective import on_rank0
-from hp_lightning.core import devices, watchdog
+from hp_lightning.core import agreement, devices, watchdog
 from hp_lightning.core.accumulation import check_mode, no_gradient_sync
 from hp_lightning.core.gradients import clip_grad_norm_, clip_grad_value_
 from hp_lightning.core.introspection import ShardingSummary, summarize, units_in_order
@@ -55,7 +55,7 @@ from hp_lightning.core.prepare import prepare_model, prepared
 from hp_lightning.fabric import state as fabric_state
 from hp_lightning.fabric.precision import HSDPPrecision, precision_from_fabric
 from hp_lightning.fully_shard import HSDPModule
-from hp_lightning.fully_shard.divergence import check_before_backward
+from hp_lightning.fully_shard.divergence import check_before_backward, gradients_stay_local
 
 if TYPE_CHECKING:
     from torch.optim.lr_scheduler import LRScheduler
@@ -125,6 +125,12 @@ class HSDPStrategy(frontend.MeshAccess, ParallelStrategy):
         save_on_preemption: the Trainer's option (save ``last.ckpt`` on SIGTERM); accepted so
             both front ends read the same configuration, but only ``False`` is valid here: a
             Fabric loop has no ModelCheckpoint to save to.
+        divergence_check: ``"per_step"`` (default): ``fabric.backward(loss)`` first compares
+            across ranks which units and parameters the backward reaches (before each backward
+            that issues gradient collectives; inside ``fabric.no_backward_sync`` under
+            ``accumulation_mode="skip"`` it only records, locally), in one small all-reduce on a
+            host-side gloo group (see :mod:`hp_lightning.fully_shard.divergence`). ``"off"`` (or
+            False, as YAML reads a bare ``off``): no comparison and no collective.
         meta_init: build under ``fabric.init_module()`` on the meta device, recording
             construction, and initialize after sharding (see :meth:`module_init_context`). False
             builds real tensors: every rank holds the whole model until it is sharded.
@@ -184,6 +190,7 @@ class HSDPStrategy(frontend.MeshAccess, ParallelStrategy):
         heartbeat_timeout: float = 120.0,
         failure_exit_grace: float = 30.0,
         save_on_preemption: bool = False,
+        divergence_check: Union[Literal["per_step", "off"], bool] = "per_step",
         train_timeout: Optional[Union[float, timedelta]] = None,
         meta_init: bool = True,
         resumable_dataloaders: bool = False,
@@ -224,6 +231,7 @@ class HSDPStrategy(frontend.MeshAccess, ParallelStrategy):
             heartbeat_timeout=heartbeat_timeout,
             failure_exit_grace=failure_exit_grace,
             save_on_preemption=save_on_preemption,
+            divergence_check=divergence_check,
             train_timeout=train_timeout,
             meta_init=meta_init,
             resumable_dataloaders=resumable_dataloaders,
@@ -266,6 +274,8 @@ class HSDPStrategy(frontend.MeshAccess, ParallelStrategy):
         self._replaced: dict[int, weakref.ref] = {}
         self._watchdog: Optional[watchdog.FaultWatchdog] = None
         self._train_timeout_set = False
+        # The divergence check's collective: on a host-side gloo group from setup_environment on.
+        self._agreement = agreement.StepAgreement()
 
     # ------------------------------------------------------------------ properties
 
@@ -357,6 +367,7 @@ class HSDPStrategy(frontend.MeshAccess, ParallelStrategy):
             atexit.unregister(self._leave_at_exit)  # once per strategy, however often Fabric launches
             atexit.register(self._leave_at_exit)
         self._mesh = frontend.agree_and_build_mesh(self, self.precision.precision)
+        frontend.move_agreement_to_host_group(self, self._agreement)
         self.precision.device_type = self.root_device.type
 
     def _set_world_ranks(self) -> None:
@@ -414,6 +425,7 @@ class HSDPStrategy(frontend.MeshAccess, ParallelStrategy):
             )
         before = list(module.parameters())
         prepare_model(module, self.parallel_mesh, self.sharding_plan(), init_device=self._init_device(), device=self.root_device)
+        frontend.configure_divergence_check(module, self._agreement, self.options.divergence_check)
         self.scope_metrics_to_data_parallel(module)
         current = {id(p) for p in module.parameters()}
         for param in before:
@@ -534,8 +546,10 @@ class HSDPStrategy(frontend.MeshAccess, ParallelStrategy):
 
         Ranks whose backward would reach different parameters (rank-dependent control flow)
         would issue different gradient collectives and hang or mix gradients; they raise together
-        instead, naming the parameters (:mod:`hp_lightning.fully_shard.divergence`; one small
-        all-reduce per backward). Call ``fabric.backward(loss)``, not ``loss.backward()``.
+        instead, naming the parameters (:mod:`hp_lightning.fully_shard.divergence`: one small
+        all-reduce on a host-side group per backward that issues gradient collectives; inside
+        ``fabric.no_backward_sync`` under ``"skip"`` only a local record). Call
+        ``fabric.backward(loss)``, not ``loss.backward()``.
 
         Raises:
             RankDivergenceError: on every rank, when some rank's backward reaches other parameters.
@@ -771,7 +785,12 @@ class _NoGradientSync(BackwardSyncControl):
                 f"fabric.no_backward_sync(model) needs the model set up with HSDPStrategy; got a {type(module).__name__} "
                 f"that is not sharded. Call model = fabric.setup(model, ...) first."
             )
-        return no_gradient_sync(module, self._strategy.accumulation_mode)
+        mode = self._strategy.accumulation_mode
+        stack = ExitStack()
+        stack.enter_context(no_gradient_sync(module, mode))
+        # Under "skip" these backward passes communicate nothing: the divergence check only records.
+        stack.enter_context(gradients_stay_local(module, mode == "skip"))
+        return stack
 
 
 def _rebind_optimizer(

@@ -8,24 +8,37 @@ expected size`` (naming nothing the user wrote), NCCL hangs until the timeout, a
 equal size silently mix gradients of different parameters.
 
 :class:`DivergenceCheck` looks at the autograd graph *before* backward starts, from the loss:
-which parameters of each unit, and which replicate parameters, it reaches. One small all-reduce
-compares that with every other rank; if any rank differs, every rank raises
-:class:`RankDivergenceError` (same message everywhere, within the step), naming the unit and
-parameters, the ranks on each side and the likely cause. Nothing else changes in the step.
+which parameters of each unit, and which replicate parameters, it reaches. Ranks compare that
+only where a mismatch could do harm, before a backward that issues gradient collectives:
 
-Cost when nothing diverges (measured in ``docs/models.md``): a walk over the autograd graph
-(Python, linear in its nodes) and one all-reduce of two integers per checked parameter, once
-per backward. Only when ranks differ are the per-rank masks gathered, to name them.
+* a non-final micro-batch under ``accumulation_mode="skip"`` communicates nothing, so it cannot
+  mismatch: its reached set is OR-ed into a local record of the window (no collective);
+* the backward that communicates (the window's last one in ``"skip"``; every one in ``"every"``
+  and ``"defer_all_reduce"``) compares the window's record with every other rank, in the step's
+  one control collective (:class:`~hp_lightning.core.agreement.StepAgreement`: an all-reduce of
+  small integers on a host-side gloo group, shared with the preemption decision; no host-device
+  synchronization).
+
+If any rank differs, every rank raises :class:`RankDivergenceError` (same message everywhere,
+within the step), naming the unit and parameters, the ranks on each side and the likely cause.
+Nothing else changes in the step.
+
+Cost when nothing diverges (measured in ``docs/benchmarks.md``): a walk over the autograd graph
+per backward (Python, linear in its nodes) and two integers per checked parameter in the
+step's control all-reduce (which runs anyway for preemption). Only when ranks differ are the
+per-rank records gathered, to name them. ``HSDPStrategy(divergence_check="off")`` drops it.
 
 Where it hooks: on a Lightning root, ``training_step`` (its returned loss) and
-``manual_backward``; any front end may call :func:`check_before_backward` itself.
+``manual_backward``; any front end may call :func:`check_before_backward` itself, and enters
+:func:`gradients_stay_local` around the backward passes that issue no gradient collective.
 """
 
 from __future__ import annotations
 
 import functools
 import weakref
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import contextmanager
+from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,7 +48,16 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-__all__ = ["DivergenceCheck", "RankDivergenceError", "check_before_backward", "divergence_check", "install"]
+from hp_lightning.core.agreement import StepAgreement
+
+__all__ = [
+    "DivergenceCheck",
+    "RankDivergenceError",
+    "check_before_backward",
+    "divergence_check",
+    "gradients_stay_local",
+    "install",
+]
 
 _ATTR = "_hp_divergence_check"
 #: Root methods whose loss is checked before Lightning runs backward on it.
@@ -106,8 +128,10 @@ class DivergenceCheck:
         root: the sharded root module.
         units: its sharding units (the root excluded or included).
         replicated: qualified names of replicate parameters.
-        device_type: the mesh's device type (where the all-reduce's tensor lives).
-        group: the process group spanning every rank that trains this model (None: the world).
+        device_type: the mesh's device type (used only by the fallback agreement on a default
+            group that cannot carry host tensors).
+        agreement: the step's control collective (the front end's, on a host-side group); None:
+            one on the default group, made on first use. A front end sets :attr:`agreement`.
     """
 
     def __init__(
@@ -116,12 +140,15 @@ class DivergenceCheck:
         units: Sequence[nn.Module],
         replicated: Iterable[str],
         device_type: str,
-        group: dist.ProcessGroup | None = None,
+        agreement: StepAgreement | None = None,
     ) -> None:
         self.slots = _unit_slots(root, [u for u in units if u is not root], replicated)
         self.device_type = device_type
-        self.group = group
+        self.agreement = agreement
         self.enabled = True
+        #: True while the coming backward passes issue no gradient collective (:func:`gradients_stay_local`).
+        self.local_only = False
+        self._window: list[int] | None = None  # OR of what this window's uncompared backward passes reach
         self._forward_params: dict[int, int] = {}  # id(parameter object seen in a unit's forward) -> slot index
         self._checked: Callable[[], Any] = lambda: None  # weak: the last loss checked (compared once)
         self._hooks = [
@@ -141,9 +168,10 @@ class DivergenceCheck:
                 if param is not None:
                     self._forward_params[id(param)] = i
 
-    def _local_mask(self, outputs: Sequence[torch.Tensor]) -> torch.Tensor:
+    def _local_mask(self, outputs: Sequence[torch.Tensor]) -> list[int]:
+        """Per slot, 1 when the backward from ``outputs`` reaches it (plain Python: nothing read from a tensor)."""
         leaves = _reached_leaves(outputs)
-        mask = torch.zeros(len(self.slots), dtype=torch.uint8)
+        mask = [0] * len(self.slots)
         for leaf in leaves:
             i = self._forward_params.get(leaf)
             if i is not None:
@@ -157,7 +185,10 @@ class DivergenceCheck:
     def check(self, loss: Any, *, skipped_counts: bool = False) -> None:
         """Raise :class:`RankDivergenceError` on every rank if the coming backward differs across ranks.
 
-        A collective: every rank must call it once per backward (the front ends do).
+        Under :func:`gradients_stay_local` it only records what the backward reaches (no
+        collective); otherwise it compares that record (the window's OR) across ranks in the
+        step's control collective: every rank must call it at the same backward passes (the front
+        ends do).
 
         Args:
             loss: the loss (a tensor, or a mapping with ``"loss"``), or None.
@@ -177,17 +208,28 @@ class DivergenceCheck:
             self._checked = weakref.ref(outputs[0])
         mask = self._local_mask(outputs)
         self._forward_params.clear()
-        # One all-reduce (MAX) of [reached, not reached] per slot: a slot that some rank reaches
-        # and some rank does not has both set. Only then are the masks gathered, for the message.
-        both = torch.cat([mask, 1 - mask]).to(torch.int32).to(self.device_type)
-        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
-        both = both.cpu()
-        n = len(self.slots)
-        if not bool((both[:n] & both[n:]).any()):
+        if self._window is not None:
+            mask = [a | b for a, b in zip(self._window, mask)]
+        if self.local_only:  # this backward issues no gradient collective: nothing can mismatch yet
+            self._window = mask
             return
-        masks: list[Any] = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(masks, mask.tolist(), group=self.group)
+        self._window = None
+        if self.agreement is None:
+            self.agreement = StepAgreement.for_default_group(self.device_type)
+        # MAX of [reached, not reached] per slot: a slot that some rank reaches and some rank does
+        # not has both set. Only then are the records gathered, for the message.
+        n = len(self.slots)
+        both = self.agreement.exchange([*mask, *(1 - m for m in mask)])
+        if not any(both[i] and both[n + i] for i in range(n)):
+            return
+        group = self.agreement.group
+        masks: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(masks, mask, group=group)
         raise RankDivergenceError(self._message(torch.tensor(masks, dtype=torch.uint8)))
+
+    def forget_window(self) -> None:
+        """Drop the record of uncompared backward passes (a window abandoned: a new ``fit``)."""
+        self._window = None
 
     def _message(self, masks: torch.Tensor) -> str:
         differing = [i for i in range(len(self.slots)) if not bool((masks[:, i] == masks[0, i]).all())]
@@ -279,3 +321,22 @@ def check_before_backward(root: nn.Module, loss: Any) -> None:
     check = divergence_check(root)
     if check is not None:
         check.check(loss)
+
+
+@contextmanager
+def gradients_stay_local(root: nn.Module, local: bool = True) -> Generator[None, None, None]:
+    """Backward passes inside issue no gradient collective: only record what they reach (when ``local``).
+
+    The front ends enter it for the non-final micro-batches of ``accumulation_mode="skip"``; the
+    record is compared at the next backward outside, the one that communicates. A no-op without a
+    check installed or with ``local=False``.
+    """
+    check = divergence_check(root)
+    if check is None or not local:
+        yield
+        return
+    previous, check.local_only = check.local_only, True
+    try:
+        yield
+    finally:
+        check.local_only = previous

@@ -40,6 +40,7 @@ from hp_lightning._lightning_private import (
     Stateful,
     TrainerSubprocessScriptLauncher,
     distributed_is_initialized,
+    replace_sigterm_broadcast,
     should_accumulate,
     sync_ddp_if_available,
 )
@@ -52,6 +53,7 @@ from hp_lightning.core.parallelize import ShardedModel, ShardingPlan
 from hp_lightning.core.prepare import prepare_model
 from hp_lightning.core.materialize import meta_init_context, move_unsharded_states
 from hp_lightning.fully_shard import HSDPModule
+from hp_lightning.fully_shard.divergence import gradients_stay_local
 from hp_lightning.parallel.pipeline import PipelineRunner, gather_stages_on_rank0, split_stage
 from hp_lightning.core.preemption import Preempted, PreemptionWatch
 from hp_lightning.strategies.precision import HSDPPrecision, precision_from_lightning
@@ -146,6 +148,15 @@ class HSDPStrategy(frontend.MeshAccess, ParallelStrategy):
             ``ModelCheckpoint`` folder before stopping, so ``fit(ckpt_path="last")`` resumes at
             that step. Either way every rank stops at the same batch, at the end of its
             accumulation window, with exit code 143 (see :mod:`hp_lightning.core.preemption`).
+        divergence_check: ``"per_step"`` (default): before each backward that issues gradient
+            collectives (the window's last under ``accumulation_mode="skip"``), the ranks compare
+            which units and parameters their backward passes reach, and a rank-dependent graph
+            stops every rank with a ``RankDivergenceError`` naming them, instead of a hang or
+            mixed gradients (see :mod:`hp_lightning.fully_shard.divergence`). It costs a Python
+            walk of the autograd graph per backward and two integers per parameter in the step's
+            one control all-reduce (host-side, shared with preemption; ``docs/benchmarks.md``).
+            ``"off"``: no walk, and the control all-reduce carries the preemption signal only.
+            (YAML reads a bare ``off`` as False: False means ``"off"``, True ``"per_step"``.)
         meta_init: build ``configure_model`` (and ``trainer.init_module()``) on the meta device,
             recording construction, and initialize after sharding by replaying it and the
             modules' own rules: the model never exists whole on a rank, and equals the one a
@@ -209,6 +220,7 @@ class HSDPStrategy(frontend.MeshAccess, ParallelStrategy):
         heartbeat_timeout: float = 120.0,
         failure_exit_grace: float = 30.0,
         save_on_preemption: bool = False,
+        divergence_check: Union[Literal["per_step", "off"], bool] = "per_step",
         meta_init: bool = True,
         resumable_dataloaders: bool = False,
         checkpoint_checksums: bool = False,
@@ -249,6 +261,7 @@ class HSDPStrategy(frontend.MeshAccess, ParallelStrategy):
             heartbeat_timeout=heartbeat_timeout,
             failure_exit_grace=failure_exit_grace,
             save_on_preemption=save_on_preemption,
+            divergence_check=divergence_check,
             meta_init=meta_init,
             resumable_dataloaders=resumable_dataloaders,
             checkpoint_checksums=checkpoint_checksums,
@@ -272,6 +285,8 @@ class HSDPStrategy(frontend.MeshAccess, ParallelStrategy):
         self._sharded: Optional[ShardedModel] = None
         self._watchdog: Optional[watchdog.FaultWatchdog] = None
         self._preemption = PreemptionWatch()
+        # The step's one control collective (preemption, divergence): on a host group from setup on.
+        self._agreement = agreement.StepAgreement()
         self._train_timeout_set = False
         self._async_saves = AsyncSaves()
         self._failed = False
@@ -367,6 +382,8 @@ class HSDPStrategy(frontend.MeshAccess, ParallelStrategy):
         self._watchdog = frontend.start_watchdog(self, self._watchdog)
         trainer = getattr(self.lightning_module, "_trainer", None)
         self._mesh = frontend.agree_and_build_mesh(self, self.precision_plugin.precision, trainer)
+        frontend.move_agreement_to_host_group(self, self._agreement)
+        self._agreement.local_signal = lambda: self._preemption.received
         self.precision_plugin.data_parallel_group = self._mesh.dp_group  # gradient clipping: one norm per replica
         if trainer is not None:
             # Every rank must resume from the same checkpoint, or from none: compared when known.
@@ -407,12 +424,16 @@ class HSDPStrategy(frontend.MeshAccess, ParallelStrategy):
             device=self.root_device,
         )
         self.barrier()
+        frontend.configure_divergence_check(self.model, self._agreement, self.options.divergence_check)
         self.scope_metrics_to_data_parallel(self.model)
         if self.options.pipeline_parallel_size > 1:
             self._start_pipeline()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             self._add_preemption_stop(trainer)
+            # Lightning's per-batch SIGTERM broadcast (a world collective and a device read each
+            # micro-batch) gives way to the once-per-step agreement PreemptionStop acts on.
+            replace_sigterm_broadcast(trainer, lambda: self._fold_lightning_sigterm(trainer))
         self.setup_precision_plugin()
         if self.options.sharding_report:
             rank_zero_info(self.sharding_summary().table())
@@ -554,7 +575,9 @@ class HSDPStrategy(frontend.MeshAccess, ParallelStrategy):
         requeue = environment.requeue_signal if isinstance(environment, SLURMEnvironment) and environment.auto_requeue else None
         self._preemption.signals = (signal.SIGTERM,) if requeue is None else (signal.SIGTERM, requeue)
         if not any(isinstance(cb, PreemptionStop) for cb in trainer.callbacks):
-            trainer.callbacks.append(PreemptionStop(self._preemption, save=self.options.save_on_preemption, requeue_signal=requeue))
+            trainer.callbacks.append(
+                PreemptionStop(self._agreement, save=self.options.save_on_preemption, requeue_signal=requeue)
+            )
 
     def sharding_summary(self) -> ShardingSummary:
         """The per-unit table of what was sharded (a collective: every rank must call it)."""
@@ -636,7 +659,10 @@ class HSDPStrategy(frontend.MeshAccess, ParallelStrategy):
         if self._pipeline is not None:
             yield
             return
-        with no_gradient_sync(self.model, self._accumulation_mode):
+        # Under "skip" these backward passes communicate nothing: the divergence check only records.
+        with no_gradient_sync(self.model, self._accumulation_mode), gradients_stay_local(
+            self.model, self._accumulation_mode == "skip"
+        ):
             yield
 
     @override
@@ -666,6 +692,17 @@ class HSDPStrategy(frontend.MeshAccess, ParallelStrategy):
         # Lightning registered its SIGTERM handler (a collective inside a signal handler) just
         # before the loops; ours only records the signal, and PreemptionStop acts on it.
         self._preemption.install()
+        self._agreement.reset()
+        frontend.forget_divergence_window(self.model)
+
+    def _fold_lightning_sigterm(self, trainer: pl.Trainer) -> None:
+        """Before each training batch, where Lightning broadcast its SIGTERM flag: no collective.
+
+        A SIGTERM that Lightning's own handler caught (before ours took over at ``on_train_start``)
+        is handed to the step's agreement, so every rank acts on it at the same batch.
+        """
+        if trainer.received_sigterm and not self._preemption.received:
+            self._preemption.received = signal.SIGTERM
 
     @override
     def on_validation_start(self) -> None:

@@ -1,10 +1,14 @@
 """How the Trainer stops on preemption: every rank at the same batch, after an optional checkpoint.
 
 :class:`HSDPStrategy` replaces Lightning's SIGTERM handler (which starts a collective inside the
-handler and can hang the job) with :class:`~hp_lightning.core.preemption.PreemptionWatch`, and
-adds :class:`PreemptionStop` to the trainer's callbacks. After each optimizer step (the last
-micro-batch of an accumulation window) the ranks agree, in one all-reduce of one number, whether
-any of them was signalled; if so they save ``last.ckpt`` (with ``save_on_preemption=True``) and raise
+handler and can hang the job) with :class:`~hp_lightning.core.preemption.PreemptionWatch`,
+replaces Lightning's per-batch SIGTERM broadcast on the trainer's loop (a world collective and a
+device read per micro-batch), and adds :class:`PreemptionStop` to the trainer's callbacks. Once
+per optimizer step the ranks agree whether any of them was signalled, in the step's one control
+collective (:class:`~hp_lightning.core.agreement.StepAgreement`, host-side, shared with the
+divergence check before the window's communicating backward). After the optimizer step (the last
+micro-batch of the window) :class:`PreemptionStop` acts on that agreed signal: every rank saves
+``last.ckpt`` (with ``save_on_preemption=True``) and raises
 :class:`~hp_lightning.core.preemption.Preempted` together. Under ``SLURMEnvironment(auto_requeue=True)``
 SLURM's requeue signal (``SIGUSR1`` by default) takes the same path and then runs Lightning's own
 requeue (the ``hpc_ckpt`` save and ``scontrol requeue``) at that batch.
@@ -20,7 +24,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from hp_lightning._lightning_private import should_accumulate, slurm_save_and_requeue
-from hp_lightning.core.preemption import Preempted, PreemptionWatch
+from hp_lightning.core.agreement import StepAgreement
+from hp_lightning.core.preemption import Preempted
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -47,12 +52,13 @@ class PreemptionStop(Callback):
     """Added by :class:`~hp_lightning.HSDPStrategy` (not meant to be added by hand).
 
     Args:
-        watch: the strategy's signal record.
+        agreement: the strategy's step agreement (it reads the strategy's signal record).
         save: save ``last.ckpt`` before stopping.
+        requeue_signal: SLURM's requeue signal under auto-requeue (None: none).
     """
 
-    def __init__(self, watch: PreemptionWatch, save: bool, requeue_signal: Optional[int] = None) -> None:
-        self.watch = watch
+    def __init__(self, agreement: StepAgreement, save: bool, requeue_signal: Optional[int] = None) -> None:
+        self.agreement = agreement
         self.save = save
         self.requeue_signal = requeue_signal
         #: The checkpoint written on preemption, once written.
@@ -62,7 +68,7 @@ class PreemptionStop(Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         if pl_module.automatic_optimization and should_accumulate(trainer):
             return  # only at the end of a window (its gradients would be lost): one agreement per step
-        signum = self.watch.agreed(trainer.strategy.root_device)
+        signum = self.agreement.step_signal()  # agreed before this window's backward, or now
         if not signum:
             return
         detail = f"stopped at step {trainer.global_step}"

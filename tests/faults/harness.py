@@ -125,24 +125,24 @@ def _warm_rank(argv: list[str], env: dict[str, str], log: str) -> None:
     os._exit(code)
 
 
-def _launch_warm(out: Path, script_args: tuple[str, ...], timeout: float, script: Path = SCRIPT) -> FaultRun:
+def _launch_warm(out: Path, script_args: tuple[str, ...], timeout: float, script: Path = SCRIPT, world: int = WORLD) -> FaultRun:
     from tests.helpers import rank_context
 
     env = _env()
-    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD), NODE_RANK="0")
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), NODE_RANK="0")
     log = out / "output.txt"
     log.write_bytes(b"")
     argv = [str(script), str(out), *script_args]
     ctx = rank_context()
     procs = [
         ctx.Process(target=_warm_rank, args=(argv, {**env, "RANK": str(r), "LOCAL_RANK": str(r)}, str(log)), name=f"warm-rank{r}")
-        for r in range(WORLD)
+        for r in range(world)
     ]
     for proc in procs:
         proc.start()
     started, ended = time.monotonic(), {}
     timed_out = False
-    while len(ended) < WORLD:
+    while len(ended) < world:
         for rank, proc in enumerate(procs):
             if f"rank{rank}" not in ended and not _running(proc.pid):
                 ended[f"rank{rank}"] = time.time()
@@ -163,11 +163,13 @@ def _launch_warm(out: Path, script_args: tuple[str, ...], timeout: float, script
     return FaultRun(procs[0].exitcode, log.read_text(errors="replace"), out, fault, ended, timed_out, leftovers)
 
 
-def launch(out: Path, *script_args: str, launcher: str = "warm", timeout: float = 150, script: Path = SCRIPT) -> FaultRun:
-    """Run a fault script (default ``fault_train.py``) on 2 ranks; return once every process has ended (or ``timeout`` passed)."""
+def launch(
+    out: Path, *script_args: str, launcher: str = "warm", timeout: float = 150, script: Path = SCRIPT, world: int = WORLD
+) -> FaultRun:
+    """Run a fault script (default ``fault_train.py``) on ``world`` ranks; return once every process has ended (or ``timeout`` passed)."""
     out.mkdir(parents=True, exist_ok=True)
     if launcher == "warm":
-        return _launch_warm(out, script_args, timeout, script)
+        return _launch_warm(out, script_args, timeout, script, world)
     env = _env()
     port = str(free_port())
     if launcher == "lightning":
@@ -177,19 +179,19 @@ def launch(out: Path, *script_args: str, launcher: str = "warm", timeout: float 
         # What `srun --ntasks=2` does on one node: start every task with SLURM's variables set;
         # Lightning then picks SLURMEnvironment (with auto_requeue, its default).
         env.update(
-            MASTER_ADDR="127.0.0.1", MASTER_PORT=port, SLURM_NTASKS=str(WORLD), SLURM_NTASKS_PER_NODE=str(WORLD),
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=port, SLURM_NTASKS=str(world), SLURM_NTASKS_PER_NODE=str(world),
             SLURM_NODEID="0", SLURM_JOB_ID="4242", SLURM_JOB_NAME="hp_lightning_faults", SLURM_NODELIST="127.0.0.1",
         )
         tasks = " ".join(
             f"SLURM_PROCID={r} SLURM_LOCALID={r} {shlex.quote(sys.executable)} {shlex.quote(str(script))} "
             f"{' '.join(shlex.quote(a) for a in (str(out), *script_args))} &"
-            for r in range(WORLD)
+            for r in range(world)
         )
         cmd = ["bash", "-c", f"{tasks} wait"]
     elif launcher == "torchrun":
         torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which("torchrun")
         assert torchrun is not None, "torchrun ships with torch and must be on PATH next to the interpreter"
-        cmd = [torchrun, "--nproc-per-node", str(WORLD), "--master-port", port, str(script), str(out), *script_args]
+        cmd = [torchrun, "--nproc-per-node", str(world), "--master-port", port, str(script), str(out), *script_args]
     else:
         raise ValueError(f"launcher must be 'warm', 'lightning', 'slurm' or 'torchrun'; got {launcher!r}")
     log = out / "output.txt"
@@ -201,7 +203,7 @@ def launch(out: Path, *script_args: str, launcher: str = "warm", timeout: float 
         now_wall = time.time()
         if "main" not in ended and proc.poll() is not None:
             ended["main"] = now_wall
-        for rank in range(WORLD):
+        for rank in range(world):
             pid_file = out / f"pid.{rank}"
             if rank not in pids and pid_file.exists() and pid_file.read_text().strip():
                 pids[rank] = int(pid_file.read_text())

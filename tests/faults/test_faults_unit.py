@@ -82,6 +82,31 @@ def test_communication_errors_are_told_apart_from_causes(exc, expected):
     assert is_communication_error(exc) is expected
 
 
+def _raised_from(outer: BaseException, cause: BaseException, explicit: bool) -> BaseException:
+    try:
+        try:
+            raise cause
+        except BaseException as inner:
+            if explicit:
+                raise outer from inner
+            raise outer
+    except BaseException as caught:  # noqa: BLE001 - returned to the test
+        return caught
+    raise AssertionError("unreachable")
+
+
+def test_a_pipeline_stage_wrapping_a_lost_peer_is_a_consequence_not_a_cause():
+    # torch.distributed.pipelining's stage: `raise RuntimeError("[Stage 0] failed to run forward ...") from e`.
+    lost = RuntimeError("[pair.cc:537] Read error [127.0.0.1]:9105: Connection reset by peer")
+    wrapped = _raised_from(RuntimeError("\n    [Stage 0] failed to run forward:\n    args: ...\n"), lost, explicit=True)
+    assert is_communication_error(wrapped) is True
+    twice = _raised_from(RuntimeError("schedule step failed"), wrapped, explicit=True)
+    assert is_communication_error(twice) is True
+    # An error raised while handling one (no `from`) may be a cause of its own: not followed.
+    assert is_communication_error(_raised_from(ValueError("bad batch"), lost, explicit=False)) is False
+    assert is_communication_error(_raised_from(ValueError("bad batch"), ValueError("other"), explicit=True)) is False
+
+
 def test_every_strategy_option_is_compared_across_ranks():
     # The agreement check compares HSDPOptions.settings(): every keyword-only constructor option
     # must be a field there, or ranks could disagree about it unnoticed.

@@ -78,6 +78,10 @@ def mark_fault(out: Path, kind: str) -> None:
 class FaultyModule(RegressionModule):
     def __init__(self, args: argparse.Namespace) -> None:
         super().__init__()
+        # The script's options are not hyperparameters: a Namespace (holding a Path) is not among
+        # the types torch's safe loading accepts, so a resume would refuse the checkpoint, as
+        # plain Lightning would too.
+        self.save_hyperparameters(ignore=["args"])
         self.args = args
 
     def training_step(self, batch, batch_idx):

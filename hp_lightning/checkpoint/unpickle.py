@@ -1,0 +1,290 @@
+"""Reading the pickled parts of a checkpoint without running code from them, unless asked.
+
+A pickle can name any importable callable and have the reader call it (``os.system``, through an
+object's ``__reduce__``), so unpickling a file runs whatever its writer chose. torch's answer is
+``torch.load(weights_only=True)``, its default since 2.6: only tensors, primitive containers and
+the types registered with ``torch.serialization.add_safe_globals`` are rebuilt; anything else is
+refused. Lightning passes ``weights_only=None`` through to it, so a plain Lightning resume is safe.
+
+A checkpoint has three kinds of pickles, and this module reads each of them safely by default:
+
+* ``torch.save`` files (a full checkpoint, ``meta.pt``): :func:`torch_load`, torch's safe loader.
+* DCP's index ``.metadata``, which torch's ``FileSystemReader`` reads with a bare ``pickle.load``:
+  :class:`SafeReader` rebuilds only DCP's own metadata classes (an allowlist of the types a
+  torch DCP save writes), and refuses a storage entry that names a file outside the directory.
+* DCP's non-tensor entries (optimizer ``param_groups`` values, other plain values), which torch's
+  ``DefaultLoadPlanner`` reads with ``torch.load(weights_only=False)``: :class:`SafeLoadPlanner`
+  reads them with torch's safe loader.
+
+``weights_only=None`` means torch's default: safe, unless the environment sets torch's documented
+``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` (and ``TORCH_FORCE_WEIGHTS_ONLY_LOAD`` forces safe loading
+even where ``False`` was passed). ``weights_only=False`` unpickles anything: only for files you trust.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import re
+from pathlib import Path
+from collections.abc import Sequence
+from typing import IO, Any, Optional, Union
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.planner import ReadItem
+
+from hp_lightning.checkpoint import layout
+from hp_lightning.checkpoint.layout import DCP_METADATA_FILE, CorruptCheckpointError, UnsafeCheckpointError
+from hp_lightning.core import devices
+
+#: How to opt out of safe loading, for a file you trust (named in every refusal).
+OPT_IN = (
+    "weights_only=False (trainer.fit(..., weights_only=False), fabric.load(..., weights_only=False), "
+    "hp_lightning.checkpoint.load_weights / load_checkpoint / read_full_file(..., weights_only=False), "
+    "`python -m hp_lightning.checkpoint consolidate|shard --trust-pickle`)"
+)
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "y", "yes", "true")
+
+
+def resolve_weights_only(weights_only: Optional[bool]) -> bool:
+    """Whether to unpickle safely: ``None`` is torch's default (True), with torch's two environment overrides.
+
+    Raises:
+        TypeError: for anything but None, True or False (a typo such as ``"False"`` must not decide this).
+    """
+    if weights_only is not None and not isinstance(weights_only, bool):
+        raise TypeError(f"weights_only expects None (safe, torch's default), True or False; got {weights_only!r}.")
+    if _env_flag("TORCH_FORCE_WEIGHTS_ONLY_LOAD"):
+        return True
+    if weights_only is None:
+        return not _env_flag("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD")
+    return weights_only
+
+
+def refusal(where: str, refused: list[str], *, entry: Optional[str] = None) -> UnsafeCheckpointError:
+    """The error for a pickle that safe loading will not rebuild: the file, the types, the opt-in."""
+    what = f"entry {entry!r} of {where}" if entry else where
+    types = ", ".join(refused[:6]) + (f" and {len(refused) - 6} more" if len(refused) > 6 else "") if refused else "a type it does not allow"
+    return UnsafeCheckpointError(
+        f"Refused to unpickle {what}: it needs {types}, which safe loading does not rebuild, because "
+        f"unpickling it could run code stored in the file. If you trust this file (you or a colleague "
+        f"wrote it), load it with {OPT_IN}. If the type is your own plain-data class, allow it once with "
+        f"torch.serialization.add_safe_globals([...]) instead. To share weights with others, prefer "
+        f".safetensors, which holds no code."
+    )
+
+
+def _refused_globals(source: Union[Path, IO[bytes]], message: str) -> list[str]:
+    """The globals torch's safe loader would refuse in ``source`` (read without running them)."""
+    try:
+        if not isinstance(source, Path):
+            source.seek(0)
+        found = torch.serialization.get_unsafe_globals_in_checkpoint(source)
+    except Exception:  # noqa: BLE001 - only for the message; fall back to torch's own words
+        found = []
+    return found or re.findall(r"GLOBAL ([\w.]+)", message)
+
+
+def _is_weights_only_failure(exc: BaseException) -> bool:
+    return isinstance(exc, pickle.UnpicklingError) and "Weights only load failed" in str(exc)
+
+
+def _weights_only_failure(source: Union[Path, IO[bytes]], exc: BaseException, where: str, entry: Optional[str] = None) -> ValueError:
+    """A refusal when safe loading met a global it does not allow; else the bytes do not parse (damaged).
+
+    torch reports both as the same ``UnpicklingError``; only the first is a question of trust, so
+    only the first names the opt-in (suggesting ``weights_only=False`` for junk would be wrong).
+    """
+    message = str(exc)
+    refused = _refused_globals(source, message)
+    if refused or "GLOBAL" in message:
+        return refusal(where, refused, entry=entry)
+    reason = re.search(r"WeightsUnpickler error:\s*(.+?)\s*(?:\n\n|$)", message, re.S)
+    what = f"entry {entry!r} of {where}" if entry else where
+    return (CorruptCheckpointError if entry else ValueError)(
+        f"Could not read checkpoint {what}: its pickle does not parse ({reason.group(1) if reason else message}); "
+        f"it is damaged or not a torch checkpoint."
+    )
+
+
+def torch_load(path: Path, *, weights_only: Optional[bool]) -> Any:
+    """``torch.load`` a checkpoint file onto the CPU (memory-mapped where the format allows), safely by default.
+
+    Raises:
+        UnsafeCheckpointError: safe loading refused a type (naming the file, the type and the opt-in).
+        ValueError: the file cannot be unpickled at all (damaged, not a checkpoint).
+    """
+    safe = resolve_weights_only(weights_only)
+    try:
+        try:
+            return torch.load(path, map_location=devices.cpu_device(), mmap=True, weights_only=safe)
+        except RuntimeError as exc:
+            if "mmap" not in str(exc):
+                raise
+        return torch.load(path, map_location=devices.cpu_device(), weights_only=safe)  # legacy (non-zip) format
+    except Exception as exc:  # noqa: BLE001 - unpickling damaged bytes can raise almost anything
+        if _is_weights_only_failure(exc):
+            raise _weights_only_failure(Path(path), exc, repr(str(path))) from None
+        raise ValueError(f"Could not read checkpoint {str(path)!r}: {type(exc).__name__}: {exc}") from None
+
+
+# ---------------------------------------------------------------- DCP's index
+
+
+def _dcp_metadata_globals() -> frozenset[tuple[str, str]]:
+    """The globals a torch DCP ``.metadata`` pickle names: DCP's metadata dataclasses and their field types."""
+    module = dcp_metadata.__name__
+    names = {
+        (module, name)
+        for name in (
+            "Metadata",
+            "MetadataIndex",
+            "StorageMeta",
+            "TensorProperties",
+            "TensorStorageMetadata",
+            "BytesStorageMetadata",
+            "ChunkStorageMetadata",
+            "_MEM_FORMAT_ENCODING",
+        )
+        if hasattr(dcp_metadata, name)
+    }
+    names |= {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"), ("torch.serialization", "_get_layout")}
+    names |= {("collections", "OrderedDict")}
+    names |= {("pathlib", name) for name in ("Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath")}
+    names |= {("torch", name) for name, value in vars(torch).items() if isinstance(value, (torch.dtype, torch.memory_format, torch.layout))}
+    return frozenset(names)
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Rebuilds only DCP's metadata types: every other global is refused before it can be called."""
+
+    allowed = _dcp_metadata_globals()
+
+    def __init__(self, file: IO[bytes]) -> None:
+        super().__init__(file)
+        self.refused: list[str] = []
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in self.allowed:
+            return super().find_class(module, name)
+        self.refused.append(f"{module}.{name}")
+        raise pickle.UnpicklingError(f"global {module}.{name} is not allowed in a DCP index")
+
+
+def read_dcp_metadata(path: Path, *, weights_only: Optional[bool] = None, rank: Optional[int] = None) -> dcp_metadata.Metadata:
+    """DCP's index of the checkpoint directory ``path``, unpickled safely by default and checked to stay inside it.
+
+    Raises:
+        UnsafeCheckpointError: the index names a type outside DCP's own, or a storage file outside ``path``.
+        CorruptCheckpointError: it cannot be read or is not DCP metadata.
+    """
+    path = Path(path)
+    name = DCP_METADATA_FILE if rank is None else f"__{rank}{DCP_METADATA_FILE}"
+    where = path / name
+    layout.check_contained(path, [name], what="its DCP index")
+    try:
+        with open(where, "rb") as f:
+            if resolve_weights_only(weights_only):
+                unpickler = _MetadataUnpickler(f)
+                try:
+                    metadata = unpickler.load()
+                except pickle.UnpicklingError:
+                    if unpickler.refused:
+                        raise refusal(repr(str(where)), unpickler.refused) from None
+                    raise
+            else:
+                metadata = pickle.load(f)  # noqa: S301 - trusted by the caller's explicit weights_only=False
+    except (UnsafeCheckpointError, OSError):
+        raise
+    except Exception as exc:  # noqa: BLE001 - re-raised with the file named
+        raise CorruptCheckpointError(f"{str(where)!r} cannot be read ({type(exc).__name__}: {exc}); the checkpoint is damaged.") from None
+    if not isinstance(metadata, dcp_metadata.Metadata) or not isinstance(metadata.state_dict_metadata, dict):
+        raise CorruptCheckpointError(f"{str(where)!r} does not hold DCP metadata (got {type(metadata).__name__}); the checkpoint is damaged.")
+    storage = metadata.storage_data if isinstance(metadata.storage_data, dict) else {}
+    files = sorted({str(getattr(info, "relative_path", "")) for info in storage.values()})
+    layout.check_contained(path, files, what=f"its DCP index {str(where)!r}")
+    if getattr(metadata, "storage_meta", None) is None:
+        metadata.storage_meta = dcp_metadata.StorageMeta()
+    return metadata
+
+
+class SafeReader(FileSystemReader):
+    """torch's ``FileSystemReader`` whose index is read by :func:`read_dcp_metadata` (safe, contained)."""
+
+    def __init__(self, path: Union[str, os.PathLike], *, weights_only: Optional[bool] = None) -> None:
+        super().__init__(path)
+        self.weights_only = weights_only
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
+        metadata = read_dcp_metadata(Path(self.path), weights_only=self.weights_only, rank=kwargs.get("rank"))
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """torch's ``DefaultLoadPlanner`` reading DCP's non-tensor entries with torch's safe loader by default."""
+
+    def __init__(self, source: Path, *, weights_only: Optional[bool] = None, allow_partial_load: bool = False) -> None:
+        super().__init__(allow_partial_load=allow_partial_load)
+        self.source = Path(source)
+        self.safe = resolve_weights_only(weights_only)
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        fqn = read_item.dest_index.fqn
+        try:
+            loaded = torch.load(value, weights_only=self.safe)
+        except Exception as exc:  # noqa: BLE001 - named: entry and directory
+            if _is_weights_only_failure(exc):
+                raise _weights_only_failure(value, exc, repr(str(self.source)), entry=fqn) from None
+            raise CorruptCheckpointError(f"Entry {fqn!r} of {str(self.source)!r} cannot be read ({type(exc).__name__}: {exc}); the checkpoint is damaged.") from None
+        if self.flatten_state_dict:
+            _put(self.original_state_dict, self.mappings[fqn], loaded)
+        else:
+            self.state_dict[fqn] = loaded
+
+
+def _put(root: Any, route: Sequence[Any], value: Any) -> None:
+    """Set ``value`` at ``route`` (keys and list positions) inside ``root``, making the containers it lacks."""
+    node = root
+    for key, following in zip(route[:-1], route[1:]):
+        empty: Any = [] if isinstance(following, int) else {}
+        if isinstance(node, list):
+            node.extend([None] * (key + 1 - len(node)))
+            if node[key] is None:
+                node[key] = empty
+        else:
+            node.setdefault(key, empty)
+        node = node[key]
+    last = route[-1]
+    if isinstance(node, list):
+        node.extend([None] * (last + 1 - len(node)))
+    node[last] = value
+
+
+def dcp_load(state: dict[str, Any], path: Path, *, weights_only: Optional[bool], no_dist: bool, allow_partial_load: bool = False) -> None:
+    """``dcp.load(state, ...)`` from directory ``path`` with :class:`SafeReader` and :class:`SafeLoadPlanner`.
+
+    DCP gathers every rank's failure and raises the same ``CheckpointException`` everywhere; a
+    refusal inside it comes back out as the :class:`UnsafeCheckpointError` it was, on every rank.
+
+    Raises:
+        UnsafeCheckpointError: a non-tensor entry or the index needs more than safe loading allows.
+    """
+    reader = SafeReader(str(path), weights_only=weights_only)
+    planner = SafeLoadPlanner(path, weights_only=weights_only, allow_partial_load=allow_partial_load)
+    try:
+        dcp.load(state, checkpoint_id=str(path), storage_reader=reader, planner=planner, no_dist=no_dist)
+    except dcp.CheckpointException as exc:
+        for _, failure in sorted(exc.failures.items()):
+            cause = failure[0] if isinstance(failure, tuple) else failure
+            if isinstance(cause, (UnsafeCheckpointError, CorruptCheckpointError)):
+                raise type(cause)(str(cause)) from None
+        raise
