@@ -11,6 +11,7 @@ from torch import nn
 from tests.helpers import Block, make_dataset
 
 GLOBAL_BATCH = 16
+VOCAB = 32
 
 
 class StagedNet(nn.Module):
@@ -45,7 +46,36 @@ class EncoderNet(nn.Module):
         return self.head(h.flatten(-2)) if self.head is not None else h
 
 
-NETS = {"staged": StagedNet, "encoder": EncoderNet}
+class TiedLM(nn.Module):
+    """A language model whose head is tied to its embedding (``head.weight = tok.weight``), as GPT-2's is.
+
+    Cut into stages, the embedding lands on the first and the head on the last: two copies of one
+    parameter, which the pipeline keeps equal (Megatron-LM's rule).
+    """
+
+    def __init__(self, vocab: int = VOCAB, width: int = 16, depth: int = 4) -> None:
+        super().__init__()
+        self.tok: Optional[nn.Module] = nn.Embedding(vocab, width)
+        nn.init.normal_(self.tok.weight, std=0.2)
+        self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
+        self.head: Optional[nn.Module] = nn.Linear(width, vocab, bias=False)
+        self.head.weight = self.tok.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.tok(x) if self.tok is not None else x
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h) if self.head is not None else h
+
+
+def make_token_dataset(n: int = 64, seq: int = 4, vocab: int = VOCAB, seed: int = 1234) -> torch.utils.data.TensorDataset:
+    """Token sequences and their next tokens under a fixed rule (something to learn)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, vocab, (n, seq), generator=g)
+    return torch.utils.data.TensorDataset(x, (3 * x + 1) % vocab)
+
+
+NETS = {"staged": StagedNet, "encoder": EncoderNet, "tied": TiedLM}
 
 
 class PipelinedModule(pl.LightningModule):
@@ -65,6 +95,8 @@ class PipelinedModule(pl.LightningModule):
         return self.net(x)
 
     def pipeline_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if not target.is_floating_point():  # next tokens: the language model's cross-entropy
+            return nn.functional.cross_entropy(output.flatten(0, -2), target.flatten())
         return nn.functional.mse_loss(output, target)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
@@ -87,7 +119,7 @@ class PipelinedModule(pl.LightningModule):
 
     def _loader(self, samples: int) -> torch.utils.data.DataLoader:
         """Each data-parallel rank's slice of every global batch, in order (the stages of a pipeline read the same)."""
-        data = make_dataset(n=samples)
+        data = make_token_dataset(n=samples) if self.hparams.net == "tied" else make_dataset(n=samples)
         kwargs = self.trainer.strategy.distributed_sampler_kwargs if self.trainer.world_size > 1 else {"num_replicas": 1, "rank": 0}
         sampler = torch.utils.data.DistributedSampler(data, shuffle=False, **kwargs)
         return torch.utils.data.DataLoader(data, batch_size=GLOBAL_BATCH // kwargs["num_replicas"], sampler=sampler)
@@ -100,6 +132,52 @@ class PipelinedModule(pl.LightningModule):
 
     def predict_dataloader(self) -> torch.utils.data.DataLoader:
         return self._loader(2 * GLOBAL_BATCH)
+
+
+def tiny_hf_model(kind: str) -> nn.Module:
+    """A tiny Hugging Face causal LM, GPT-2 (head tied to the embedding) or Llama, 4 layers."""
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    if kind == "gpt2":
+        config = GPT2Config(n_layer=4, n_embd=16, n_head=2, vocab_size=VOCAB, n_positions=16, bos_token_id=0, eos_token_id=0)
+        return GPT2LMHeadModel(config)
+    config = LlamaConfig(
+        num_hidden_layers=4, hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=2,
+        vocab_size=VOCAB, max_position_embeddings=16, bos_token_id=0, eos_token_id=0, pad_token_id=None,
+    )
+    return LlamaForCausalLM(config)
+
+
+#: Where a stage starts in each tiny HF model held as ``self.model``.
+HF_SPLIT = {"gpt2": "model.transformer.h.2", "llama": "model.model.layers.2"}
+
+
+class HFOnMeta(pl.LightningModule):
+    """A tiny HF model built in ``configure_model`` (on the meta device under HSDPStrategy); only set up here."""
+
+    def __init__(self, kind: str = "gpt2") -> None:
+        super().__init__()
+        self.kind = kind
+        self.model: Optional[nn.Module] = None
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            self.model = tiny_hf_model(self.kind)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # a stage's forward (not run: these runs only set up)
+        raise NotImplementedError
+
+    def pipeline_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        return torch.utils.data.DataLoader(make_token_dataset(n=GLOBAL_BATCH), batch_size=GLOBAL_BATCH // 2)
 
 
 class LossLog(pl.Callback):

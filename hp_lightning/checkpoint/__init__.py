@@ -9,6 +9,10 @@
 * :class:`ResumableLoader`: a training loader that continues its epoch on resume.
 * ``python -m hp_lightning.checkpoint consolidate | shard | verify``: offline conversion and checks.
 
+Every file of a sharded checkpoint has its size and CRC-32s recorded at save (SHA-256 too with
+``checksums=True``) and every byte checked before a load moves any tensor (:mod:`.integrity`), so
+a flipped, truncated or swapped shard is refused, naming the file.
+
 Every pickle a load reads is unpickled safely (torch's ``weights_only=True``) unless
 ``weights_only=False`` is passed for a trusted file; :class:`UnsafeCheckpointError` names what was
 refused. No checkpoint entry may lead outside its directory (see ``docs/security.md``).

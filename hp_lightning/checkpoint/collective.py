@@ -38,14 +38,22 @@ _ERROR_TYPES: dict[str, type[Exception]] = {
 }
 
 
-def _as_wire(error: Optional[BaseException]) -> Optional[tuple[str, str]]:
+def _as_wire(error: Optional[BaseException]) -> Optional[tuple[str, str, Optional[int], Optional[str]]]:
+    """(type name, message, errno, strerror): what another rank needs to raise the same error.
+
+    An ``OSError`` with an errno travels as that pair, so ``exc.errno`` (``ENOSPC`` for a full
+    disk) is the same on every rank and so is ``str(exc)``.
+    """
     if error is None:
         return None
     name = type(error).__name__ if type(error).__name__ in _ERROR_TYPES else "RuntimeError"
-    return name, str(error) if name != "RuntimeError" else f"{type(error).__name__}: {error}"
+    text = str(error) if name != "RuntimeError" else f"{type(error).__name__}: {error}"
+    if isinstance(error, OSError) and isinstance(error.errno, int) and isinstance(error.strerror, str) and error.filename is None:
+        return name, text, error.errno, error.strerror
+    return name, text, None, None
 
 
-def _raise_first(errors: Sequence[Optional[tuple[str, str]]], mine: Optional[BaseException]) -> None:
+def _raise_first(errors: Sequence[Optional[tuple[Any, ...]]], mine: Optional[BaseException]) -> None:
     for source, wire in enumerate(errors):
         if wire is None:
             continue
@@ -53,7 +61,8 @@ def _raise_first(errors: Sequence[Optional[tuple[str, str]]], mine: Optional[Bas
             raise mine
         cls = _ERROR_TYPES.get(wire[0], RuntimeError)
         # The same message on every rank (so the job prints it once); where it arose goes in a note.
-        error = cls(wire[1])
+        code, strerror = (wire[2], wire[3]) if len(wire) == 4 else (None, None)
+        error = cls(code, strerror) if code is not None and issubclass(cls, OSError) else cls(wire[1])
         if hasattr(error, "add_note"):
             error.add_note(f"(raised on rank {source}; this rank {rank()} reports it too)")
         raise error

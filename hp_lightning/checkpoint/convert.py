@@ -89,10 +89,12 @@ def verify(path: Path) -> str:
     dcp_index(path)  # the index must name only files inside too (the manifest cannot vouch for that)
     total = sum(r["size"] for r in records.values())
     if all("sha256" in r for r in records.values()):
-        return f"OK: {path} (sharded, {len(records)} files, {total} bytes match their recorded sizes and SHA-256)"
+        return f"OK: {path} (sharded, {len(records)} files, {total} bytes match their recorded sizes, CRC-32s and SHA-256)"
+    if all("crc32" in r or "sha256" in r for r in records.values()):
+        return f"OK: {path} (sharded, {len(records)} files, every one of {total} bytes matches the CRC-32s recorded at save)"
     return (
-        f"OK: {path} (sharded, {len(records)} files, {total} bytes match their recorded sizes; saved without checksums, "
-        f"so a same-size alteration cannot be told: save with checkpoint_checksums=True to record them)"
+        f"OK: {path} (sharded, {len(records)} files, {total} bytes match their recorded sizes; written by an hp_lightning "
+        f"that recorded no checksums, so a same-size alteration cannot be told: save it again to record them)"
     )
 
 

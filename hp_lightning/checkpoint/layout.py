@@ -6,7 +6,8 @@ A sharded checkpoint is a directory::
         .metadata            DCP's index: every tensor, its global shape, which file holds which chunk
         __0_0.distcp ...     DCP's shard files, one or more per rank
         meta.pt              everything else Lightning saves (loops, callbacks, hyper-parameters, ...)
-        hp_lightning.json    the manifest: format version, and the size and SHA-256 of every file
+        hp_lightning.json    the manifest: format version, and the size and CRC-32s (SHA-256 too, if
+                             asked) of every file: see :mod:`.integrity`
 
 The manifest is written last, so its presence marks a complete save. ``meta.pt`` and the DCP files
 use the names Lightning's own ``ModelParallelStrategy`` uses, so Lightning's tools can read the
@@ -31,7 +32,6 @@ from __future__ import annotations
 import ctypes
 import enum
 import errno
-import hashlib
 import json
 import os
 import shutil
@@ -41,6 +41,9 @@ import zipfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
+
+# The manifest's per-file records and their checks live in .integrity; named here too, beside the layout they guard.
+from hp_lightning.checkpoint.integrity import file_record, share_by_size, shard_record, verify_file, verify_records  # noqa: F401
 
 #: Version of the layout above. Loaders refuse newer versions instead of misreading them.
 FORMAT_VERSION = 1
@@ -64,8 +67,6 @@ STAGING_MARKER = ".hp-partial-"
 TRASH_MARKER = ".hp-trash-"
 #: Marks the previous checkpoint set aside while its replacement is renamed in (no atomic exchange).
 PREVIOUS_MARKER = ".hp-prev-"
-#: Read size when hashing files.
-_CHUNK = 8 << 20
 
 
 class CheckpointKind(enum.Enum):
@@ -195,50 +196,6 @@ def check_version(record: Mapping[str, Any], where: Path) -> None:
 # ---------------------------------------------------------------- integrity records
 
 
-def file_record(path: Path, *, checksum: bool = True) -> dict[str, Any]:
-    """Size (a stat) and, with ``checksum``, SHA-256 of one file (read back right after writing, so usually from the page cache)."""
-    if not checksum:
-        return {"size": path.stat().st_size}
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            digest.update(chunk)
-    return {"size": path.stat().st_size, "sha256": digest.hexdigest()}
-
-
-def verify_file(path: Path, record: Mapping[str, Any]) -> str | None:
-    """Check one file against its record; return a sentence naming the file if it does not match.
-
-    The size is checked first (a truncated file is caught without reading it), then the checksum
-    when the save recorded one (a same-size alteration is only caught that way).
-    """
-    if not path.is_file():
-        return f"{str(path)!r} is missing (recorded at save: {record['size']} bytes)"
-    size = path.stat().st_size
-    if size != record["size"]:
-        kind = "truncated" if size < record["size"] else "altered (it grew)"
-        return f"{str(path)!r} is {kind}: {size} bytes on disk, {record['size']} recorded at save"
-    if "sha256" not in record:
-        return None
-    actual = file_record(path)["sha256"]
-    if actual != record["sha256"]:
-        return (
-            f"{str(path)!r} was altered after the save: SHA-256 {actual[:16]}... differs from "
-            f"{record['sha256'][:16]}... recorded at save"
-        )
-    return None
-
-
-def verify_records(root: Path, records: Mapping[str, Mapping[str, Any]], names: Iterable[str]) -> list[str]:
-    """Check the named files of a sharded checkpoint; return one sentence per problem (empty: all good)."""
-    problems = []
-    for name in names:
-        problem = verify_file(root / name, records[name])
-        if problem:
-            problems.append(problem)
-    return problems
-
-
 #: How ``torch.save``'s legacy (non-zip) format starts: pickle protocol 2, then its magic number.
 _LEGACY_TORCH_HEAD = b"\x80\x02\x8a\nl\xfc\x9cF\xf9 j\xa8P\x19"
 
@@ -293,24 +250,35 @@ def _check_safetensors_header(path: Path) -> str | None:
     return None if ok else f"{str(path)!r} is truncated or damaged: its safetensors header does not describe its {size:,} bytes"
 
 
-def write_error(exc: BaseException, path: Path) -> OSError:
+def is_disk_full(exc: BaseException) -> bool:
+    """Whether a write failed for want of space: ``ENOSPC``, or how ``torch.save`` reports it.
+
+    ``torch.save`` (and so every DCP shard write) reports a full disk as ``RuntimeError:
+    [enforce fail at inline_container.cc] ... unexpected pos N vs M``: the bytes it wrote did not
+    all arrive.
+    """
+    text = str(exc)
+    return getattr(exc, "errno", None) == errno.ENOSPC or "No space left" in text or "unexpected pos" in text
+
+
+def write_error(exc: BaseException, path: Path, *, source: str = "") -> OSError:
     """An ``OSError`` that names the cause and the path, for a write that failed.
 
-    ``torch.save`` reports a full disk as ``RuntimeError: [enforce fail at inline_container.cc]
-    unexpected pos ...``; this says "No space left on device", with the free space left.
+    A full disk (:func:`is_disk_full`, or under 1 MiB left) says "No space left on device", with
+    the free space left; anything else says what failed, with ``source`` (e.g. ``"rank 1: "``).
     """
     target = Path(path)
     folder = next((p for p in (target.parent, *target.parents) if p.exists()), Path("."))
     free = shutil.disk_usage(folder).free
-    full = getattr(exc, "errno", None) == errno.ENOSPC or "No space left" in str(exc) or "unexpected pos" in str(exc) or free < (1 << 20)
-    if full:
+    if is_disk_full(exc) or free < (1 << 20):
         return OSError(
             errno.ENOSPC,
             f"No space left on device while writing checkpoint {str(target)!r} ({free:,} bytes free on "
             f"{str(folder)!r}); nothing was published and the previous checkpoint of that name is untouched. "
             f"Free space or save elsewhere",
         )
-    return OSError(getattr(exc, "errno", None) or errno.EIO, f"Could not write checkpoint {str(target)!r}: {exc}")
+    cause = f"{source}{type(exc).__name__}: {exc}" if source else str(exc)
+    return OSError(getattr(exc, "errno", None) or errno.EIO, f"Could not write checkpoint {str(target)!r}: {cause}")
 
 
 def refuse_foreign(path: Path, *, overwrite: bool, what: str) -> None:

@@ -86,9 +86,11 @@ def load_checkpoint(
             ``torch.serialization.add_safe_globals``; anything else is refused with
             :class:`UnsafeCheckpointError`. False: unpickle anything, which runs code the file
             carries: only for files you trust.
-        verify: check what the save recorded before reading: the sizes and the manifest (no
-            read), and the SHA-256 of every file when it was saved with checksums (one extra read
-            of every file, spread over the ranks); single files: their zip CRC-32s.
+        verify: check what the save recorded before reading anything else: the manifest, the
+            sizes, and every byte against the CRC-32s (and the SHA-256, when saved with
+            ``checksums=True``) recorded at save: one read of every file, shared by the ranks,
+            so a flipped, truncated or swapped shard is named before any tensor moves; single
+            files: their zip CRC-32s.
         elsewhere: model keys other ranks load (a pipeline's other stages): neither missing here
             nor unexpected. A single file is first written once as a temporary sharded directory
             next to it, so each stage reads only its part.
@@ -164,10 +166,11 @@ def _load_full_into_stage(
 
 
 def _verify_sharded(path: Path, manifest: Mapping[str, Any]) -> None:
-    """Each rank checks a slice of the recorded files; any problem raises on every rank, naming the files."""
-    names = sorted(manifest["files"])
+    """Each rank checks its share of the recorded files (about equal bytes; every byte against its CRC-32,
+    and SHA-256 when recorded); any problem raises on every rank, naming the files."""
     try:
-        problems = layout.verify_records(path, manifest["files"], names[rank() :: world_size()])
+        mine = layout.share_by_size(manifest["files"], world_size())[rank()]
+        problems = layout.verify_records(path, manifest["files"], mine)
     except OSError as exc:  # e.g. unreadable: still reach the collective below
         problems = [f"{str(path)!r} cannot be read on rank {rank()}: {exc}"]
     listed: list[Any] = [problems]

@@ -2,8 +2,9 @@
 
 * **sharded**: every rank writes its own shards in parallel with ``torch.distributed.checkpoint``
   (DCP) into a staging directory; rank 0 adds ``meta.pt`` (the rest of Lightning's checkpoint);
-  then the file sizes (and, with ``checksums=True``, each file's SHA-256, read back by the ranks
-  in parallel) go into the manifest rank 0 writes before it publishes.
+  then each file's size and CRC-32s (taken from the CRC-32s torch's writer already computed, see
+  :mod:`.integrity`; with ``checksums=True`` also its SHA-256, read back by the rank that wrote
+  it) go into the manifest rank 0 writes before it publishes.
   Fast and light on memory; loads into any world size or mesh; needs a filesystem every rank sees.
   :class:`AsyncSaves` runs the same save through DCP's ``async_save``: the state is copied to host
   memory (the only stall), the files are written by a background thread, and rank 0 publishes
@@ -15,21 +16,26 @@
 
 from __future__ import annotations
 
+import errno
 import threading
 from collections.abc import Mapping
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NoReturn, Optional
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.tensor import DTensor
 
 from hp_lightning.checkpoint import layout
 from hp_lightning.core import devices
-from hp_lightning.checkpoint.collective import agree, on_every_rank, on_rank0, rank, world_size
+from hp_lightning.checkpoint.collective import agree, on_rank0, rank, world_size
 from hp_lightning.checkpoint.layout import (
     DCP_METADATA_FILE,
     FORMAT_VERSION,
@@ -88,12 +94,15 @@ def save_checkpoint(checkpoint: dict[str, Any], path: Path, *, sharded: bool, ch
     with the same ``full`` setting (``full = not sharded``). Every rank calls this.
 
     Args:
-        checksums: sharded only: also record every file's SHA-256 (one read-back of the new files,
-            usually from the page cache, spread over the ranks), so every later load checks every
-            byte. Without it the manifest records sizes, which every load checks.
+        checksums: sharded only: also record every file's SHA-256 (each rank reads back the files
+            it wrote, usually from the page cache), checked by every later load. Without it the
+            manifest records each file's size and CRC-32s, which every load checks as well (see
+            :mod:`.integrity`); SHA-256 adds cryptographic strength, not more coverage.
 
     Raises:
         ValueError: the target is something other than a file or directory.
+        OSError: the write failed, on every rank alike: ``No space left on device while writing
+            checkpoint '...' (N bytes free ...)`` for a full disk; nothing is published then.
     """
     path = Path(path)
     if sharded:
@@ -110,46 +119,119 @@ def _split(checkpoint: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     return tensors, checkpoint
 
 
+#: Index of the extra write result that carries a rank's file records to DCP's coordinator.
+_RECORDS_INDEX = MetadataIndex(fqn="__hp_lightning_file_records__")
+
+
+class RecordingWriter(FileSystemWriter):
+    """torch's DCP ``FileSystemWriter`` that also records each shard file's integrity record.
+
+    Each rank, right after writing its files (on DCP's background thread under ``async_save``),
+    makes their records (:func:`layout.shard_record`: the CRC-32s torch computed while writing,
+    plus a read of the few bytes they do not cover; with ``sha256`` a read-back of the whole file)
+    and hands them to the coordinator inside its write results, the list DCP already gathers on
+    rank 0. :meth:`finish` takes them out again before DCP's index is written, so ``.metadata`` is
+    exactly what plain DCP writes, and :attr:`records` then holds every rank's files, on rank 0,
+    with no collective of its own.
+    """
+
+    def __init__(self, path: Path, *, sha256: bool = False) -> None:
+        super().__init__(str(path))  # DCP's defaults: one file per rank, fsynced
+        self.sha256 = sha256
+        self.records: dict[str, dict[str, Any]] = {}
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> torch.futures.Future:
+        results: list[WriteResult] = super().write_data(plan, planner).wait()
+        spans: dict[str, list[tuple[int, int]]] = {}
+        for result in results:
+            info = result.storage_data
+            spans.setdefault(info.relative_path, []).append((info.offset, info.length))
+        root = Path(self.path)
+        records = {name: layout.shard_record(root / name, items, sha256=self.sha256) for name, items in spans.items()}
+        done: torch.futures.Future = torch.futures.Future()
+        done.set_result([*results, WriteResult(index=_RECORDS_INDEX, size_in_bytes=0, storage_data=records)])
+        return done
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        kept: list[list[WriteResult]] = []
+        for rank_results in results:
+            kept.append([])
+            for result in rank_results:
+                if result.index == _RECORDS_INDEX:
+                    self.records.update(result.storage_data)
+                else:
+                    kept[-1].append(result)
+        super().finish(metadata, kept)
+
+
+def _first_failure(exc: BaseException) -> tuple[BaseException, str]:
+    """The underlying error of a DCP ``CheckpointException`` (the lowest failed rank's) and where it arose."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, Mapping) and failures:
+        source, failure = min(failures.items())
+        cause = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(cause, BaseException):
+            return cause, f"rank {source}: "
+    return exc, ""
+
+
+def _abandon(staging: Path, path: Path, exc: BaseException) -> NoReturn:
+    """Rank 0: drop the unpublished staging directory and raise the write failure, named (shared by the caller)."""
+    cause, source = _first_failure(exc)
+    try:
+        layout.remove(staging)
+    except OSError:
+        pass  # the next save of this name clears it
+    raise layout.write_error(cause, path, source=source) from None
+
+
 def _start_sharded(path: Path, rest: dict[str, Any]) -> Path:
     """Rank 0: a fresh staging directory holding ``meta.pt``."""
     staging = prepare_target(path)
-    staging.mkdir()
-    # The producer record marks hp_lightning's layout even if the manifest is later lost.
-    torch.save({**rest, FULL_INFO_KEY: {**producer_record(), "format": "sharded"}}, staging / META_FILE)
-    layout.fsync_file(staging / META_FILE)
+    try:
+        staging.mkdir()
+        # The producer record marks hp_lightning's layout even if the manifest is later lost.
+        torch.save({**rest, FULL_INFO_KEY: {**producer_record(), "format": "sharded"}}, staging / META_FILE)
+        layout.fsync_file(staging / META_FILE)
+    except (OSError, RuntimeError) as exc:
+        _abandon(staging, path, exc)
     return staging
 
 
-def _finish_sharded(staging: Path, path: Path, files: dict[str, Any], tensors: Mapping[str, Any], checksums: bool) -> None:
-    """Rank 0, once every rank's files are written: the manifest (the completion mark), then publish."""
-    manifest = {
-        **producer_record(),
-        "format": "sharded",
-        "model_key": MODEL_KEY,
-        "num_optimizers": len(tensors) - 1,
-        "mesh": mesh_record(tensors[MODEL_KEY]),
-        "checksum": "sha256" if checksums else None,
-        "files": files,
-    }
-    layout.write_manifest(staging, manifest)
+def _finish_sharded(staging: Path, path: Path, records: Mapping[str, Any], tensors: Mapping[str, Any], checksums: bool) -> None:
+    """Rank 0, once every rank's files are written: the manifest (the completion mark), then publish.
+
+    ``records`` are the shard files' records the ranks made (:class:`RecordingWriter`); the small
+    files (``meta.pt``, DCP's ``.metadata``) are read back here.
+    """
+    try:
+        files = {n: records.get(n) or layout.file_record(staging / n, checksum=checksums) for n in layout.data_files(staging)}
+        manifest = {
+            **producer_record(),
+            "format": "sharded",
+            "model_key": MODEL_KEY,
+            "num_optimizers": len(tensors) - 1,
+            "mesh": mesh_record(tensors[MODEL_KEY]),
+            "checksum": "sha256" if checksums else "crc32",
+            "files": files,
+        }
+        layout.write_manifest(staging, manifest)
+    except OSError as exc:
+        _abandon(staging, path, exc)
     layout.publish(staging, path)
 
 
 def _save_sharded(checkpoint: dict[str, Any], path: Path, *, checksums: bool) -> None:
     tensors, rest = _split(checkpoint)
     staging = on_rank0(lambda: _start_sharded(path, rest))
-    # Every rank writes its shards; DCP gathers their outcome, so a failure raises on all ranks.
-    dcp.save(tensors, checkpoint_id=str(staging), no_dist=not dist.is_initialized())
-    # Sizes (a stat); checksums only when asked for: each rank reads back a slice of the files, in parallel.
-    records = on_every_rank(
-        lambda: {n: layout.file_record(staging / n, checksum=checksums) for n in layout.data_files(staging)[rank() :: world_size()]}
-    )
-    gathered: list[Any] = [records]
-    if dist.is_initialized():
-        gathered = [None] * world_size()
-        dist.all_gather_object(gathered, records)
-    files = {name: record for part in gathered for name, record in part.items()}
-    on_rank0(lambda: _finish_sharded(staging, path, files, tensors, checksums))
+    writer = RecordingWriter(staging, sha256=checksums)
+    # Every rank writes its shards; DCP gathers their outcome (and the file records), so a failure
+    # raises on all ranks: rank 0 then clears the staging directory and every rank raises its message.
+    try:
+        dcp.save(tensors, storage_writer=writer, no_dist=not dist.is_initialized())
+    except dcp.CheckpointException as exc:
+        on_rank0(lambda failure=exc: _abandon(staging, path, failure))
+    on_rank0(lambda: _finish_sharded(staging, path, writer.records, tensors, checksums))
 
 
 class AsyncSaves:
@@ -158,8 +240,10 @@ class AsyncSaves:
     :meth:`save` stalls training only to copy the state to host memory (DCP's ``async_save``
     stager) and to write the small ``meta.pt``; a background thread writes the shards. DCP's own
     finish step (its coordinator, rank 0, gathers every rank's write result) completes rank 0's
-    future only when every rank's files are written, so rank 0 then records the sizes, writes the
-    manifest and publishes, with no collective. Until then the checkpoint exists only under its
+    future only when every rank's files are written, so rank 0 then writes the manifest from the
+    file records each rank made on its own background thread (:class:`RecordingWriter`) and
+    publishes, with no collective. A failed write is raised by :meth:`wait` (at the next save or
+    the end of the run) on every rank with one message that says which save it was. Until then the checkpoint exists only under its
     staging name: a kill leaves the previous checkpoint in place and the staging directory is
     cleared by the next save. Removals asked for meanwhile (``ModelCheckpoint`` dropping an older
     top-k save) wait for the publish, so the previous checkpoint outlives an interrupted write.
@@ -183,36 +267,48 @@ class AsyncSaves:
         self._published.set()
         self._failure: Optional[BaseException] = None  # rank 0: what went wrong while publishing
         self._removals: list[Path] = []
+        self._saves = 0
+        self._started = ""  # which save is in flight, and its target: for its error message
+        self._target = Path(".")
 
     @property
     def in_flight(self) -> bool:
         return self._future is not None
 
     def save(self, checkpoint: dict[str, Any], path: Path, *, checksums: bool = False) -> None:
-        """Start a sharded save of Lightning's ``checkpoint`` dict; every rank calls it."""
+        """Start a sharded save of Lightning's ``checkpoint`` dict; every rank calls it.
+
+        Raises:
+            OSError: the previous save's background write failed (see :meth:`wait`), or this
+                one's ``meta.pt`` could not be written; on every rank alike.
+        """
         self.wait()
         if self._group is None and dist.is_initialized():
             self._group = dist.new_group(backend=devices.default_backend(devices.CPU))  # host copies: gloo
         if self._stager is None:  # synchronous copy: training may change the state right after save() returns
             pinned = devices.cuda_available()  # DCP pins host memory with CUDA only
             self._stager = DefaultStager(StagingOptions(pinned, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=False))
+        self._saves += 1
+        self._started, self._target = _describe_save(self._saves, Path(path), checkpoint), Path(path)
         tensors, rest = _split(dict(checkpoint))
         path = Path(path)
         staging = on_rank0(lambda: _start_sharded(path, rest))
+        writer = RecordingWriter(staging, sha256=checksums)  # records made on the background thread
         if rank() == 0:
             self._published.clear()
         try:
             future = dcp.async_save(
-                tensors, checkpoint_id=str(staging), process_group=self._group, async_stager=self._stager, no_dist=not dist.is_initialized()
+                tensors, storage_writer=writer, process_group=self._group, async_stager=self._stager, no_dist=not dist.is_initialized()
             )
         except BaseException:
             self._published.set()
             raise
         self._future = future
         if rank() == 0:
-            future.add_done_callback(lambda done: self._publish(done, staging, path, tensors, checksums))
+            started = self._started
+            future.add_done_callback(lambda done: self._publish(done, staging, path, tensors, writer, started))
 
-    def _publish(self, done: Future, staging: Path, path: Path, tensors: Mapping[str, Any], checksums: bool) -> None:
+    def _publish(self, done: Future, staging: Path, path: Path, tensors: Mapping[str, Any], writer: RecordingWriter, started: str) -> None:
         """Rank 0, on DCP's background thread: publish the finished save, then the removals it held back.
 
         ``wait()`` returns only once the removals are done too (``_published`` is set last, under
@@ -220,11 +316,13 @@ class AsyncSaves:
         """
         try:
             try:
-                done.result()
-                files = {n: layout.file_record(staging / n, checksum=checksums) for n in layout.data_files(staging)}
-                _finish_sharded(staging, path, files, tensors, checksums)
+                try:
+                    done.result()
+                except BaseException as exc:  # noqa: BLE001 - named, then re-raised on every rank by wait()
+                    _abandon(staging, path, exc)
+                _finish_sharded(staging, path, writer.records, tensors, writer.sha256)
             except BaseException as exc:  # noqa: BLE001 - re-raised on every rank by wait()
-                self._failure = exc
+                self._failure = _in_background(exc, path, started)
                 try:
                     layout.remove(staging)
                 except OSError:
@@ -256,6 +354,12 @@ class AsyncSaves:
 
         Every rank calls it (the outcome is agreed in one collective). After a failure, when the
         other ranks may not come, do not call it: an unpublished save stays a staging directory.
+
+        Raises:
+            OSError: the background write or the publish failed, with the same message on every
+                rank: which save it was (its number in this run, target, global step and epoch),
+                then the cause, e.g. ``No space left on device while writing checkpoint '...'
+                (N bytes free ...)``. Nothing was published; the previous checkpoint is untouched.
         """
         future, self._future = self._future, None
         if future is None:
@@ -263,11 +367,12 @@ class AsyncSaves:
         error: Optional[BaseException] = None
         try:
             future.result()
-        except Exception as exc:  # noqa: BLE001 - shared with every rank below
-            error = exc
+        except (Exception, dcp.CheckpointException) as exc:  # noqa: BLE001 - shared with every rank below (DCP's is a BaseException)
+            error = _in_background(exc, self._target, self._started)
         if rank() == 0:
             self._published.wait()
-            error, self._failure = error or self._failure, None
+            # Rank 0's account of a failure (made when it happened, so "N bytes free" is from then) is the one every rank raises.
+            error, self._failure = self._failure or error, None
         agree(error)
 
     def close(self) -> None:
@@ -275,6 +380,27 @@ class AsyncSaves:
         if self._stager is not None:
             self._stager.close()
             self._stager = None
+
+
+def _describe_save(number: int, path: Path, checkpoint: Mapping[str, Any]) -> str:
+    """"async save 3 of this run (to '...', started at global step 40, epoch 0)": which save an error is about."""
+    when = []
+    for key, name in (("global_step", "global step"), ("epoch", "epoch")):
+        if isinstance(checkpoint.get(key), int):
+            when.append(f"{name} {checkpoint[key]}")
+    started = f", started at {', '.join(when)}" if when else ""
+    return f"async save {number} of this run (to {str(path)!r}{started})"
+
+
+def _in_background(exc: BaseException, path: Path, started: str) -> OSError:
+    """The error ``wait()`` raises for a failed background save: which save it was, then the named cause."""
+    if not isinstance(exc, OSError) or exc.strerror is None:
+        cause, source = _first_failure(exc)
+        exc = layout.write_error(cause, path, source=source)
+    return OSError(
+        exc.errno or errno.EIO,
+        f"The {started} failed in the background (reported at the next save, or at the end of the run): {exc.strerror}",
+    )
 
 
 def write_file_atomically(path: Path, write: Callable[[Path], Any], *, overwrite: bool = True, what: str = "Cannot save a checkpoint") -> None:

@@ -10,7 +10,11 @@ is computed per kind and combined:
   all-reduce, so their local norm is already the global one; ignored parameters' gradients
   differ per rank, so with ``same_params`` (the data-parallel group) the plain part is averaged
   over those ranks (its ``norm_type``-th power; the max for inf): a no-op for replicate
-  gradients, and every rank, hence every replica of a shard, is scaled by the same coefficient.
+  gradients, and every rank, hence every replica of a shard, is scaled by the same coefficient;
+* copies of a parameter tied across pipeline stages (an LM head tied to the embedding) hold the
+  same summed gradient on every holder: the copies after the first holder's are marked
+  (``_hp_tied_replica``) and left out of the norm, so the tied parameter counts once, as in one
+  process; they are still scaled.
 """
 
 from __future__ import annotations
@@ -26,10 +30,16 @@ from torch.distributed.tensor import DTensor
 ParamsLike = Union[torch.Tensor, Iterable[torch.Tensor]]
 
 
-def _grads(parameters: ParamsLike) -> list[torch.Tensor]:
+#: Marks a pipeline stage's copy of a tied parameter that another stage's copy already counts
+#: for (set by :class:`hp_lightning.parallel.pipeline.TiedCopies`).
+TIED_REPLICA_ATTR = "_hp_tied_replica"
+
+
+def _grads(parameters: ParamsLike, *, counted_once: bool = False) -> list[torch.Tensor]:
+    """The gradients to scale; with ``counted_once``, those the norm counts (tied replicas left out)."""
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
-    return [p.grad for p in parameters if p.grad is not None]
+    return [p.grad for p in parameters if p.grad is not None and not (counted_once and getattr(p, TIED_REPLICA_ATTR, False))]
 
 
 def _group_by_mesh(grads: list[DTensor]) -> list[list[DTensor]]:
@@ -57,7 +67,7 @@ def total_grad_norm(
         RuntimeError: with ``error_if_nonfinite=True`` when the norm is NaN or infinite.
     """
     norm_type = float(norm_type)
-    grads = _grads(parameters)
+    grads = _grads(parameters, counted_once=True)
     if not grads and across is None and same_params is None:
         return torch.tensor(0.0)
     partial_norms = []

@@ -17,6 +17,15 @@ experts ``j*m .. j*m+m-1``) and wraps forward in three steps:
 3. **combine**: the outputs go back to the tokens' ranks in the original order (the reverse
    all-to-all).
 
+Hugging Face's experts modules (transformers 5: ``MixtralExperts``, ``Qwen2MoeExperts``, ...) hold
+the same 3-D ``[num_experts, ...]`` parameters (plus a parameter-free activation) but take the
+router's choice instead: ``experts(hidden_states, top_k_index, top_k_weights)`` (``[N, dim]``,
+``[N, k]``, ``[N, k]``). ``apply`` recognizes that interface by its argument names and adapts
+it: each (token, choice) pair is one token for the dispatch above, sorted by expert; the
+module's own forward runs on the received tokens with ``top_k_index`` naming its local experts
+(``num_experts`` set to the local count for the call) and weight 1; after the combine, each
+token's ``k`` outputs are weighted by ``top_k_weights`` and summed, as the module does itself.
+
 Gradients: an expert's gradient on its owner sums the contributions of every ``ep`` rank's tokens
 (the all-to-all's backward sends them there), so data-parallel averaging must divide by the
 ``ep`` size too; :func:`expert_parallel_size` tells ``fully_shard`` to (experts become a sharding
@@ -26,6 +35,8 @@ unit of their own whose divisor includes it).
 from __future__ import annotations
 
 from typing import Any
+
+import inspect
 
 import torch
 import torch.distributed as dist
@@ -98,25 +109,72 @@ class ExpertParallel:
         if _EP_ATTR in module.__dict__:
             raise ValueError(f"ExpertParallel().apply: {type(module).__name__} is expert-parallel already.")
         check_expert_split(module, device_mesh.size())
+        for child_name, child in module.named_children():
+            if any(True for _ in child.parameters()) or any(True for _ in child.buffers()):
+                raise ValueError(
+                    f"ExpertParallel expects the experts' parameters directly on {type(module).__name__}; it has a "
+                    f"submodule {child_name!r} ({type(child).__name__}) with parameters or buffers of its own. Stack "
+                    f"them into [num_experts, ...] parameters of {type(module).__name__} (parameter-free submodules "
+                    f"such as an activation are fine)."
+                )
+        routed = _takes_router_choice(module)
         from hp_lightning.core.materialize import link_construction
 
         link_construction(module)  # inside a recorded meta build: keep each parameter's construction
         for name, param in list(module.named_parameters(recurse=False)):
             sharded = distribute_tensor(param.data, device_mesh, [Shard(0)], src_data_rank=None if param.is_meta else 0)
             module.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
-        for child_name, child in module.named_children():
-            raise ValueError(
-                f"ExpertParallel expects the experts' parameters directly on {type(module).__name__}; it has a "
-                f"submodule {child_name!r} ({type(child).__name__})."
-            )
         module.__dict__[_EP_ATTR] = device_mesh
         inner = module.forward
 
         def forward(tokens: Tensor, num_tokens_per_expert: Tensor, *args: Any, **kwargs: Any) -> Tensor:
             return _expert_parallel_forward(module, inner, device_mesh, tokens, num_tokens_per_expert, args, kwargs)
 
+        if routed:
+
+            def forward(hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:  # type: ignore[misc]
+                return _routed_forward(module, inner, device_mesh, hidden_states, top_k_index, top_k_weights)
+
         module.forward = forward  # type: ignore[method-assign]
         return module
+
+
+def _takes_router_choice(module: nn.Module) -> bool:
+    """Whether ``module.forward`` has Hugging Face's experts interface ``(hidden_states, top_k_index, top_k_weights)``."""
+    try:
+        names = list(inspect.signature(module.forward).parameters)
+    except (TypeError, ValueError):
+        return False
+    return names[:3] == ["hidden_states", "top_k_index", "top_k_weights"]
+
+
+def _routed_forward(
+    module: nn.Module, inner: Any, mesh: DeviceMesh, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor
+) -> Tensor:
+    """Hugging Face's interface on the grouped dispatch: one token per (token, choice), weighted after the combine."""
+    experts = next(module.parameters()).shape[0]  # global: the parameters are DTensors over ep
+    n, k = top_k_index.shape
+    flat = top_k_index.reshape(-1).to(torch.int64)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=experts)
+
+    def local_experts(tokens: Tensor, local_counts: Tensor) -> Tensor:
+        local = local_counts.numel()
+        index = torch.repeat_interleave(torch.arange(local, device=tokens.device), local_counts.to(tokens.device))[:, None]
+        weights = torch.ones(index.shape, dtype=top_k_weights.dtype, device=tokens.device)
+        saved = module.__dict__.get("num_experts")
+        module.__dict__["num_experts"] = local
+        try:
+            return inner(tokens, index, weights)
+        finally:
+            if saved is None:
+                module.__dict__.pop("num_experts", None)
+            else:
+                module.__dict__["num_experts"] = saved
+
+    out = _expert_parallel_forward(module, local_experts, mesh, hidden_states[order // k], counts, (), {})
+    per_choice = torch.empty_like(out).index_copy(0, order, out).view(n, k, -1)
+    return (per_choice * top_k_weights.to(per_choice.dtype)[..., None]).sum(1).to(hidden_states.dtype)
 
 
 def _run_on_local_params(module: nn.Module, inner: Any, *args: Any, **kwargs: Any) -> Tensor:

@@ -181,6 +181,9 @@ def resolve_tp_plan(
         ValueError: a pattern that matches no module, a colwise/rowwise style on a module that
             is neither ``nn.Linear`` nor ``nn.Embedding``, or a head split its module cannot run.
     """
+    if isinstance(plan, HFTPPlan):
+        _refuse_hf_styles(model, plan)
+        owner = f"{owner} (here {plan.source}, as tp_plan was not given)"
     plan = validate_tp_plan(plan, owner) or {}
     modules = {name: module for name, module in model.named_modules() if name}
     resolved: dict[str, ParallelStyle] = {}
@@ -203,13 +206,54 @@ def resolve_tp_plan(
     return resolved
 
 
+class HFTPPlan(dict):
+    """A TP plan read from Hugging Face configs, which remembers where it came from (for messages).
+
+    Attributes:
+        source: e.g. ``"MixtralForCausalLM's config.base_model_tp_plan"``.
+    """
+
+    source: str = "a Hugging Face config's base_model_tp_plan"
+
+
+def _refuse_hf_styles(model: nn.Module, plan: HFTPPlan) -> None:
+    """Refuse Hugging Face's own styles (``packed_colwise``, ``moe_tp_experts``, ...) naming the plan's source.
+
+    Those styles split 3-D expert parameters (``[num_experts, ...]``) inside Hugging Face's own
+    TP engine; torch's ParallelStyles, which hp_lightning applies, have no counterpart. The
+    message lists the entries torch can apply, as a ``tp_plan`` to pass instead.
+
+    Raises:
+        ValueError: naming the source, the entries and the plan to pass.
+    """
+    unknown = {k: v for k, v in plan.items() if isinstance(v, str) and v not in TP_STYLES}
+    if not unknown:
+        return
+    modules = {name: module for name, module in model.named_modules() if name}
+    usable = {
+        pattern: style
+        for pattern, style in plan.items()
+        if pattern not in unknown
+        and any(fnmatch.fnmatchcase(n, pattern) and isinstance(m, _SPLITTABLE) for n, m in modules.items())
+    }
+    raise ValueError(
+        f"tensor_parallel_size > 1 without tp_plan uses the plan Hugging Face ships, {plan.source}; it maps "
+        f"{unknown} to Hugging Face's own styles {sorted(set(unknown.values()))}, which split 3-D expert parameters "
+        f"([num_experts, ...]) inside Hugging Face's TP engine and have no torch ParallelStyle (hp_lightning applies "
+        f"torch's: {sorted(TP_STYLES)}). Pass tp_plan={usable} to split what torch can (the experts then stay whole "
+        f"over TP, still sharded by FSDP), and/or split the experts over ranks with expert_parallel_size."
+    )
+
+
 def hf_tp_plan(model: nn.Module) -> dict[str, str]:
     """The TP plans Hugging Face models inside ``model`` ship (``config.base_model_tp_plan``), prefixed.
 
     The plan's keys are relative to the base model (``model.model`` of a ``LlamaForCausalLM``);
-    embeddings and the head are left out by Hugging Face and stay replicated over TP.
+    embeddings and the head are left out by Hugging Face and stay replicated over TP. The result
+    is an :class:`HFTPPlan` (a dict naming its source), so that errors say where the plan came from.
     """
-    plan: dict[str, str] = {}
+    plan = HFTPPlan()
+    sources: list[str] = []
     for path, module in model.named_modules():
         config = getattr(module, "config", None)
         base_plan = getattr(config, "base_model_tp_plan", None)
@@ -222,6 +266,9 @@ def hf_tp_plan(model: nn.Module) -> dict[str, str]:
         for pattern, style in base_plan.items():
             key = f"{base}.{pattern}" if base else pattern
             plan.setdefault(key, style)
+        sources.append(f"{type(module).__name__}'s config.base_model_tp_plan" + (f" (at {path!r})" if path else ""))
+    if sources:
+        plan.source = ", ".join(dict.fromkeys(sources))
     return plan
 
 

@@ -242,7 +242,7 @@ def bad_input_worker(tmp: str) -> dict[str, Any]:
     model, optimizer = _sharded_model()
     for fmt, name in (("sharded", "good"), ("full", "good.ckpt")):
         _save(model, optimizer, root / name, sharded=fmt == "sharded", checksums=True)
-    _save(model, optimizer, root / "good_sizes_only", sharded=True)  # the default: sizes, no checksums
+    _save(model, optimizer, root / "good_sizes_only", sharded=True)  # the default: sizes and CRC-32s, no SHA-256
     save_checkpoint({"state_dict": model_state_dict(model, full=False), "global_step": 1}, root / "weights_only", sharded=True)
     for depth, width, tag in ((3, 16, "deeper"), (1, 16, "shallower"), (2, 24, "wider")):
         other, other_optimizer = _sharded_model(depth=depth, width=width)
@@ -291,8 +291,8 @@ def bad_input_worker(tmp: str) -> dict[str, Any]:
         "missing_shard": _outcome(load("missing_shard")),
         "truncated_shard": _outcome(load("truncated_shard")),
         "altered_shard": _outcome(load("altered_shard")),
-        # Saved without checksums: the size still names a truncated shard without reading it; a
-        # same-size alteration is not seen (what checkpoint_checksums=True is for).
+        # Saved with the defaults (no SHA-256): the size names a truncated shard without reading it,
+        # and the CRC-32s recorded at save name a same-size alteration.
         "truncated_unsummed": _outcome(load("truncated_unsummed")),
         "altered_unsummed": _outcome(load("altered_unsummed")),
         "newer_format": _outcome(load("newer_format")),
@@ -370,6 +370,8 @@ EXPECTED_ERRORS = {
     "truncated_shard": ("CorruptCheckpointError", ["__0_0.distcp", "truncated"]),
     "altered_shard": ("CorruptCheckpointError", ["__1_0.distcp", "altered", "SHA-256"]),
     "truncated_unsummed": ("CorruptCheckpointError", ["__0_0.distcp", "truncated"]),
+    # The default's CRC-32s catch a same-size alteration too (before, only checkpoint_checksums=True did).
+    "altered_unsummed": ("CorruptCheckpointError", ["__1_0.distcp", "altered or replaced", "CRC-32"]),
     "newer_format": ("ValueError", ["hp_lightning.json", "format 99", "Upgrade"]),
     "truncated_full": ("CorruptCheckpointError", ["truncated.ckpt", "truncated"]),
     "altered_full": ("CorruptCheckpointError", ["altered.ckpt", "CRC-32"]),
@@ -387,11 +389,6 @@ EXPECTED_ERRORS = {
     "shape_nonstrict_full": ("ValueError", ["wider.ckpt", "'net.blocks.0.fc1.weight': (48, 24) in the checkpoint, (32, 16) in the model", "and 9 more"]),
     "trainer_altered": ("CorruptCheckpointError", ["altered_shard", "__1_0.distcp", "altered"]),
 }
-
-
-def test_a_same_size_alteration_needs_checksums(bad_inputs: list[dict[str, Any]]) -> None:
-    # The trade-off of the default (sizes, no re-read): this loads; checkpoint_checksums=True catches it (above).
-    assert all(results["altered_unsummed"] == ("ok", "") for results in bad_inputs)
 
 
 @pytest.mark.parametrize("case", sorted(EXPECTED_ERRORS))

@@ -150,7 +150,9 @@ def _launch_warm(out: Path, script_args: tuple[str, ...], timeout: float, script
             timed_out = True
             break
         time.sleep(0.05)
-    leftovers = [] if timed_out else [m for proc in procs for m in _wait_for_session(proc.pid, 10.0)]
+    # 20 s: an orphaned DataLoader worker notices its parent is gone within 5 s of starting, and a
+    # spawned one takes seconds to start on a loaded machine.
+    leftovers = [] if timed_out else [m for proc in procs for m in _wait_for_session(proc.pid, 20.0)]
     for proc in procs:
         try:
             os.killpg(proc.pid, signal.SIGKILL)

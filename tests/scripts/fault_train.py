@@ -166,7 +166,6 @@ class FaultyData(torch.utils.data.Dataset):
 
 def kill_after_shards_written(args: argparse.Namespace) -> None:
     """Rank R dies right after DCP wrote its shards of the step-S save: no manifest, nothing published."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import filesystem
 
     def then_die(original):
@@ -180,11 +179,10 @@ def kill_after_shards_written(args: argparse.Namespace) -> None:
 
         return wrapped
 
-    if args.async_save:  # the shard writer runs on DCP's background thread
-        writer = filesystem._FileSystemWriter
-        writer.write_data = then_die(writer.write_data)
-    else:
-        dcp.save = then_die(dcp.save)
+    # DCP's shard writer: after this rank's files are on disk, before its write results reach the
+    # coordinator (on DCP's background thread under async_save, on the main thread otherwise).
+    writer = filesystem._FileSystemWriter
+    writer.write_data = then_die(writer.write_data)
 
 
 def main() -> None:

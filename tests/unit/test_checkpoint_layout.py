@@ -59,8 +59,9 @@ def test_sharded_checkpoint_has_a_manifest_covering_every_file(tmp_path: Path) -
     assert sorted(manifest["files"]) == on_disk
     assert {".metadata", "meta.pt"} <= set(on_disk)
     for name, record in manifest["files"].items():
-        assert file_record(path / name, checksum=False) == record  # sizes: no read-back by default
-    assert manifest["checksum"] is None
+        assert record["size"] == (path / name).stat().st_size and "crc32" in record and "sha256" not in record
+        assert verify_file(path / name, record) is None  # the default: size and CRC-32 of every byte
+    assert manifest["checksum"] == "crc32"
     write_sharded(tmp_path / "summed.ckpt", checksums=True)
     summed = read_manifest(tmp_path / "summed.ckpt")
     assert summed["checksum"] == "sha256"
@@ -151,7 +152,8 @@ def test_verify_file_tells_missing_truncated_grown_and_altered(tmp_path: Path) -
     data[700] ^= 1
     path.write_bytes(bytes(data))
     assert "altered after the save: SHA-256" in verify_file(path, record)
-    assert verify_file(path, file_record(path, checksum=False) | {"size": 1024}) is None  # sizes only: not seen
+    assert "altered or replaced after the save: the CRC-32" in verify_file(path, {"size": 1024, "crc32": record["crc32"]})
+    assert verify_file(path, {"size": 1024}) is None  # a manifest of an hp_lightning that recorded sizes only: not seen
     path.unlink()
     assert "'" + str(path) + "' is missing" in verify_file(path, record)
 

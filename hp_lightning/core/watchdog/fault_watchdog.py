@@ -14,183 +14,42 @@ cases, and which of them torch, torchrun and Lightning's launcher already cover 
 from __future__ import annotations
 
 import atexit
-import json
-import math
 import os
 import signal
 import socket
 import sys
 import threading
 import time
-import traceback
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import Any, Optional
 
 import torch.distributed as dist
 
-from hp_lightning.core._torch_private import default_store
+from hp_lightning.core.watchdog.exits import _one_line_if_uncaught, _quiet_signals, _record_for_torchrun, _say
+from hp_lightning.core.watchdog.processes import _connect_store, _describe_stack, _inside_torch, _is_running, _machine_key, _start_ticks, _StoreUnreachable
 
 #: Exit code of a rank the watchdog stops because another rank failed first.
-PEER_FAILED_EXIT_CODE = 3
-#: Exit code of a failed rank whose process was still alive ``exit_grace`` seconds after its failure.
-FAILED_EXIT_CODE = 1
-
-_PREFIX = "[hp_lightning]"
-#: Messages that mark an error as a consequence of losing a peer rather than a cause of its own.
-_COMMUNICATION_MARKERS = (
-    "Connection closed by peer",
-    "Connection reset by peer",
-    "Broken pipe",
-    "Read error",
-    "Write error",
-    "NCCL communicator was aborted",
-    "Timed out waiting",
-    "timed out",
+from hp_lightning.core.watchdog.reports import (
+    _GONE,
+    FAILED_EXIT_CODE,
+    PEER_FAILED_EXIT_CODE,
+    FailureReport,
+    MainThreadStuck,
+    StoppedForPeerFailure,
+    _first_line,
+    _ProcessInfo,
+    _second_after,
+    check_seconds,
+    is_communication_error,
 )
-_GONE = "is gone: its process ended without reporting an error (killed by a signal such as SIGKILL, or by the OOM killer)"
+
 #: How often a rank checks on a peer it is waiting for (seconds).
 _FINE_POLL = 0.1
+
+
 #: Sequence number of watchdog sessions in this process (fit, then test, ...).
 _generation = 0
-
-
-def _first_line(text: str, limit: int = 300) -> str:
-    lines = [line for line in text.strip().splitlines() if line.strip()]
-    line = lines[0] if lines else ""
-    if "Original Traceback" in text and len(lines) > 1:
-        # Re-raised from another process (a DataLoader worker): its own last line is the cause.
-        line = f"{line.rstrip('.')}: {lines[-1].strip()}"
-    return line if len(line) <= limit else line[: limit - 3] + "..."
-
-
-def is_communication_error(exc: BaseException) -> bool:
-    """Whether ``exc`` looks like a lost peer (a gloo/NCCL/store error) rather than a cause of its own.
-
-    Errors raised *from* one (``raise ... from e``) count too: torch's pipeline stages wrap a lost
-    peer's gloo error in ``RuntimeError("[Stage 0] failed to run forward ...")``. Only explicit
-    causes are followed, not an error raised while another was being handled, which may be a
-    cause of its own.
-    """
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        if isinstance(current, dist.DistError):
-            return True
-        if isinstance(current, RuntimeError) and any(marker in str(current) for marker in _COMMUNICATION_MARKERS):
-            return True
-        current = current.__cause__
-    return False
-
-
-class _Wire:
-    """JSON text for the store, and back (dataclasses of plain fields)."""
-
-    def to_wire(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True)  # type: ignore[call-overload]
-
-    @classmethod
-    def from_wire(cls, data: bytes | str) -> Any:
-        return cls(**json.loads(data))
-
-
-@dataclass(frozen=True)
-class FailureReport(_Wire):
-    """The first failure of the job, as every rank reads it from the store.
-
-    ``kind``: ``"error"`` (it raised), ``"gone"`` (its process ended without a report),
-    ``"silent"`` (its heartbeat stopped) or ``"stuck"`` (its main thread stopped moving).
-    ``summary`` is one line; ``reporter`` the rank that posted it; ``time`` seconds since the epoch.
-    """
-
-    rank: int
-    kind: str
-    summary: str
-    host: str
-    pid: int
-    reporter: int
-    time: float = 0.0
-
-    def describe(self) -> str:
-        """``rank 1 failed: ValueError: ...`` as printed by the ranks it stops."""
-        if self.kind == "error":
-            return f"rank {self.rank} failed first with {self.summary} (its traceback is in rank {self.rank}'s output)"
-        where = f" (pid {self.pid} on {self.host})" if self.pid > 0 else ""
-        return f"rank {self.rank}{where} {self.summary}"
-
-
-@dataclass(frozen=True)
-class _ProcessInfo(_Wire):
-    """Where a rank runs: enough to check on it locally when it shares our host and pid namespace."""
-
-    host: str
-    machine: str
-    pid: int
-    start_ticks: int
-
-
-def _machine_key() -> str:
-    """Host, boot and pid namespace: two ranks with the same key can see each other's pids.
-
-    Empty where ``/proc`` is missing (not Linux): pids are then never checked, heartbeats only.
-    """
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-        namespace = os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        return ""
-    return f"{socket.gethostname()}|{boot}|{namespace}"
-
-
-def _start_ticks(pid: int) -> Optional[int]:
-    """The process's start time in clock ticks (tells a recycled pid apart), or None when it is gone.
-
-    A zombie (ended, not yet reaped by its parent, as Lightning's launcher leaves its children for
-    a while) counts as gone.
-    """
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    fields = stat[stat.rfind(")") + 2 :].split()
-    if not fields or fields[0] in ("Z", "X"):
-        return None
-    return int(fields[19])
-
-
-def _is_running(info: _ProcessInfo) -> bool:
-    return _start_ticks(info.pid) == info.start_ticks
-
-
-def _connect_store(timeout: float) -> dist.Store:
-    """A store client of our own, so the watchdog never waits behind the main thread's store calls.
-
-    The default process group's store is a chain of prefix stores over a TCPStore (Lightning's
-    launcher, torchrun's agent store, ``env://``); a new client connects to the same server. Any
-    other store (``file://``) is used directly.
-    """
-    store = default_store()
-    base = store
-    while hasattr(base, "underlying_store"):
-        base = base.underlying_store
-    if isinstance(base, dist.TCPStore):
-        return dist.TCPStore(
-            base.host, base.port, is_master=False, timeout=timedelta(seconds=timeout), wait_for_workers=False
-        )
-    return store
-
-
-class _StoreUnreachable(Exception):
-    """The store refused or dropped the connection; ``timed_out`` when it stopped answering instead."""
-
-    def __init__(self, cause: BaseException) -> None:
-        super().__init__(str(cause))
-        message = str(cause).lower()
-        self.timed_out = "timeout" in message or "timed out" in message
 
 
 class FaultWatchdog:
@@ -700,6 +559,10 @@ class FaultWatchdog:
             if not self._store_lost and self._store_host_gone() is None:  # (a call to a gone store prints a warning)
                 try:
                     self._store_op(lambda s: s.add("left for the failure", 1))
+                    if self._store_host_rank == self.rank:
+                        # The store lives in this process: leaving takes it down, and a rank that has
+                        # not read the failure yet could only name this (stopped) rank as gone.
+                        self._hold_store_until_read()
                 except _StoreUnreachable:
                     pass
             self._exit_peer_failed(cause)
@@ -784,112 +647,3 @@ class FaultWatchdog:
         _say(f"rank {self.rank} is {summary}; ending it (exit code {FAILED_EXIT_CODE}). Main thread:\n{stack}")
         _record_for_torchrun(MainThreadStuck(f"rank {self.rank}: {summary}"))
         os._exit(FAILED_EXIT_CODE)
-
-
-_TORCH_DIR = os.path.dirname(os.path.dirname(os.path.abspath(dist.__file__)))
-
-
-def _inside_torch(frame: Any) -> bool:
-    """Whether the innermost Python frame is torch's own code (a collective or kernel in progress)."""
-    return os.path.abspath(frame.f_code.co_filename).startswith(_TORCH_DIR + os.sep)
-
-
-def _describe_stack(frame: Any, limit: int = 8) -> str:
-    return "".join(traceback.format_stack(frame, limit=limit)).rstrip()
-
-
-def _second_after(failure: FailureReport) -> float:
-    """The earliest time a consequence of ``failure`` may be recorded for torchrun.
-
-    The agent names the record with the smallest whole-second timestamp as the root cause, so a
-    consequence's record must not share its cause's second.
-    """
-    return math.floor(failure.time) + 1.0
-
-
-def _one_line_if_uncaught(exc: BaseException, line: str) -> None:
-    """If ``exc`` ends the process uncaught, print ``line`` instead of its traceback (a caught ``exc`` is unaffected)."""
-    previous = sys.excepthook
-
-    def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
-        if value is exc:
-            _say(line)
-            return
-        previous(kind, value, tb)
-
-    sys.excepthook = hook
-
-
-def print_once_per_job(exc: BaseException) -> None:
-    """Before a process group exists: rank 0 prints ``exc``'s traceback, every other rank one line.
-
-    A configuration error (a mesh that does not fit the world size, a backend that cannot start)
-    is raised by every rank at once. The rank comes from the launcher's environment (``RANK``).
-    """
-    rank = int(os.environ.get("RANK", "0") or 0)
-    if rank != 0:
-        _one_line_if_uncaught(exc, f"rank {rank}: exiting with {type(exc).__name__}: {_first_line(str(exc))} (traceback in rank 0's output).")
-
-
-def _say(message: str) -> None:
-    sys.stdout.flush()
-    sys.stderr.write(f"{_PREFIX} {message}\n")
-    sys.stderr.flush()
-
-
-def _quiet_signals() -> None:
-    """Ignore SIGTERM and drop Python-level SIGCHLD handlers: this process is ending.
-
-    SIGCHLD: torchrun's SIGTERM also reaches this rank's DataLoader workers, and the
-    DataLoader's handler would raise about their deaths in the middle of the traceback. Only
-    the main thread may change handlers; elsewhere this does nothing.
-    """
-    if threading.current_thread() is not threading.main_thread():
-        return
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    sigchld = getattr(signal, "SIGCHLD", None)
-    if sigchld is not None and callable(signal.getsignal(sigchld)):
-        signal.signal(sigchld, signal.SIG_DFL)
-
-
-class StoppedForPeerFailure(RuntimeError):
-    """Recorded for torchrun by a rank the watchdog stops because another rank failed first."""
-
-
-class MainThreadStuck(RuntimeError):
-    """Recorded for torchrun by a rank whose main thread stopped moving outside torch (a deadlock)."""
-
-
-def _record_for_torchrun(error: BaseException, not_before: float = 0.0) -> None:
-    """Under torchrun, show ``error`` in the agent's summary: torch's ``ErrorHandler``, as ``@record`` does.
-
-    The record is written no earlier than ``not_before`` (at most a second's wait, for a
-    consequence), so the agent never names a consequence as the root cause. Outside torchrun
-    (no ``TORCHELASTIC_ERROR_FILE``) nothing is written.
-    """
-    if not os.environ.get("TORCHELASTIC_ERROR_FILE"):
-        return
-    from torch.distributed.elastic.multiprocessing.errors import get_error_handler
-
-    time.sleep(max(0.0, not_before - time.time()))
-    try:
-        if sys.exc_info()[1] is error:
-            get_error_handler().record_exception(error)
-            return
-        try:
-            raise error from None  # the record's traceback is this frame, not the peer error being handled
-        except BaseException as raised:  # noqa: BLE001 - recorded, not handled
-            get_error_handler().record_exception(raised)
-    except OSError:
-        pass
-
-
-def check_seconds(value: Any, name: str, owner: str = "FaultWatchdog") -> float:
-    """``value`` as a positive, finite number of seconds, or a TypeError/ValueError naming ``owner(name=...)``."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(
-            f"{owner}({name}=...) expects a number of seconds; got {type(value).__name__} {value!r}. Example: {owner}({name}=60)."
-        )
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{owner}({name}=...) must be a finite number of seconds > 0; got {value!r}. Example: {owner}({name}=60).")
-    return float(value)

@@ -1,0 +1,91 @@
+"""Finding out about processes: is a pid still the same process, on this machine; the job's store; where a thread is.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from datetime import timedelta
+from typing import Any, Optional
+
+import torch.distributed as dist
+
+from hp_lightning.core._torch_private import default_store
+
+#: Exit code of a rank the watchdog stops because another rank failed first.
+from hp_lightning.core.watchdog.reports import _ProcessInfo
+
+
+def _machine_key() -> str:
+    """Host, boot and pid namespace: two ranks with the same key can see each other's pids.
+
+    Empty where ``/proc`` is missing (not Linux): pids are then never checked, heartbeats only.
+    """
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        namespace = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return ""
+    return f"{socket.gethostname()}|{boot}|{namespace}"
+
+
+def _start_ticks(pid: int) -> Optional[int]:
+    """The process's start time in clock ticks (tells a recycled pid apart), or None when it is gone.
+
+    A zombie (ended, not yet reaped by its parent, as Lightning's launcher leaves its children for
+    a while) counts as gone.
+    """
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    fields = stat[stat.rfind(")") + 2 :].split()
+    if not fields or fields[0] in ("Z", "X"):
+        return None
+    return int(fields[19])
+
+
+def _is_running(info: _ProcessInfo) -> bool:
+    return _start_ticks(info.pid) == info.start_ticks
+
+
+def _connect_store(timeout: float) -> dist.Store:
+    """A store client of our own, so the watchdog never waits behind the main thread's store calls.
+
+    The default process group's store is a chain of prefix stores over a TCPStore (Lightning's
+    launcher, torchrun's agent store, ``env://``); a new client connects to the same server. Any
+    other store (``file://``) is used directly.
+    """
+    store = default_store()
+    base = store
+    while hasattr(base, "underlying_store"):
+        base = base.underlying_store
+    if isinstance(base, dist.TCPStore):
+        return dist.TCPStore(
+            base.host, base.port, is_master=False, timeout=timedelta(seconds=timeout), wait_for_workers=False
+        )
+    return store
+
+
+class _StoreUnreachable(Exception):
+    """The store refused or dropped the connection; ``timed_out`` when it stopped answering instead."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(str(cause))
+        message = str(cause).lower()
+        self.timed_out = "timeout" in message or "timed out" in message
+
+
+_TORCH_DIR = os.path.dirname(os.path.dirname(os.path.abspath(dist.__file__)))
+
+
+def _inside_torch(frame: Any) -> bool:
+    """Whether the innermost Python frame is torch's own code (a collective or kernel in progress)."""
+    return os.path.abspath(frame.f_code.co_filename).startswith(_TORCH_DIR + os.sep)
+
+
+def _describe_stack(frame: Any, limit: int = 8) -> str:
+    return "".join(traceback.format_stack(frame, limit=limit)).rstrip()
