@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # The CPU wheel of torch lies on disk; pinning it keeps pip from pulling a multi-GB CUDA build.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: install test test-fast demo bench bench-cluster bench-checkpoint bench-pipeline gpu-check clean
+.PHONY: install test lint test-fast demo bench bench-cluster bench-checkpoint bench-pipeline gpu-check clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -17,11 +17,16 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
-test: $(STAMP)
+# Lint and types first (seconds), then the whole suite; CI runs exactly this (.ci/run).
+test: $(STAMP) lint
 	$(PY) -m pytest -q tests
 
+lint: $(STAMP)
+	$(PY) -m ruff check hp_lightning
+	$(PY) -m mypy --config-file mypy.ini hp_lightning
+
 # The edit loop: unit tests and the in-process checks (no multi-rank launch), under a minute.
-test-fast: $(STAMP)
+test-fast: $(STAMP) lint
 	$(PY) -m pytest -q -m "not slow" tests/unit tests/faults/test_faults_unit.py tests/integration/test_cli.py
 
 demo: $(STAMP)

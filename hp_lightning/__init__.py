@@ -2,22 +2,27 @@
 
 Importing this package registers the strategy names ``"hsdp"``, ``"hp_fsdp"`` and
 ``"hsdp_cpu_offload"`` in Lightning's ``StrategyRegistry`` and in Fabric's ``STRATEGY_REGISTRY``
-(:class:`FabricHSDPStrategy`, also :class:`hp_lightning.fabric.HSDPStrategy`), and the
+(:class:`HSDPFabricStrategy`, also ``FabricHSDPStrategy`` and ``hp_lightning.fabric.HSDPStrategy``), and the
 accelerator ``"npu"`` (Ascend, through ``torch_npu``, which is not imported here) in its
 ``AcceleratorRegistry``. It patches nothing: :func:`enable_npu_auto_selection` (an explicit call)
 makes ``accelerator="auto"`` choose NPUs where Lightning would fall back to the CPU.
 
-Layout: :mod:`hp_lightning.core` (no Lightning) and :mod:`hp_lightning.fully_shard` (the seed's API)
-are the engine; :mod:`hp_lightning.strategies` (Trainer) and :mod:`hp_lightning.fabric` (Fabric)
-are hooks over it; :mod:`hp_lightning.callbacks` and :mod:`hp_lightning.checkpoint` build on those.
+Layout: :mod:`hp_lightning.core` (options, mesh, recipe; no Lightning), :mod:`hp_lightning.fully_shard`
+(the seed's API) and :mod:`hp_lightning.parallel` (TP, EP, PP) are the engine;
+:mod:`hp_lightning.frontends` is what both front ends share, and :mod:`hp_lightning.strategies`
+(Trainer) and :mod:`hp_lightning.fabric` (Fabric) keep only their own hooks;
+:mod:`hp_lightning.callbacks` and :mod:`hp_lightning.checkpoint` build on those.
 """
 
 from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REGISTRY
 from lightning.pytorch.strategies import StrategyRegistry
 
+from hp_lightning._version import __version__
 from hp_lightning.accelerators import NPUAccelerator, register_accelerators
 from hp_lightning.accelerators import install_auto_selection as enable_npu_auto_selection
 from hp_lightning.checkpoint import ResumableLoader, load_weights
+from hp_lightning.core.mesh import init_device_mesh
+from hp_lightning.fabric import HSDPFabricStrategy
 from hp_lightning.fully_shard import (
     CPUOffloadPolicy,
     HSDPModule,
@@ -27,19 +32,18 @@ from hp_lightning.fully_shard import (
     get_model_state_dict,
     set_model_state_dict,
 )
-from hp_lightning.core.mesh import init_device_mesh
 from hp_lightning.parallel import ExpertParallel, PipelineStage, parallelize_module
-from hp_lightning.fabric import HSDPStrategy as FabricHSDPStrategy
 from hp_lightning.strategies import HSDPPrecision, HSDPStrategy
 
-__version__ = "0.1.0"
+#: The Fabric strategy's earlier name here (kept working).
+FabricHSDPStrategy = HSDPFabricStrategy
 
 
 def _register() -> None:
     if "hsdp" not in StrategyRegistry:
         HSDPStrategy.register_strategies(StrategyRegistry)
     if "hsdp" not in FABRIC_STRATEGY_REGISTRY:
-        FabricHSDPStrategy.register_strategies(FABRIC_STRATEGY_REGISTRY)
+        HSDPFabricStrategy.register_strategies(FABRIC_STRATEGY_REGISTRY)
     register_accelerators()
 
 
@@ -49,6 +53,7 @@ __all__ = [
     "CPUOffloadPolicy",
     "ExpertParallel",
     "FabricHSDPStrategy",
+    "HSDPFabricStrategy",
     "HSDPModule",
     "HSDPPrecision",
     "HSDPStrategy",
@@ -64,5 +69,16 @@ __all__ = [
     "init_device_mesh",
     "load_weights",
     "parallelize_module",
+    "plan",
     "set_model_state_dict",
 ]
+
+
+def __getattr__(name: str) -> object:
+    # ``hp_lightning.plan`` (the planner, docs/planning.md) is imported on first use: training
+    # processes never pay for it.
+    if name == "plan":
+        from hp_lightning.planner import plan
+
+        return plan
+    raise AttributeError(f"module 'hp_lightning' has no attribute {name!r}")

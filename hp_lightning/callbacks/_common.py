@@ -6,7 +6,7 @@ the strategy's public methods.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from hp_lightning._lightning_private import should_accumulate
 from hp_lightning.core.introspection import units_in_order

@@ -139,7 +139,7 @@ def micro_batch_sync(trainer: pl.Trainer, *, last_micro_batch: bool) -> Generato
     from hp_lightning.callbacks.resharding import ReshardSchedule
 
     keep = not last_micro_batch and any(
-        isinstance(cb, ReshardSchedule) and cb.keep_unsharded_between_micro_batches for cb in trainer.callbacks
+        isinstance(cb, ReshardSchedule) and cb.keep_unsharded_between_micro_batches for cb in trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning's connector, not declared on Trainer
     )
     root = root_module(strategy)
     root.set_reshard_after_backward(not keep)

@@ -82,7 +82,7 @@ class NonFiniteGradients(Callback):
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         if flag.item() == 0:
             return
-        mine = [(name, _kind(g)) for name, g in local if _kind(g) is not None]
+        mine = [(name, kind) for name, g in local if (kind := _kind(g)) is not None]
         message = self._message(trainer, pl_module, _gather(mine))
         self.last_report = message
         if self.action == "raise":

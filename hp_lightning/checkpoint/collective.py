@@ -83,8 +83,12 @@ def agree(error: Optional[BaseException]) -> None:
     _raise_first(errors, error)
 
 
-def on_rank0(fn: Callable[[], T]) -> T:
-    """Run ``fn`` on rank 0 only and hand its result (or its error) to every rank."""
+def on_rank0(fn: Callable[..., T]) -> T:
+    """Run ``fn`` on rank 0 only and hand its result (or its error) to every rank.
+
+    ``fn`` is called with no arguments; a lambda may bind loop variables as defaults (``...`` in
+    its type lets mypy accept those).
+    """
     result: Any = None
     error: Optional[BaseException] = None
     if rank() == 0:
@@ -103,8 +107,11 @@ def on_rank0(fn: Callable[[], T]) -> T:
     return result
 
 
-def on_every_rank(fn: Callable[[], T]) -> T:
-    """Run ``fn`` on every rank; if it fails anywhere, raise everywhere."""
+def on_every_rank(fn: Callable[..., T]) -> T:
+    """Run ``fn`` on every rank; if it fails anywhere, raise everywhere.
+
+    ``fn`` is called with no arguments (a lambda may bind loop variables as defaults).
+    """
     try:
         result, error = fn(), None
     except Exception as exc:  # noqa: BLE001 - shared with every rank, then re-raised

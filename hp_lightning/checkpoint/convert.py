@@ -34,8 +34,8 @@ from hp_lightning.checkpoint.layout import (
     CorruptCheckpointError,
 )
 from hp_lightning.checkpoint.load import dcp_index, read_full_file
-from hp_lightning.checkpoint.unpickle import dcp_load, read_dcp_metadata, torch_load
 from hp_lightning.checkpoint.save import producer_record, save_checkpoint, write_file_atomically
+from hp_lightning.checkpoint.unpickle import dcp_load, read_dcp_metadata, torch_load
 
 #: What a weights-only export keeps: enough for ``LightningModule.load_from_checkpoint``.
 WEIGHTS_ONLY_KEYS = (

@@ -75,6 +75,11 @@ class ResumableLoader:
         TypeError: for a loader without ``len`` (an iterable dataset: resume it with its own state).
     """
 
+    # Set with object.__setattr__ (every other attribute is forwarded to the wrapped loader).
+    loader: Any
+    _served: int
+    _resume_at: int
+
     def __init__(self, loader: Any) -> None:
         if not isinstance(loader, Sized):
             raise TypeError(

@@ -311,6 +311,7 @@ def verify_file(path: Path, record: Mapping[str, Any]) -> Optional[str]:
         return f"the manifest's record of {str(path)!r} is damaged (its 'crc32_ranges' do not describe the file)"
     rest, crcs, sha, _ = _scan(path, [(o, n) for o, n, _ in ranges], read_spans=True, sha256=wants_sha)
     if wants_sha and sha != record["sha256"]:
+        assert sha is not None  # _scan returns a digest whenever sha256=True
         return f"{str(path)!r} was altered after the save: SHA-256 {sha[:16]}... differs from {record['sha256'][:16]}... recorded at save"
     bad = [(o, n) for (o, n, crc), actual in zip(ranges, crcs) if _hex(actual) != crc]
     if "crc32" in record and _hex(rest) != record["crc32"]:

@@ -43,7 +43,7 @@ from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
 # The manifest's per-file records and their checks live in .integrity; named here too, beside the layout they guard.
-from hp_lightning.checkpoint.integrity import file_record, share_by_size, shard_record, verify_file, verify_records  # noqa: F401
+from hp_lightning.checkpoint.integrity import file_record, shard_record, share_by_size, verify_file, verify_records  # noqa: F401
 
 #: Version of the layout above. Loaders refuse newer versions instead of misreading them.
 FORMAT_VERSION = 1

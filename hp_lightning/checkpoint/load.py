@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -32,9 +32,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from hp_lightning.core import devices
 from hp_lightning.checkpoint import layout
-from hp_lightning.checkpoint.unpickle import dcp_load, read_dcp_metadata, torch_load
+
+if TYPE_CHECKING:
+    from lightning.pytorch import LightningModule
 from hp_lightning.checkpoint.collective import on_every_rank, on_rank0, rank, warn_rank0, world_size
 from hp_lightning.checkpoint.layout import (
     DCP_METADATA_FILE,
@@ -46,6 +47,8 @@ from hp_lightning.checkpoint.layout import (
     CheckpointKind,
     CorruptCheckpointError,
 )
+from hp_lightning.checkpoint.unpickle import dcp_load, read_dcp_metadata, torch_load
+from hp_lightning.core import devices
 from hp_lightning.core.state_dict import (
     Shape,
     check_model_keys,
@@ -360,7 +363,7 @@ def _optimizer_request(
     elsewhere: Collection[str] = (),
 ) -> tuple[dict[str, Any], list[list[str]], bool, set[str]]:
     """This run's optimizer state shaped like what checkpoint entry ``optimizer_i`` stores (to load into)."""
-    current = get_optimizer_state_dict(model, optimizer)  # initializes empty state, so it has every entry
+    current: dict[str, Any] = get_optimizer_state_dict(model, optimizer)  # initializes empty state, so it has every entry
     current["state"] = {k: v for k, v in current["state"].items() if k not in skipped}
     names = optimizer_param_names(model, optimizer)
     stored_entries, stored_groups = _stored_optimizer(index, i)
@@ -494,7 +497,9 @@ def _load_full(
         warn_rank0(f"{source} holds model weights only: they are loaded, and training starts at step 0 with fresh optimizer state.")
     restoring = [] if weights_file else on_every_rank(lambda: _plan_optimizers(model, optimizers, len(summary["optimizers"]), strict=strict, source=source))
     for i, optimizer in enumerate(restoring):
-        names, skipped = on_every_rank(lambda i=i, optimizer=optimizer: _check_full_optimizer(model, optimizer, summary["optimizers"][i], i, set(missing), source))
+        names, skipped = on_every_rank(
+            lambda i=i, optimizer=optimizer: _check_full_optimizer(model, optimizer, summary["optimizers"][i], i, set(missing), source)
+        )
         state: dict[str, Any] = {}
         if rank() == 0:
             stored = loaded[OPTIMIZER_KEY][i]
@@ -513,7 +518,9 @@ def _load_full(
 def _summarize_optimizer(state: Mapping[str, Any]) -> dict[str, Any]:
     return {
         "by_position": is_keyed_by_position(state),
-        "entries": {k: {key: tuple(v.shape) if isinstance(v, torch.Tensor) else None for key, v in entry.items()} for k, entry in state.get("state", {}).items()},
+        "entries": {
+            k: {key: tuple(v.shape) if isinstance(v, torch.Tensor) else None for key, v in entry.items()} for k, entry in state.get("state", {}).items()
+        },
         "groups": len(state.get("param_groups", [])),
     }
 
@@ -527,7 +534,7 @@ def _check_full_optimizer(
         flat = [n for group in names for n in group]
         _check_positions(model, flat, {k: v for k, v in entries.items() if isinstance(k, int)}, missing, i, source)
         entries = {flat[k]: v for k, v in entries.items() if isinstance(k, int) and k < len(flat)}
-    current = get_optimizer_state_dict(model, optimizer)
+    current: dict[str, Any] = get_optimizer_state_dict(model, optimizer)
     current["state"] = {k: v for k, v in current["state"].items() if k not in missing}
     check_optimizer_state(current, {k: sorted(v) for k, v in entries.items()}, summary["groups"], index=i, source=source)
     return names, missing | (set(sum(names, [])) - set(entries))
@@ -548,7 +555,8 @@ def _unwrapped(module: nn.Module) -> nn.Module:
     parameter name, and the wrapper's names carry a prefix (``_forward_module.``) that no key has."""
     from lightning.fabric.wrappers import is_wrapped
 
-    return module.module if is_wrapped(module) and isinstance(getattr(module, "module", None), nn.Module) else module
+    inner = getattr(module, "module", None)
+    return inner if is_wrapped(module) and isinstance(inner, nn.Module) else module
 
 
 def load_weights(module: nn.Module, path: Path, *, prefix: str = "", strict: bool = True, weights_only: Optional[bool] = None) -> None:
@@ -597,7 +605,7 @@ def directory_message(path: Path, caller: str) -> str:
     )
 
 
-def load_from_checkpoint(cls: type, checkpoint_path: Any, **kwargs: Any) -> Any:
+def load_from_checkpoint(cls: type[LightningModule], checkpoint_path: Any, **kwargs: Any) -> Any:
     """``cls.load_from_checkpoint(checkpoint_path, **kwargs)`` that also takes sharded directories.
 
     One plain process, no process group, CPU tensors: a sharded directory (hp_lightning's, or

@@ -29,12 +29,11 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
-from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.tensor import DTensor
 
 from hp_lightning.checkpoint import layout
-from hp_lightning.core import devices
 from hp_lightning.checkpoint.collective import agree, on_rank0, rank, world_size
 from hp_lightning.checkpoint.layout import (
     DCP_METADATA_FILE,
@@ -45,6 +44,7 @@ from hp_lightning.checkpoint.layout import (
     MODEL_KEY,
     OPTIMIZER_KEY,
 )
+from hp_lightning.core import devices
 
 
 def is_sharded_checkpoint(path: Path) -> bool:
@@ -303,6 +303,7 @@ class AsyncSaves:
         except BaseException:
             self._published.set()
             raise
+        assert isinstance(future, Future)  # staging is synchronous (use_async_staging=False): no AsyncSaveResponse
         self._future = future
         if rank() == 0:
             started = self._started

@@ -27,8 +27,8 @@ import io
 import os
 import pickle
 import re
-from pathlib import Path
 from collections.abc import Sequence
+from pathlib import Path
 from typing import IO, Any, Optional, Union
 
 import torch
@@ -225,6 +225,7 @@ class SafeReader(FileSystemReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
         metadata = read_dcp_metadata(Path(self.path), weights_only=self.weights_only, rank=kwargs.get("rank"))
+        assert metadata.storage_meta is not None  # read_dcp_metadata always fills it in
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
@@ -244,7 +245,9 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         except Exception as exc:  # noqa: BLE001 - named: entry and directory
             if _is_weights_only_failure(exc):
                 raise _weights_only_failure(value, exc, repr(str(self.source)), entry=fqn) from None
-            raise CorruptCheckpointError(f"Entry {fqn!r} of {str(self.source)!r} cannot be read ({type(exc).__name__}: {exc}); the checkpoint is damaged.") from None
+            raise CorruptCheckpointError(
+                f"Entry {fqn!r} of {str(self.source)!r} cannot be read ({type(exc).__name__}: {exc}); the checkpoint is damaged."
+            ) from None
         if self.flatten_state_dict:
             _put(self.original_state_dict, self.mappings[fqn], loaded)
         else:

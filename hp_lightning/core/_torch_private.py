@@ -10,8 +10,10 @@ Checked against torch 2.13.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
-from typing import Any
+import types
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -48,6 +50,14 @@ _PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
     ("torch.distributed.device_mesh", "DeviceMesh._flatten"),
     ("torch.utils._python_dispatch", "TorchDispatchMode"),
     ("torch.autograd.variable", "Variable._execution_engine.queue_callback"),
+    # The planner (hp_lightning/planner): a fake process group and fake tensors, one simulated rank.
+    ("torch.testing._internal.distributed.fake_pg", "FakeStore"),  # registers the "fake" backend on import
+    ("torch._subclasses.fake_tensor", "FakeTensorMode"),
+    ("torch._subclasses.fake_tensor", "DataDependentOutputException"),
+    ("torch._subclasses.fake_tensor", "UnsupportedOperatorException"),
+    ("torch.distributed.tensor._sharding_prop", "ShardingPropagator.propagate_op_sharding"),
+    ("torch.distributed.tensor._sharding_prop", "ShardingPropagator._propagate_tensor_meta_cached"),
+    ("torch.utils._pytree", "tree_flatten"),
 )
 
 
@@ -129,7 +139,7 @@ def wrap_as_forward(root: nn.Module, method_name: str) -> None:
                 group._training_state = TrainingState.FORWARD
         return state._post_forward(self, args, output)
 
-    setattr(root, method_name, wrapped.__get__(root, type(root)))
+    setattr(root, method_name, types.MethodType(wrapped, root))
 
 
 # ---------------------------------------------------------------- autograd, store, DCP
@@ -137,7 +147,7 @@ def wrap_as_forward(root: nn.Module, method_name: str) -> None:
 
 def queue_backward_callback(callback: Callable[[], None]) -> None:
     """Run ``callback`` once at the end of the current backward pass (no public equivalent)."""
-    torch.autograd.Variable._execution_engine.queue_callback(callback)  # type: ignore[attr-defined]
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 
 def default_store() -> dist.Store:
@@ -149,9 +159,9 @@ def default_store() -> dist.Store:
 
 def resolve_process_group(group_name: str) -> Any:
     """The process group a functional collective names by string (no public lookup)."""
-    from torch.distributed.distributed_c10d import _resolve_process_group
+    from torch.distributed.distributed_c10d import GroupName, _resolve_process_group
 
-    return _resolve_process_group(group_name)
+    return _resolve_process_group(GroupName(group_name))
 
 
 def flatten_mesh(mesh: Any, name: str) -> Any:
@@ -188,7 +198,7 @@ def held_gradients(unit: nn.Module) -> list[torch.Tensor]:
     The unsharded gradients accumulated while gradient sync is off, and HSDP partial reductions
     waiting for their all-reduce (``set_requires_all_reduce(False)``).
     """
-    held: list[torch.Tensor] = []
+    held: list[Optional[torch.Tensor]] = []
     for group in param_groups(unit):
         held.append(getattr(group, "_partial_reduce_output", None))
         for fsdp_param in group.fsdp_params:
@@ -197,3 +207,72 @@ def held_gradients(unit: nn.Module) -> list[torch.Tensor]:
             if unsharded is not None:
                 held.append(unsharded.grad)
     return [t for t in held if t is not None]
+
+
+# ---------------------------------------------------------------- the planner's fake world
+
+
+def fake_tensor_mode() -> Any:
+    """A ``FakeTensorMode`` in which tensors have shapes and dtypes but no storage.
+
+    Real tensors (torchmetrics' scalar states, constants a model keeps) may enter it: they are
+    converted on first use instead of refused.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def data_dependent_errors() -> tuple[type[BaseException], ...]:
+    """The exceptions a fake-tensor run raises for code that reads tensor values or has no fake kernel."""
+    from torch._subclasses.fake_tensor import (
+        DataDependentOutputException,
+        UnsupportedOperatorException,
+    )
+
+    return (DataDependentOutputException, UnsupportedOperatorException)
+
+
+def reset_dtensor_caches() -> None:
+    """Forget DTensor's cached sharding decisions, which hold the meshes (and group names) of an earlier fake world.
+
+    Each simulated rank joins a new fake world; a cached decision for an equal-looking mesh would
+    name a process group of a world that no longer exists.
+    """
+    from torch.distributed.tensor import DTensor
+
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    for name in ("propagate_op_sharding", "_propagate_tensor_meta_cached"):
+        clear = getattr(getattr(propagator, name, None), "cache_clear", None)
+        if clear is not None:
+            clear()
+
+
+@contextmanager
+def fake_process_group(rank: int, world_size: int) -> Iterator[None]:
+    """Make this process rank ``rank`` of a fake world of ``world_size`` for the ``with`` block.
+
+    Raises:
+        RuntimeError: a process group exists already (the planner runs before training, not inside it).
+    """
+    if dist.is_initialized():
+        raise RuntimeError(
+            "hp_lightning.planner simulates ranks on a fake process group of its own, but this process already "
+            "has a process group. Run the planner in its own process (`python -m hp_lightning plan ...`), not inside "
+            "a training job."
+        )
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    reset_dtensor_caches()
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def tree_flatten(tree: Any) -> tuple[list[Any], Any]:
+    """torch's pytree flattening (``torch.utils._pytree``; no public pytree module in torch 2.13)."""
+    from torch.utils._pytree import tree_flatten as flatten
+
+    return flatten(tree)

@@ -13,18 +13,20 @@ checkpoint folders, loop lengths), :func:`resume_settings` and :func:`sharding_s
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import json
 import math
+import sys
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.distributed as dist
 
+from hp_lightning._version import __version__
 from hp_lightning.core import devices
 
 if TYPE_CHECKING:
-    import lightning.pytorch as pl
     from torch import nn
 
     from hp_lightning.core.parallelize import ShardedModel
@@ -137,38 +139,46 @@ TRAINER_LOOP_SETTINGS = (
 
 
 def setup_settings(
-    options: Mapping[str, Any], precision: Optional[str], trainer: Optional[pl.Trainer], mesh_shape: Sequence[int]
+    options: Mapping[str, Any], precision: Optional[str], trainer: Any, mesh_shape: Sequence[int]
 ) -> dict[str, Any]:
     """What must agree before the device mesh is built: versions, mesh, options, precision, paths, loops.
 
     Args:
         options: the strategy's options (:meth:`hp_lightning.core.options.HSDPOptions.settings`).
         precision: the precision flag in effect.
-        trainer: the Trainer, for the checkpoint paths and loop lengths (None: Fabric, left out).
+        trainer: Lightning's Trainer, for the checkpoint paths and loop lengths (None: Fabric, left
+            out); read by attribute (``checkpoint_callbacks``, the loop settings): no Lightning import.
         mesh_shape: the mesh shape this rank resolved.
     """
-    import lightning
-
-    import hp_lightning
-
     settings: dict[str, Any] = {
-        "hp_lightning version": hp_lightning.__version__,
+        "hp_lightning version": _package_version(),
         "torch version": str(torch.__version__),
-        "lightning version": lightning.__version__,
+        "lightning version": _installed_version("lightning"),
         "mesh shape": tuple(mesh_shape),
     }
     settings.update(options)
     settings["precision"] = precision
     if trainer is not None:
         # (The checkpoint to resume is compared later, when Lightning knows it: resume_settings.)
-        from lightning.pytorch.callbacks import ModelCheckpoint
-
-        dirpaths = [cb.dirpath for cb in trainer.callbacks if isinstance(cb, ModelCheckpoint)]  # type: ignore[attr-defined]
+        dirpaths = [cb.dirpath for cb in getattr(trainer, "checkpoint_callbacks", []) if hasattr(cb, "dirpath")]
         if dirpaths:
             settings["ModelCheckpoint(dirpath=...)"] = dirpaths
         for name in TRAINER_LOOP_SETTINGS:
             settings[f"Trainer({name}=...)"] = getattr(trainer, name, None)
     return settings
+
+
+def _package_version() -> str:
+    """hp_lightning's ``__version__``: the loaded package's when it is loaded (read, not imported), else this checkout's."""
+    return getattr(sys.modules.get("hp_lightning"), "__version__", None) or __version__
+
+
+def _installed_version(distribution: str) -> str:
+    """The installed version of ``distribution`` (from its metadata: nothing is imported)."""
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
 
 
 def resume_settings(checkpoint_path: Any) -> dict[str, Any]:
@@ -218,7 +228,7 @@ def host_group(timeout: Optional[Any] = None) -> Optional[dist.ProcessGroup]:
     """
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
         return None
-    backend = devices.default_backend(devices.CPU)
+    backend = devices.default_backend(devices.CPU)  # host tensors: gloo
     return dist.new_group(backend=backend, timeout=timeout) if timeout is not None else dist.new_group(backend=backend)
 
 

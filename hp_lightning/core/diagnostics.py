@@ -30,13 +30,14 @@ import threading
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import FrameType
 from typing import Any, Callable
-
-from torch.overrides import TorchFunctionMode
 
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as _c10d
+from torch.overrides import TorchFunctionMode
+
 from hp_lightning.core import devices
 from hp_lightning.core._torch_private import TorchDispatchMode, resolve_process_group
 
@@ -118,7 +119,7 @@ class CollectiveCounter:
             setattr(dist, name, wrapped)
             if name in ("isend", "irecv") and getattr(_c10d, name, None) is original:
                 setattr(_c10d, name, wrapped)  # P2POp accepts only c10d's own isend/irecv
-        self._functional = _FunctionalCollectives(self)
+        self._functional: _FunctionalCollectives | None = _FunctionalCollectives(self)
         self._functional.__enter__()
         return self
 
@@ -134,7 +135,8 @@ class CollectiveCounter:
         self._originals.clear()
 
     def _record(self, call: CollectiveCall) -> None:
-        if self.paused or getattr(self._local, "depth", 0):
+        depth: int = getattr(self._local, "depth", 0)
+        if self.paused or depth:
             return
         if self.bucket is not None:
             call = dataclasses.replace(call, bucket=self.bucket)
@@ -306,7 +308,7 @@ class HostReads(TorchFunctionMode):
     def _site(self) -> str | None:
         # The first frame outside torch made the read: count it when it is the package's (a read
         # inside torch.optim called by Lightning is Lightning's, not hp_lightning's).
-        frame = sys._getframe(2)
+        frame: FrameType | None = sys._getframe(2)
         while frame is not None and frame.f_code.co_filename.startswith(_TORCH):
             frame = frame.f_back
         if frame is None or not frame.f_code.co_filename.startswith(self.package):

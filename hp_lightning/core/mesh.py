@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from functools import cached_property
+from typing import cast, overload
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
@@ -50,6 +51,10 @@ DP_DIM = "dp"
 INFER = -1
 
 
+@overload
+def validate_mesh_shape(mesh_shape: None) -> None: ...
+@overload
+def validate_mesh_shape(mesh_shape: Sequence[int]) -> tuple[int, ...]: ...
 def validate_mesh_shape(mesh_shape: Sequence[int] | None) -> tuple[int, ...] | None:
     """Check a user's ``mesh_shape`` for type and form, before any process exists.
 
@@ -377,7 +382,7 @@ class ParallelMesh:
     def dp_group(self) -> dist.ProcessGroup:
         """One process group over every data-parallel rank (the world group without TP and PP)."""
         if self.layout.tp == 1 and self.layout.pp == 1:
-            return dist.group.WORLD
+            return cast(dist.ProcessGroup, dist.group.WORLD)  # a mesh exists: the default group does too
         dp = self.dp
         return dp.get_group() if dp.ndim == 1 else flatten_mesh(dp, DP_DIM).get_group()
 

@@ -1,38 +1,63 @@
-"""The strategy options, validated once for both front ends (Trainer and Fabric).
+"""The strategy options, written once: small frozen dataclasses grouped by owner, one flat constructor.
 
-:class:`HSDPOptions` is what ``HSDPStrategy(...)`` of either front end keeps: every argument
-checked and normalized at construction (in ``Trainer(...)`` / ``Fabric(...)``, before any process
-or group exists), then turned into a :class:`~hp_lightning.core.parallelize.ShardingPlan` at setup.
-Its :meth:`settings` are what every rank must agree on before the mesh is built.
+Each group is a frozen, keyword-only dataclass whose fields carry their documentation (the string
+under each field; :func:`field_docs` reads it). :class:`HSDPOptions` is every group at once, with
+flat fields: ``HSDPOptions(mesh_shape=[2, 4], cpu_offload=True)`` is the constructor users, YAML
+and both front ends share, and an ``HSDPOptions`` is also an instance of each group, so code that
+needs only the checkpoint options can take a :class:`CheckpointOptions`.
+
+=====================  ============================================================
+group                  owner
+=====================  ============================================================
+:class:`ParallelOptions`   the mesh and its sizes (:mod:`hp_lightning.core.mesh`), TP, EP
+:class:`ShardingOptions`   the recipe: units, placements, reduction, accumulation, init
+:class:`PrecisionOptions`  dtypes of compute and reduction
+:class:`CheckpointOptions` what a save writes and a resume reads
+:class:`FaultOptions`      timeouts, watchdog, preemption, divergence check
+:class:`PipelineOptions`   how the model is cut into stages and scheduled
+=====================  ============================================================
+
+Every value is checked and normalized at construction (in ``Trainer(...)`` / ``Fabric(...)``,
+before any process or group exists). :meth:`HSDPOptions.layout` resolves the mesh sizes once for
+a world; :meth:`HSDPOptions.sharding_plan` is what the recipe applies; :meth:`HSDPOptions.settings`
+is what every rank must agree on before the mesh is built.
+
+Adding an option: a field with its docstring in the group that owns it (with a check in that
+group's ``_normalize`` when it needs one), and the code that uses it. The front ends' constructor
+signatures, the ``--help`` text and ``docs/configuration.md`` follow from the field.
 """
 
 from __future__ import annotations
 
+import ast
+import inspect
 import math
+import textwrap
+import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from datetime import timedelta
-from typing import Any, Optional, Union
+from functools import cache
+from typing import Any, Literal, Optional, Union
 
 import torch
 
 from hp_lightning.core import devices
 from hp_lightning.core.accumulation import check_mode
-from hp_lightning.core.watchdog import check_seconds
-from hp_lightning.core.mesh import validate_mesh_shape, validate_parallel_sizes
+from hp_lightning.core.mesh import MeshLayout, resolve_layout, validate_mesh_shape, validate_parallel_sizes
 from hp_lightning.core.parallelize import ShardingPlan
-from hp_lightning.core.units import UnitSpec, validate_unit_specs
+from hp_lightning.core.units import validate_unit_specs
+from hp_lightning.core.watchdog import check_seconds
+from hp_lightning.fully_shard import REDUCE_OPS, CPUOffloadPolicy, OffloadPolicy, build_mp_policy, parse_dtype, validate_scaling_factor
 from hp_lightning.parallel.pipeline import SCHEDULES as PIPELINE_SCHEDULES
 from hp_lightning.parallel.pipeline import validate_split_points
 from hp_lightning.parallel.tensor import validate_tp_plan
-from hp_lightning.fully_shard import REDUCE_OPS, CPUOffloadPolicy, OffloadPolicy, build_mp_policy, parse_dtype, validate_scaling_factor
 
 STATE_DICT_TYPES = ("sharded", "full")
 #: ``divergence_check``: compare what each rank's backward reaches before gradient collectives, or not.
 DIVERGENCE_CHECKS = ("per_step", "off")
 #: torch.distributed's default collective timeout (30 minutes).
 DEFAULT_TIMEOUT = timedelta(minutes=30)
-
 
 def _check_bool(value: Any, name: str) -> bool:
     if not isinstance(value, bool):
@@ -112,67 +137,190 @@ def _check_backend(backend: Any) -> Optional[str]:
     return backend
 
 
-@dataclass(frozen=True)
-class HSDPOptions:
-    """Every option of ``HSDPStrategy`` (Trainer and Fabric), validated and normalized.
-
-    The meaning of each field is documented on :class:`hp_lightning.HSDPStrategy`.
-
-    Raises:
-        TypeError / ValueError: on construction, for any field of the wrong type or value.
-    """
-
-    mesh_shape: Optional[Sequence[int]] = None
-    tensor_parallel_size: int = 1
-    expert_parallel_size: int = 1
-    tp_plan: Optional[Mapping[str, Any]] = None
-    expert_modules: Optional[Sequence[str]] = None
-    shard_modules: Optional[Sequence[UnitSpec]] = None
-    reshard_after_forward: bool = True
-    param_dtype: Optional[Union[str, torch.dtype]] = None
-    reduce_dtype: Optional[Union[str, torch.dtype]] = None
-    cpu_offload: bool = False
-    activation_checkpointing: Optional[Sequence[UnitSpec]] = None
-    ignored_params: Optional[Sequence[str]] = None
-    replicate_params: Optional[Sequence[str]] = None
-    comm_fusion: bool = False
-    reduce_op: str = "avg"
-    gradient_scaling_factor: Optional[float] = None
-    shard_placement: Optional[Mapping[str, int]] = None
-    prefetch: int = 1
-    forward_methods: Optional[Sequence[str]] = None
-    accumulation_mode: str = "skip"
-    state_dict_type: str = "sharded"
-    sharding_report: bool = False
-    process_group_backend: Optional[str] = None
-    timeout: Union[float, timedelta] = DEFAULT_TIMEOUT
-    train_timeout: Optional[Union[float, timedelta]] = None
-    fault_watchdog: bool = True
-    heartbeat_timeout: float = 120.0
-    failure_exit_grace: float = 30.0
-    save_on_preemption: bool = False
-    divergence_check: Union[str, bool] = "per_step"
-    meta_init: bool = True
-    resumable_dataloaders: bool = False
-    checkpoint_checksums: bool = False
-    async_save: bool = False
-    pipeline_parallel_size: int = 1
-    pipeline_split_points: Optional[Sequence[str]] = None
-    pipeline_schedule: str = "1f1b"
-    pipeline_microbatches: Optional[int] = None
+class _OptionGroup:
+    """What every group shares: normalization at construction, and the field documentation."""
 
     def __post_init__(self) -> None:
+        values: dict[str, Any] = {}
+        for group in _groups_of(type(self)):
+            values.update(group._normalize(self, values))  # type: ignore[attr-defined]
+        for name, value in values.items():
+            object.__setattr__(self, name, value)
+
+    def _normalize(self, done: Mapping[str, Any]) -> dict[str, Any]:
+        """This group's fields, checked and normalized (``done``: the groups before it, for combined checks).
+
+        Raises:
+            TypeError / ValueError: naming the option, what it expects, what it got.
+        """
+        return {}
+
+
+def _groups_of(cls: type) -> list[type]:
+    """The option groups ``cls`` is made of, in field order (for a group alone: itself)."""
+    return [c for c in reversed(cls.__mro__) if issubclass(c, _OptionGroup) and c is not _OptionGroup and "_normalize" in c.__dict__]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelOptions(_OptionGroup):
+    """How the world is cut: the data-parallel mesh, tensor, expert and pipeline parallel sizes, the backend."""
+
+    mesh_shape: Optional[Sequence[int]] = None
+    """The data-parallel dims. ``None``: HSDP ``(num_nodes, devices per node / tp)``; ``[N]``: FSDP
+    over N ranks; ``[R, S]``: HSDP, R replicas of S shards, each shard group S consecutive ranks.
+    One size may be ``-1`` (inferred from the world size): ``[-1]`` is FSDP over everything,
+    ``[4, -1]`` four replicas. The product must equal the world size divided by
+    ``tensor_parallel_size`` and ``pipeline_parallel_size``."""
+
+    tensor_parallel_size: int = 1
+    """Ranks per tensor-parallel group: the innermost mesh dim ``"tp"`` (consecutive ranks, one
+    node). The ranks of a TP group see the same batch; the sampler splits data over the
+    data-parallel ranks only. Must divide the devices per node (default mesh) or the world. 1 = off."""
+
+    expert_parallel_size: int = 1
+    """Ranks the experts are split over: dim ``"ep"``, carved out of the shard dim (so EP ranks are
+    data-parallel ranks, each with its own batch). Must divide the shard dim and the number of
+    experts. Not combinable with ``tensor_parallel_size > 1`` yet. 1 = off."""
+
+    pipeline_parallel_size: int = 1
+    """Pipeline stages: the outermost mesh dim ``"pp"``. Each rank builds only its stage (cut from
+    the model at ``pipeline_split_points``, meta-initialized) and shards it over its own
+    data-parallel sub-mesh; torch's ``PipelineStage`` and schedules run it inside the Trainer's
+    step methods. The LightningModule provides ``forward`` (a stage's input to its output) and
+    ``pipeline_loss(output, target)``; ``pipeline_batch(batch)`` may override the default
+    ``(batch[0], batch[1])`` split into input and target. Trainer only (Fabric: a ValueError above
+    1; build ``hp_lightning.PipelineStage`` yourself); not with TP/EP yet. Sharded checkpoints
+    resume across pipeline sizes; a ``full`` one is gathered on rank 0 from every stage. 1 = off."""
+
+    tp_plan: Optional[dict[str, str]] = None
+    """Module-name glob → style: ``colwise``, ``rowwise``, ``colwise_gather_output``,
+    ``embedding_rowwise``, ``sequence_parallel`` (torch's ``ColwiseParallel`` / ``RowwiseParallel``
+    / ``SequenceParallel``; Hugging Face's names), or a torch ``ParallelStyle`` from Python, applied
+    before sharding. ``None``: the ``base_model_tp_plan`` of Hugging Face models inside the module.
+    A pattern that matches nothing, an unknown style, or a colwise/rowwise style on a module that
+    is not ``Linear``/``Embedding`` is an error. Unused at ``tensor_parallel_size=1``."""
+
+    expert_modules: Optional[Sequence[str]] = None
+    """Module-name globs of grouped-experts modules (parameters ``[num_experts, ...]``, forward
+    ``(tokens sorted by expert, counts per expert)``; see ``examples/moe.py``). ``None``:
+    ``["*experts"]``. Unused at ``expert_parallel_size=1``."""
+
+    process_group_backend: Optional[str] = None
+    """``None``: ``gloo`` on CPU, ``nccl`` on CUDA, ``hccl`` on Ascend NPU; under ``cpu_offload``
+    gloo is added for host tensors (``"cpu:gloo,cuda:nccl"``)."""
+
+    def _normalize(self, done: Mapping[str, Any]) -> dict[str, Any]:
         tp, ep, pp = validate_parallel_sizes(self.tensor_parallel_size, self.expert_parallel_size, self.pipeline_parallel_size)
-        normalized = {
+        return {
             "mesh_shape": validate_mesh_shape(self.mesh_shape),
             "tensor_parallel_size": tp,
             "expert_parallel_size": ep,
+            "pipeline_parallel_size": pp,
             "tp_plan": validate_tp_plan(self.tp_plan),
             "expert_modules": _check_patterns(self.expert_modules, "expert_modules"),
+            "process_group_backend": _check_backend(self.process_group_backend),
+        }
+
+    def layout(self, *, world_size: int, num_nodes: int, devices_per_node: int) -> MeshLayout:
+        """The sizes of every mesh dim for this world: resolved once, then carried to the mesh and the recipe.
+
+        Raises:
+            ValueError: sizes that cannot cover the world, naming which to change.
+        """
+        return resolve_layout(
+            self.mesh_shape,
+            world_size=world_size,
+            num_nodes=num_nodes,
+            devices_per_node=devices_per_node,
+            tensor_parallel_size=self.tensor_parallel_size,
+            expert_parallel_size=self.expert_parallel_size,
+            pipeline_parallel_size=self.pipeline_parallel_size,
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardingOptions(_OptionGroup):
+    """The recipe: which modules become units, where parameters live, how gradients reduce and accumulate."""
+
+    shard_modules: Optional[Sequence[Union[str, type]]] = None
+    """The sharding units (classes, dotted class paths, class names or module-name globs): each is
+    all-gathered in one call and reduce-scattered in one call. ``None``: the classes in HF's
+    ``_no_split_modules`` when the model has it, else the blocks of every repeated
+    ``nn.ModuleList``; then, with ``None`` only, LLM-aware units outside the blocks: all
+    ``nn.Embedding`` s form one unit and the ``nn.Linear`` head with the norms after the last block
+    another, each when its parameters reach half the median block's bytes and none is shared with
+    a module outside the group (tied embeddings stay in the root). Everything else belongs to the
+    root unit."""
+
+    reshard_after_forward: bool = True
+    """True: free each unit's gathered parameters after its forward (least memory; gathered again
+    in backward). False: keep them until backward (one all-gather fewer per unit and step, the full
+    unit resident). The root never reshards after forward."""
+
+    cpu_offload: bool = False
+    """Keep sharded parameters, gradients and optimizer state in host memory; each unit is copied
+    to the device only while it computes. The optimizer step runs on the CPU."""
+
+    activation_checkpointing: Optional[Sequence[Union[str, type]]] = None
+    """Blocks (same forms as ``shard_modules``) whose activations are recomputed in backward
+    instead of stored: one extra forward per block. State-dict keys do not change."""
+
+    ignored_params: Optional[Sequence[str]] = None
+    """Parameter-name globs left alone: not sharded, gradients **not** synchronized. For frozen
+    parameters, or parameters each rank keeps for itself (a trainable one diverges across ranks).
+    Every glob must match a parameter; none may be in ``replicate_params`` too."""
+
+    replicate_params: Optional[Sequence[str]] = None
+    """Parameter-name globs kept whole on every rank, gradients all-reduced DDP-style: for small
+    parameters where a shard is not worth a collective (norms, biases). Not under a pipeline."""
+
+    comm_fusion: bool = False
+    """Bucket each unit's replicate-parameter all-reduces into one call."""
+
+    reduce_op: Literal["avg", "sum"] = "avg"
+    """``"avg"``: gradients are the mean over data-parallel ranks (what single-process training
+    with the global batch gives); ``"sum"``: their sum."""
+
+    gradient_scaling_factor: Optional[float] = None
+    """Multiply reduced gradients by this factor (``None``: off). Fixed for the run; the
+    ``GradientScaling`` callback changes it per step."""
+
+    shard_placement: Optional[Mapping[str, int]] = None
+    """Parameter-name glob → dimension to shard on (first matching glob wins); unmatched
+    parameters shard on dim 0."""
+
+    prefetch: int = 1
+    """Each unit all-gathers the next N units in forward and the previous N in backward,
+    overlapping communication with compute; 0 leaves it to FSDP2's defaults."""
+
+    forward_methods: Optional[Sequence[str]] = None
+    """Methods that run the model outside the step methods (Trainer) or ``forward`` (Fabric), so
+    the root's parameters are gathered when they are entered. ``generate`` is registered
+    automatically when the module has it."""
+
+    accumulation_mode: Literal["skip", "every", "defer_all_reduce"] = "skip"
+    """What the non-final micro-batches of an accumulation window (Fabric: under
+    ``fabric.no_backward_sync``) communicate: ``"skip"`` nothing (full-size gradients held between
+    micro-batches), ``"every"`` reduce-scatter and all-reduce (sharded gradients only),
+    ``"defer_all_reduce"`` reduce-scatter only (the HSDP all-reduce once per window). See
+    :mod:`hp_lightning.core.accumulation`; the ``GradientAccumulationSync`` callback and
+    ``strategy.set_accumulation_mode()`` change it later."""
+
+    meta_init: bool = True
+    """Build ``configure_model`` / ``trainer.init_module()`` / ``fabric.init_module()`` on the meta
+    device, recording construction; after sharding, replay it (and the modules' own init rules) on
+    the local shards, so the model never exists whole on a rank and equals a host-built one with
+    the same seed; a tensor nothing initializes is an error at setup (see ``docs/models.md``).
+    False: build on the host (every rank holds the whole model once)."""
+
+    sharding_report: bool = False
+    """Log the per-unit sharding table (units, bytes per rank, placements, dtypes, offload,
+    prefetch) on rank 0 at setup; the ``ShardingReport`` callback builds the same table."""
+
+    def _normalize(self, done: Mapping[str, Any]) -> dict[str, Any]:
+        return {
             "shard_modules": validate_unit_specs(self.shard_modules, "shard_modules") or None,
             "reshard_after_forward": _check_bool(self.reshard_after_forward, "reshard_after_forward"),
-            "param_dtype": parse_dtype(self.param_dtype, name="param_dtype"),
-            "reduce_dtype": parse_dtype(self.reduce_dtype, name="reduce_dtype"),
             "cpu_offload": _check_bool(self.cpu_offload, "cpu_offload"),
             "activation_checkpointing": validate_unit_specs(self.activation_checkpointing, "activation_checkpointing") or None,
             "ignored_params": _check_patterns(self.ignored_params, "ignored_params"),
@@ -184,9 +332,128 @@ class HSDPOptions:
             "prefetch": _check_prefetch(self.prefetch),
             "forward_methods": _check_patterns(self.forward_methods, "forward_methods"),
             "accumulation_mode": check_mode(self.accumulation_mode, "HSDPStrategy(accumulation_mode=...)"),
-            "state_dict_type": _check_choice(self.state_dict_type, "state_dict_type", STATE_DICT_TYPES),
+            "meta_init": _check_bool(self.meta_init, "meta_init"),
             "sharding_report": _check_bool(self.sharding_report, "sharding_report"),
-            "process_group_backend": _check_backend(self.process_group_backend),
+        }
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrecisionOptions(_OptionGroup):
+    """Dtypes of compute and gradient reduction, over what the front end's ``precision=`` implies."""
+
+    param_dtype: Optional[str] = None
+    """Dtype of gathered parameters, i.e. of compute (``"bf16"``, ``"fp32"``, ...; a
+    ``torch.dtype`` from Python). ``None``: from ``precision=`` (``bf16-mixed`` → bf16). Accepted:
+    ``bf16``/``bfloat16``, ``fp16``/``float16``/``half``, ``fp32``/``float32``/``float``,
+    ``fp64``/``float64``."""
+
+    reduce_dtype: Optional[str] = None
+    """Dtype gradients are reduced in. ``None``: from ``precision=`` (``bf16-mixed`` → fp32)."""
+
+    def _normalize(self, done: Mapping[str, Any]) -> dict[str, Any]:
+        return {
+            "param_dtype": parse_dtype(self.param_dtype, name="param_dtype"),
+            "reduce_dtype": parse_dtype(self.reduce_dtype, name="reduce_dtype"),
+        }
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointOptions(_OptionGroup):
+    """What a save writes, how it is checked on resume, and how training data resumes."""
+
+    state_dict_type: Literal["sharded", "full"] = "sharded"
+    """``"sharded"``: a checkpoint is a directory, each rank writes its shards; loads into any world
+    size and mesh. ``"full"``: one file rank 0 writes, gathered one parameter at a time; loads with
+    ``LightningModule.load_from_checkpoint`` on one CPU process. ``python -m hp_lightning.checkpoint
+    consolidate DIR OUT.ckpt`` turns a sharded directory into a full file."""
+
+    async_save: bool = False
+    """Sharded saves (Trainer: during ``fit``) return once the state is copied to host memory; a
+    background thread writes the files and the checkpoint is published atomically when every
+    rank's write is done. At most one save in flight: the next one (and a load) first waits for it.
+    Trainer saves outside ``fit``, on preemption and at the end of ``fit`` are complete when they
+    return. Needs ``state_dict_type="sharded"``."""
+
+    checkpoint_checksums: bool = False
+    """Sharded saves also record every file's SHA-256 (a read-back of the new files, spread over
+    the ranks), and every resume checks every byte against them (a full read). False: the manifest
+    records sizes, and a resume checks those and the manifest without reading the data (a
+    same-size alteration is then not caught; ``python -m hp_lightning.checkpoint verify`` says
+    which check it could make)."""
+
+    resumable_dataloaders: bool = False
+    """Trainer: opt in to wrapping a plain sized training ``DataLoader`` in
+    ``hp_lightning.ResumableLoader`` (said once in the log), so a run resumed mid-epoch continues
+    its epoch. False: plain loaders restart their epoch on resume, as in Lightning. Recommended
+    instead: torchdata's ``StatefulDataLoader``, checkpointed by Lightning itself and never
+    wrapped. Fabric: put the loader in ``fabric.save``'s state."""
+
+    def _normalize(self, done: Mapping[str, Any]) -> dict[str, Any]:
+        values = {
+            "state_dict_type": _check_choice(self.state_dict_type, "state_dict_type", STATE_DICT_TYPES),
+            "async_save": _check_bool(self.async_save, "async_save"),
+            "checkpoint_checksums": _check_bool(self.checkpoint_checksums, "checkpoint_checksums"),
+            "resumable_dataloaders": _check_bool(self.resumable_dataloaders, "resumable_dataloaders"),
+        }
+        if values["async_save"] and values["state_dict_type"] != "sharded":
+            raise ValueError(
+                f"HSDPStrategy(async_save=True) writes sharded checkpoints in the background, but got state_dict_type="
+                f"{values['state_dict_type']!r}, which gathers the whole state on rank 0 and writes one file. Use "
+                f"state_dict_type='sharded' (convert afterwards with `python -m hp_lightning.checkpoint consolidate`), "
+                f"or async_save=False."
+            )
+        return values
+
+
+@dataclass(frozen=True, kw_only=True)
+class FaultOptions(_OptionGroup):
+    """Timeouts and what happens when a rank fails, is preempted or diverges."""
+
+    timeout: Union[float, timedelta] = DEFAULT_TIMEOUT
+    """Collective timeout, in seconds or as a ``timedelta``: until the first optimizer step, and for
+    the whole run unless ``train_timeout`` is set."""
+
+    train_timeout: Optional[Union[float, timedelta]] = None
+    """A shorter collective timeout from the first optimizer step on, once rendezvous, compilation
+    and checkpoint loading are behind (as torchtitan does): a rank stuck in a collective ends the
+    job in minutes. ``None`` keeps ``timeout``."""
+
+    fault_watchdog: bool = True
+    """When one rank fails (an exception, SIGKILL, the OOM killer, a frozen process), stop every
+    rank within seconds: the failed rank with its own traceback, the others with one line naming
+    it and exit code 3 (see :mod:`hp_lightning.core.watchdog`). A thread per rank, three small store
+    operations per second. Fabric stops it at interpreter exit or in ``teardown()``. False: a
+    failure shows on the other ranks as a gloo/NCCL error, or as a hang until ``timeout``."""
+
+    heartbeat_timeout: float = 120.0
+    """Seconds without a heartbeat before a rank counts as lost (frozen, deadlocked, host down).
+    The heartbeat has its own thread, so long steps do not trip it; dead processes on the same
+    host are found within a second regardless."""
+
+    failure_exit_grace: float = 30.0
+    """Seconds a failed rank gets to print its traceback and exit; the others wait at most that
+    long, and a failed process still kept alive by a non-daemon thread after it is ended."""
+
+    save_on_preemption: bool = False
+    """Trainer: on SIGTERM (preemption) every rank stops at the same batch at the end of its
+    accumulation window (exit code 143); with True they first save ``last.ckpt`` in the
+    ``ModelCheckpoint`` folder, which ``fit(ckpt_path="last")`` resumes exactly (see
+    :mod:`hp_lightning.core.preemption`). Fabric accepts only False: a Fabric loop has no
+    ModelCheckpoint to save to."""
+
+    divergence_check: Union[Literal["per_step", "off"], bool] = "per_step"
+    """``"per_step"``: before each backward that issues gradient collectives (under
+    ``accumulation_mode="skip"`` the window's last; the others only record, locally), the ranks
+    compare which units and parameters their backward passes reach, and a rank-dependent graph
+    stops every rank with a ``RankDivergenceError`` naming them, instead of a hang or mixed
+    gradients (see :mod:`hp_lightning.fully_shard.divergence`). Cost: a Python walk of the autograd
+    graph per backward and two integers per parameter in the step's one control all-reduce
+    (host-side gloo, shared with the preemption decision; ``docs/benchmarks.md``). ``"off"``: no
+    walk, and the control all-reduce carries the preemption signal only. (YAML reads a bare
+    ``off`` as False: False means ``"off"``, True ``"per_step"``.)"""
+
+    def _normalize(self, done: Mapping[str, Any]) -> dict[str, Any]:
+        return {
             "timeout": _check_timeout(self.timeout),
             "train_timeout": None if self.train_timeout is None else _check_timeout(self.train_timeout, "train_timeout"),
             "fault_watchdog": _check_bool(self.fault_watchdog, "fault_watchdog"),
@@ -194,31 +461,60 @@ class HSDPOptions:
             "failure_exit_grace": check_seconds(self.failure_exit_grace, "failure_exit_grace", "HSDPStrategy"),
             "save_on_preemption": _check_bool(self.save_on_preemption, "save_on_preemption"),
             "divergence_check": _check_divergence_check(self.divergence_check),
-            "meta_init": _check_bool(self.meta_init, "meta_init"),
-            "resumable_dataloaders": _check_bool(self.resumable_dataloaders, "resumable_dataloaders"),
-            "checkpoint_checksums": _check_bool(self.checkpoint_checksums, "checkpoint_checksums"),
-            "async_save": _check_bool(self.async_save, "async_save"),
-            "pipeline_parallel_size": pp,
+        }
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineOptions(_OptionGroup):
+    """How the model is cut into ``pipeline_parallel_size`` stages and how the schedule runs them."""
+
+    pipeline_split_points: Optional[Sequence[str]] = None
+    """Module names where stages 1, 2, ... start (``["net.blocks.2"]``); ``pipeline_parallel_size -
+    1`` of them, in the model's order. A stage keeps its modules under their own names; the others
+    are deleted from a ``ModuleList`` / ``Sequential`` / ``ModuleDict`` and become ``None``
+    elsewhere, so ``forward`` must skip a ``None`` module (torchtitan's convention; see
+    :mod:`hp_lightning.parallel.pipeline`)."""
+
+    pipeline_schedule: Literal["1f1b", "gpipe"] = "1f1b"
+    """torch's ``Schedule1F1B`` (at most ``stages`` micro-batches of activations alive) or
+    ``ScheduleGPipe`` (all micro-batches forward, then all backward)."""
+
+    pipeline_microbatches: Optional[int] = None
+    """Micro-batches per batch (``None``: as many as stages); the per-rank batch must divide by it.
+    More shrink the bubble, ``(stages - 1) / (microbatches + stages - 1)`` of each step."""
+
+    def _normalize(self, done: Mapping[str, Any]) -> dict[str, Any]:
+        pp = done.get("pipeline_parallel_size", 1)
+        if pp > 1 and done.get("replicate_params"):
+            raise ValueError(
+                f"HSDPStrategy(replicate_params=...) needs pipeline_parallel_size=1; got replicate_params="
+                f"{list(done['replicate_params'])} with pipeline_parallel_size={pp}. torch's pipeline schedules turn "
+                f"gradient sync off for every micro-batch and reduce FSDP's gradients themselves, so replicate parameters "
+                f"would never be all-reduced (each rank would train its own copy). Let FSDP shard them under a pipeline."
+            )
+        return {
             "pipeline_split_points": validate_split_points(self.pipeline_split_points, pp),
             "pipeline_schedule": _check_choice(self.pipeline_schedule, "pipeline_schedule", tuple(PIPELINE_SCHEDULES)),
             "pipeline_microbatches": _check_microbatches(self.pipeline_microbatches, pp),
         }
-        if pp > 1 and normalized["replicate_params"]:
-            raise ValueError(
-                f"HSDPStrategy(replicate_params=...) needs pipeline_parallel_size=1; got replicate_params="
-                f"{list(normalized['replicate_params'])} with pipeline_parallel_size={pp}. torch's pipeline schedules turn "
-                f"gradient sync off for every micro-batch and reduce FSDP's gradients themselves, so replicate parameters "
-                f"would never be all-reduced (each rank would train its own copy). Let FSDP shard them under a pipeline."
-            )
-        if normalized["async_save"] and normalized["state_dict_type"] != "sharded":
-            raise ValueError(
-                f"HSDPStrategy(async_save=True) writes sharded checkpoints in the background, but got state_dict_type="
-                f"{normalized['state_dict_type']!r}, which gathers the whole state on rank 0 and writes one file. Use "
-                f"state_dict_type='sharded' (convert afterwards with `python -m hp_lightning.checkpoint consolidate`), "
-                f"or async_save=False."
-            )
-        for name, value in normalized.items():
-            object.__setattr__(self, name, value)
+
+
+#: The groups, in the order their fields appear (and are checked: later groups may read earlier ones).
+OPTION_GROUPS: tuple[type[_OptionGroup], ...] = (
+    ParallelOptions, ShardingOptions, PrecisionOptions, CheckpointOptions, FaultOptions, PipelineOptions,
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class HSDPOptions(PipelineOptions, FaultOptions, CheckpointOptions, PrecisionOptions, ShardingOptions, ParallelOptions):
+    """Every option of both front ends' ``HSDPStrategy``, flat: ``HSDPOptions(mesh_shape=[2, 4], ...)``.
+
+    An instance of every group (:data:`OPTION_GROUPS`); fields in the groups' order. Each field's
+    meaning is its docstring (:func:`field_docs`).
+
+    Raises:
+        TypeError / ValueError: on construction, for any field of the wrong type or value.
+    """
 
     def sharding_plan(
         self, *, derived_param_dtype: Optional[torch.dtype], derived_reduce_dtype: Optional[torch.dtype], device_type: str
@@ -260,3 +556,38 @@ class HSDPOptions:
         if self.tp_plan:  # style objects compare by name: their default repr holds an address
             settings[f"{owner}(tp_plan=...)"] = {k: v if isinstance(v, str) else type(v).__name__ for k, v in self.tp_plan.items()}
         return settings
+
+
+# ------------------------------------------------------------------ the field documentation
+
+
+@cache
+def field_docs(cls: type = HSDPOptions) -> dict[str, str]:
+    """Each field's docstring (the string literal under it), by name, in field order, whitespace folded.
+
+    Read from the source of the groups, so the documentation exists once: the front ends'
+    ``__init__`` docstring (what ``--help`` shows) and ``docs/configuration.md`` are built from it.
+    """
+    docs: dict[str, str] = {}
+    for group in _groups_of(cls):
+        body = ast.parse(textwrap.dedent(inspect.getsource(group))).body[0].body  # type: ignore[attr-defined]
+        for node, following in zip(body, body[1:]):
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                if isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant) and isinstance(following.value.value, str):
+                    docs[node.target.id] = " ".join(inspect.cleandoc(following.value.value).split())
+    return {f.name: docs.get(f.name, "") for f in fields(cls)}
+
+
+@cache
+def field_types(cls: type = HSDPOptions) -> dict[str, Any]:
+    """Each field's annotation, resolved (what the front ends' signatures and ``--help`` show)."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in fields(cls)}
+
+
+def group_of(name: str) -> type:
+    """The option group that owns field ``name``."""
+    for group in OPTION_GROUPS:
+        if name in group.__dataclass_fields__:  # type: ignore[attr-defined]
+            return group
+    raise KeyError(name)

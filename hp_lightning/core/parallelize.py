@@ -148,7 +148,7 @@ def apply_activation_checkpointing(model: nn.Module, specs: Sequence[UnitSpec] |
         def checkpointed(*args, _inner=inner, **kwargs):
             return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
 
-        block.forward = checkpointed  # type: ignore[method-assign]
+        block.forward = checkpointed
     return blocks
 
 
@@ -296,8 +296,8 @@ def wire_prefetch(units: list[HSDPModule], depth: int) -> None:
     if depth <= 0:
         return
     for i, unit in enumerate(units):
-        ahead = units[i + 1 : i + 1 + depth]
-        behind = list(reversed(units[max(0, i - depth) : i]))
+        ahead: list[FSDPModule] = list(units[i + 1 : i + 1 + depth])
+        behind: list[FSDPModule] = list(reversed(units[max(0, i - depth) : i]))
         if ahead and not prefetch_targets(unit, "forward"):
             unit.set_modules_to_forward_prefetch(ahead)
         if behind and not prefetch_targets(unit, "backward"):

@@ -13,8 +13,7 @@
 (``"16-mixed"``, ``"16-true"``) needs a gradient scaler that understands sharded gradients and is
 refused with a clear message; so are fp64, transformer-engine and bitsandbytes.
 
-The Trainer's plugin (:mod:`hp_lightning.strategies.precision`) and Fabric's
-(:mod:`hp_lightning.fabric.precision`) both read this table, so a flag means the same in either.
+Both front ends' plugins (:class:`hp_lightning.frontends.precision.PrecisionCore`) read this table, so a flag means the same in either.
 """
 
 from __future__ import annotations
@@ -55,11 +54,6 @@ def normalize_precision(value: Any, front_end: str = "Trainer") -> str:
             f"Set {front_end}(precision='bf16-mixed') or '32-true'."
         )
     return flag
-
-
-def derived_dtypes(flag: str) -> tuple[Optional[torch.dtype], Optional[torch.dtype]]:
-    """``(param_dtype, reduce_dtype)`` that ``flag`` implies for FSDP2's MixedPrecisionPolicy (None: unchanged)."""
-    return SUPPORTED_PRECISION[normalize_precision(flag)]
 
 
 def true_dtype(flag: str) -> Optional[torch.dtype]:

@@ -19,7 +19,6 @@ import threading
 from types import FrameType
 from typing import Any, Callable, Optional
 
-
 #: Exit status of a preempted rank: 128 + SIGTERM, what a shell reports for a process it terminated.
 PREEMPTED_EXIT_CODE = 128 + signal.SIGTERM
 

@@ -10,8 +10,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from hp_lightning.core import agreement
-from hp_lightning.core.mesh import ParallelMesh
 from hp_lightning.core.materialize import link_construction, materialize, move_unsharded_states, refuse_metrics_on_meta
+from hp_lightning.core.mesh import ParallelMesh
 from hp_lightning.core.parallelize import ShardedModel, ShardingPlan, parallelize
 from hp_lightning.core.units import zero_units_warning
 from hp_lightning.fully_shard import divergence

@@ -86,9 +86,10 @@ def check_model_keys(
             f"It is another model's checkpoint, or its keys carry another prefix (see load_weights(prefix=...))."
         )
     mismatched = [
-        f"{key!r}: {stored[key]} in the checkpoint, {expected[key]} in the model"
+        f"{key!r}: {have} in the checkpoint, {want} in the model"
         for key in sorted(common)
-        if expected[key] is not None and stored[key] is not None and tuple(stored[key]) != tuple(expected[key])
+        for have, want in [(stored[key], expected[key])]
+        if want is not None and have is not None and tuple(have) != tuple(want)
     ]
     if mismatched:
         raise ValueError(
@@ -157,7 +158,7 @@ def positions_to_names(optimizer_state: Mapping[str, Any], names: list[list[str]
             f"Optimizer state in {source} has param groups of sizes {sizes}; this run's optimizer has "
             f"{[len(g) for g in names]}. Configure the same optimizer param groups as the run that saved it."
         )
-    by_id = {}
+    by_id: dict[Any, str] = {}  # saved id (an int) -> parameter name
     for saved_group, group_names in zip(groups, names):
         by_id.update(zip(saved_group["params"], group_names))
     state = {by_id[k]: v for k, v in optimizer_state.get("state", {}).items() if k in by_id}

@@ -102,7 +102,7 @@ def select_modules(model: nn.Module, specs: Sequence[UnitSpec], option: str = "s
     Raises:
         ValueError: for a spec that matches nothing, listing what was available.
     """
-    named = [(name, module) for name, module in model.named_modules() if name]
+    named: list[tuple[str, nn.Module]] = [(name, module) for name, module in model.named_modules() if name]
     chosen: list[nn.Module] = []
 
     def add(module: nn.Module) -> None:
@@ -110,7 +110,7 @@ def select_modules(model: nn.Module, specs: Sequence[UnitSpec], option: str = "s
             chosen.append(module)
 
     for spec in validate_unit_specs(specs, option):
-        matched = []
+        matched: list[nn.Module] = []
         if isinstance(spec, type):
             matched = [m for _, m in named if isinstance(m, spec)]
         elif _is_glob(spec):
@@ -339,7 +339,7 @@ def side_units(model: nn.Module, blocks: Sequence[nn.Module]) -> list[list[nn.Mo
         for p in m.parameters(recurse=False):
             owners.setdefault(id(p), set()).add(id(m))
 
-    def shares_outside(group: list[nn.Module]) -> bool:
+    def shares_outside(group: Sequence[nn.Module]) -> bool:
         members = {id(m) for m in group}
         return any(owners[id(p)] - members for m in group for p in m.parameters(recurse=False))
 

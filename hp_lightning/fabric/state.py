@@ -33,8 +33,8 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
 from hp_lightning import checkpoint as checkpoint_io
-from hp_lightning.checkpoint.layout import FULL_INFO_KEY, META_FILE, MODEL_KEY, OPTIMIZER_KEY
 from hp_lightning.checkpoint import layout
+from hp_lightning.checkpoint.layout import FULL_INFO_KEY, META_FILE, MODEL_KEY, OPTIMIZER_KEY
 from hp_lightning.checkpoint.unpickle import torch_load
 
 #: Where a Fabric-written checkpoint records the ``state`` keys of its model, optimizers and schedulers.

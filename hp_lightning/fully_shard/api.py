@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -89,7 +89,16 @@ def _require_fsdp_modules(modules: Any, what: str) -> list[FSDPModule]:
     return modules
 
 
-class HSDPModule(FSDPModule):
+if TYPE_CHECKING:
+    # Every HSDPModule is an nn.Module: the class fully_shard builds is HP<FSDP<Orig>>, and Orig is
+    # the user's module class. Only the type checker sees this base; at runtime it is FSDPModule.
+    class _ShardedModule(FSDPModule, nn.Module): ...
+
+else:
+    _ShardedModule = FSDPModule
+
+
+class HSDPModule(_ShardedModule):
     """The runtime controls of a module sharded by :func:`fully_shard`.
 
     Each control validates its argument and, where the seed does, recurses over the sharding
@@ -297,14 +306,15 @@ def _unaliased(loaded: Any, given: Any) -> Any:
 _HP_CLASSES: dict[type, type] = {}
 
 
-def _extend_with_controls(module: nn.Module) -> None:
+def _extend_with_controls(module: nn.Module) -> HSDPModule:
     """Swap ``module``'s class for one that adds :class:`HSDPModule`'s controls (as FSDP2 does)."""
     cls = type(module)
     if isinstance(module, HSDPModule):
-        return
+        return module
     if cls not in _HP_CLASSES:
         _HP_CLASSES[cls] = type(f"HP{cls.__name__}", (HSDPModule, cls), {})
     module.__class__ = _HP_CLASSES[cls]
+    return cast(HSDPModule, module)
 
 
 def _device_type(device: Any) -> str | None:
@@ -509,14 +519,14 @@ def fully_shard(
     )
     sync = ReplicatedParamSync(replicated, mesh, bucketed=comm_fusion) if replicated else None
     for m in modules:
-        _extend_with_controls(m)
-        m._hp_mesh = mesh
-        m._hp_replicated = sync
-        m._hp_reduce_op = "avg"
-        m._hp_scaling_factor = None
-        m._hp_extra_divisor = expert_parallel_size(m)
-        if m._hp_extra_divisor != 1:
-            m._hp_apply_reduction()
+        unit = _extend_with_controls(m)
+        unit._hp_mesh = mesh
+        unit._hp_replicated = sync
+        unit._hp_reduce_op = "avg"
+        unit._hp_scaling_factor = None
+        unit._hp_extra_divisor = expert_parallel_size(unit)
+        if unit._hp_extra_divisor != 1:
+            unit._hp_apply_reduction()
         sync = None  # the unit's sync lives on its first module; the others share the FSDP state
     return module
 
@@ -538,17 +548,17 @@ def adopt_sharded(module: nn.Module) -> HSDPModule:
     mesh = next((p.device_mesh for p in module.parameters() if isinstance(p, DTensor)), None)
     if mesh is None:
         raise ValueError(f"adopt_sharded: {type(module).__name__} is sharded but holds no sharded parameter to read its mesh from.")
-    _extend_with_controls(module)
-    module._hp_mesh = mesh
-    module._hp_replicated = None
-    module._hp_reduce_op = "avg"
-    module._hp_scaling_factor = None
+    unit = _extend_with_controls(module)
+    unit._hp_mesh = mesh
+    unit._hp_replicated = None
+    unit._hp_reduce_op = "avg"
+    unit._hp_scaling_factor = None
     from hp_lightning.parallel.expert import expert_parallel_size
 
-    module._hp_extra_divisor = expert_parallel_size(module)
-    if module._hp_extra_divisor != 1:
-        module._hp_apply_reduction()
-    return module  # type: ignore[return-value]
+    unit._hp_extra_divisor = expert_parallel_size(unit)
+    if unit._hp_extra_divisor != 1:
+        unit._hp_apply_reduction()
+    return unit
 
 
 def hsdp_modules(module: nn.Module) -> list[HSDPModule]:

@@ -37,14 +37,15 @@ from __future__ import annotations
 
 import functools
 import weakref
-from contextlib import contextmanager
 from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.autograd.graph import Node
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
@@ -104,7 +105,7 @@ def _unit_slots(root: nn.Module, units: Sequence[nn.Module], replicated: Iterabl
 
 def _reached_leaves(outputs: Sequence[torch.Tensor]) -> set[int]:
     """Ids of the leaf tensors the graph from ``outputs`` accumulates gradients into."""
-    stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
+    stack: list[Node | None] = [t.grad_fn for t in outputs if t.grad_fn is not None]
     leaves = {id(t) for t in outputs if t.grad_fn is None and t.requires_grad}
     seen: set[int] = set()
     keep: list[Any] = []  # keeps node wrappers alive, so their ids stay unique during the walk
@@ -302,8 +303,10 @@ def install(
     for method in _CHECKED_METHODS:
         if callable(getattr(root, method, None)):
             setattr(root, method, _checked_method(check, getattr(root, method), loss_from_result=True, root=root))
-    if callable(getattr(root, "manual_backward", None)):
-        root.manual_backward = _checked_method(check, root.manual_backward, loss_from_result=False, root=root)  # type: ignore[method-assign]
+    manual_backward = getattr(root, "manual_backward", None)
+    if callable(manual_backward):
+        # A LightningModule method: nn.Module's typed __setattr__ accepts only tensors and modules.
+        cast(Any, root).manual_backward = _checked_method(check, manual_backward, loss_from_result=False, root=root)
     return check
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -75,7 +76,7 @@ class ReplicatedParamSync:
 
     def _groups(self) -> list[dist.ProcessGroup]:
         if self.mesh.size() == dist.get_world_size():
-            return [dist.group.WORLD]
+            return [cast(dist.ProcessGroup, dist.group.WORLD)]  # initialized: this mesh spans it
         return [self.mesh.get_group(dim) for dim in reversed(range(self.mesh.ndim))]
 
     def _syncing(self) -> bool:
@@ -91,9 +92,9 @@ class ReplicatedParamSync:
         if param in self._reduced:
             grad, version = self._reduced[param]
             # Still the reduced .grad, changed only by this accumulation (else zeroed or replaced).
-            carried = param.grad is not None and param.grad is grad() and param.grad._version == version + 1
-            if carried:
-                self._reduced[param] = (grad, param.grad._version)
+            current = param.grad
+            if current is not None and current is grad() and current._version == version + 1:
+                self._reduced[param] = (grad, current._version)
             else:
                 del self._reduced[param]
         if not self._syncing():

@@ -34,9 +34,8 @@ unit of their own whose divisor includes it).
 
 from __future__ import annotations
 
-from typing import Any
-
 import inspect
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -135,7 +134,7 @@ class ExpertParallel:
             def forward(hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:  # type: ignore[misc]
                 return _routed_forward(module, inner, device_mesh, hidden_states, top_k_index, top_k_weights)
 
-        module.forward = forward  # type: ignore[method-assign]
+        module.forward = forward
         return module
 
 
@@ -187,7 +186,7 @@ def _run_on_local_params(module: nn.Module, inner: Any, *args: Any, **kwargs: An
     try:
         for name, param in saved.items():
             if isinstance(param, DTensor):
-                module._parameters[name] = param.to_local()  # type: ignore[assignment]
+                module._parameters[name] = param.to_local()
         return inner(*args, **kwargs)
     finally:
         module._parameters.update(saved)

@@ -17,7 +17,7 @@ requeue (the ``hpc_ckpt`` save and ``scontrol requeue``) at that batch.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, cast
 
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -29,6 +29,8 @@ from hp_lightning.core.preemption import Preempted
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
+
+    from hp_lightning.strategies.hsdp import HSDPStrategy
 
 
 def preemption_checkpoint_path(trainer: pl.Trainer) -> Path:
@@ -80,7 +82,7 @@ class PreemptionStop(Callback):
         elif self.save:
             self.saved = preemption_checkpoint_path(trainer)
             trainer.save_checkpoint(self.saved)
-            trainer.strategy.wait_for_checkpoint()  # published before the job ends, even with async_save
+            cast("HSDPStrategy", trainer.strategy).wait_for_checkpoint()  # published before the job ends, even with async_save (only HSDPStrategy adds this callback)
             detail += f", saved {self.saved} (resume with ckpt_path='last')"
         rank_zero_info(f"[hp_lightning] {Preempted(signum, detail)}")
         raise Preempted(signum, detail)

@@ -84,6 +84,24 @@ def test_full_options_sets_every_strategy_option():
     assert set(strategy_args(load_config("full_options"))) == keyword_only
 
 
+def test_the_cli_reads_every_strategy_option_with_type_default_and_help():
+    """What LightningCLI (jsonargparse) sees of both front ends: every option, typed, with its default and its field docstring."""
+    from jsonargparse._parameter_resolvers import get_signature_parameters
+
+    from hp_lightning.core.options import HSDPOptions, field_docs, field_types
+    from hp_lightning.fabric import HSDPFabricStrategy
+
+    docs, types = field_docs(), field_types()
+    defaults = {f.name: f.default for f in __import__("dataclasses").fields(HSDPOptions)}
+    for cls in (HSDPStrategy, HSDPFabricStrategy):
+        params = {p.name: p for p in get_signature_parameters(cls)}
+        assert set(types) <= set(params), set(types) - set(params)
+        for name in types:
+            p = params[name]
+            assert p.annotation == types[name] and p.default == defaults[name], name
+            assert p.doc and " ".join(p.doc.split()) == docs[name], name
+
+
 def test_full_options_uses_every_callback():
     classes = {
         name for name in hp_lightning.callbacks.__all__

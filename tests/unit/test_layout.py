@@ -1,6 +1,8 @@
-"""The folder layout tells the truth: the engine needs no Lightning, every module imports alone.
+"""The folder layout tells the truth: the engine needs no Lightning, nothing imports in a circle.
 
-Both checks run in a fresh interpreter, so this test process's imports cannot hide a cycle.
+The import checks run in a fresh interpreter, so this test process's imports cannot hide a
+cycle; the AST checks read every import statement, inside functions and ``TYPE_CHECKING``
+blocks included, so an import that only runs later is held to the same rule.
 """
 
 from __future__ import annotations
@@ -11,9 +13,13 @@ import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "hp_lightning"
-#: The engine: no Lightning import, and nothing from the layers above it.
-ENGINE = ("core", "fully_shard")
-UPPER = ("hp_lightning.strategies", "hp_lightning.fabric", "hp_lightning.callbacks", "hp_lightning.checkpoint", "hp_lightning.accelerators")
+#: The engine: no Lightning import anywhere, and nothing from the layers above it.
+ENGINE = ("core", "fully_shard", "parallel")
+UPPER = (
+    "hp_lightning.strategies", "hp_lightning.fabric", "hp_lightning.frontends", "hp_lightning.callbacks",
+    "hp_lightning.checkpoint", "hp_lightning.accelerators", "hp_lightning.planner",
+)
+LIGHTNING = ("lightning", "pytorch_lightning", "lightning_fabric", "lightning_utilities")
 
 
 def _modules(folder: Path) -> list[str]:
@@ -77,7 +83,140 @@ def test_imports_flow_from_the_front_ends_down_to_the_engine():
             for node in ast.walk(ast.parse(path.read_text())):
                 modules = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""] if isinstance(node, ast.ImportFrom) else []
                 offenders += [f"{path.relative_to(PACKAGE)} imports {m}" for m in modules if m.startswith(UPPER)]
+                offenders += [
+                    f"{path.relative_to(PACKAGE)}:{node.lineno} imports {m}" for m in modules if m.split(".")[0] in LIGHTNING
+                ]
+                if isinstance(node, ast.ImportFrom) and node.module == "hp_lightning":  # the package: every front end
+                    offenders += [f"{path.relative_to(PACKAGE)}:{node.lineno} imports hp_lightning.{a.name}" for a in node.names]
+                if isinstance(node, ast.Import):
+                    offenders += [f"{path.relative_to(PACKAGE)}:{node.lineno} imports hp_lightning" for a in node.names if a.name == "hp_lightning"]
     assert not offenders, offenders
+
+
+# ------------------------------------------------------------------ import cycles (AST)
+
+_MODULES = {".".join(p.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__"): p for p in PACKAGE.rglob("*.py")}
+
+
+def _imports(name: str, *, deferred: bool) -> set[str]:
+    """The hp_lightning modules ``name`` imports: at import time, or also in functions (``TYPE_CHECKING`` blocks left out).
+
+    ``from pkg import sub`` names the submodule ``pkg.sub`` (the package itself is imported on the
+    way to any of its modules, so parent packages are not edges); ``from pkg import attr`` names ``pkg``.
+    """
+    path = _MODULES[name]
+    tree = ast.parse(path.read_text())
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+
+    def visit(nodes: list[ast.stmt]) -> None:
+        for node in nodes:
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                visit(node.orelse)
+            elif isinstance(node, (ast.If, ast.Try, ast.With)):
+                for block in (node.body, getattr(node, "orelse", []), getattr(node, "finalbody", []), *[h.body for h in getattr(node, "handlers", [])]):
+                    visit(block)
+            elif isinstance(node, ast.Import):
+                found.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parent = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                    base = f"{parent}.{base}" if base else parent
+                subs = {f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in _MODULES}
+                found.update(subs)
+                if len(subs) < len(node.names):
+                    found.add(base)
+
+    type_only = {
+        id(inner)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+        for stmt in node.body
+        for inner in ast.walk(stmt)
+    }
+    everywhere = [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom)) and id(n) not in type_only]
+    visit(everywhere if deferred else tree.body)
+    return {m for m in found if m in _MODULES and m != name}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def strong(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                strong(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            strong(v)
+    return cycles
+
+
+def test_no_module_imports_itself_in_a_circle():
+    graph = {name: _imports(name, deferred=False) for name in _MODULES}
+    assert _cycles(graph) == [], "import cycles (module-level imports; each list is one cycle's modules)"
+    # The check sees a cycle when there is one: a two-module loop added by hand.
+    graph["hp_lightning.core.devices"] = {*graph["hp_lightning.core.devices"], "hp_lightning.core.options"}
+    assert any("hp_lightning.core.devices" in c for c in _cycles(graph))
+
+
+#: Left out of the deferred-import check until their function-level imports are gone (other engineers'
+#: packages, being edited now): checkpoint/ (load.py imports convert inside a function, which imports
+#: load; layout.py and save.py read hp_lightning.__version__ from the package) and planner/ (report
+#: <-> api). Remove an entry when its cycle is fixed.
+DEFERRED_CYCLES_KNOWN = ("hp_lightning.checkpoint", "hp_lightning.planner")
+
+
+def test_no_import_cycles_even_through_imports_inside_functions():
+    names = [n for n in _MODULES if not n.startswith(DEFERRED_CYCLES_KNOWN)]
+    graph = {name: {m for m in _imports(name, deferred=True) if m in names} for name in names}
+    assert _cycles(graph) == [], "import cycles through imports inside functions (each list is one cycle's modules)"
+
+
+def test_the_two_front_ends_have_distinct_names_and_the_old_ones_still_work():
+    import hp_lightning
+    import hp_lightning.fabric
+    from hp_lightning.fabric.strategy import HSDPFabricStrategy
+    from hp_lightning.strategies.hsdp import HSDPStrategy
+    from lightning.fabric.strategies import STRATEGY_REGISTRY
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    assert HSDPStrategy.__name__ == "HSDPStrategy" and HSDPFabricStrategy.__name__ == "HSDPFabricStrategy"
+    assert hp_lightning.HSDPStrategy is HSDPStrategy and hp_lightning.HSDPFabricStrategy is HSDPFabricStrategy
+    # Old import paths: hp_lightning.fabric.HSDPStrategy and hp_lightning.FabricHSDPStrategy.
+    assert hp_lightning.fabric.HSDPStrategy is HSDPFabricStrategy and hp_lightning.FabricHSDPStrategy is HSDPFabricStrategy
+    from hp_lightning.fabric.strategy import HSDPStrategy as old_module_path
+
+    assert old_module_path is HSDPFabricStrategy
+    for name in ("hsdp", "hp_fsdp", "hsdp_cpu_offload"):
+        assert StrategyRegistry[name]["strategy"] is HSDPStrategy
+        assert STRATEGY_REGISTRY[name]["strategy"] is HSDPFabricStrategy
+    # One shared core; each front end keeps only its own hooks.
+    from hp_lightning.frontends.core import StrategyCore
+
+    assert issubclass(HSDPStrategy, StrategyCore) and issubclass(HSDPFabricStrategy, StrategyCore)
+    assert HSDPStrategy.__init__ is not HSDPFabricStrategy.__init__  # each gets Lightning's own arguments
+    assert repr(HSDPFabricStrategy(mesh_shape=[2])) == "HSDPFabricStrategy(mesh_shape=(2,))"
 
 
 def test_import_patches_nothing_in_lightning():

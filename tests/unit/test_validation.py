@@ -158,3 +158,68 @@ def test_every_error_message_has_a_received_value():
         with pytest.raises(exc) as info:
             HSDPStrategy(**kwargs)
         assert re.search(r"got|does not import", str(info.value)), str(info.value)
+
+
+# ------------------------------------------------------------------ options written once (issue 26)
+
+
+def test_each_option_is_documented_once_and_the_reference_is_generated_from_it():
+    import importlib.util
+    from pathlib import Path
+
+    from hp_lightning.core.options import field_docs
+
+    docs = field_docs()
+    assert docs and all(len(text) > 20 for text in docs.values()), [name for name, text in docs.items() if len(text) <= 20]
+    root = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("gen_config_docs", root / "scripts" / "gen_config_docs.py")
+    assert spec is not None and spec.loader is not None
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    text = script.DOC.read_text()
+    assert script.render(text) == text, "docs/configuration.md is stale: run .venv/bin/python scripts/gen_config_docs.py"
+    for name in docs:
+        assert f"| `{name}` |" in text, name
+
+
+def test_options_are_grouped_by_owner_and_built_flat():
+    from dataclasses import FrozenInstanceError, fields
+
+    from hp_lightning.core.options import OPTION_GROUPS, CheckpointOptions, HSDPOptions, ParallelOptions, group_of
+
+    # Every option belongs to exactly one group; the flat class is all of them, in their order.
+    owned = [f.name for group in OPTION_GROUPS for f in fields(group)]
+    assert owned == [f.name for f in fields(HSDPOptions)] and len(set(owned)) == len(owned)
+    options = HSDPOptions(mesh_shape=[2, -1], state_dict_type="FULL", tensor_parallel_size=2)
+    assert isinstance(options, CheckpointOptions) and isinstance(options, ParallelOptions)
+    assert options.state_dict_type == "full" and options.mesh_shape == (2, -1) and group_of("async_save") is CheckpointOptions
+    with pytest.raises(FrozenInstanceError):
+        options.cpu_offload = True  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        HSDPOptions(2)  # type: ignore[misc]  (keyword-only)
+    # A group checks its own fields alone, too.
+    with pytest.raises(ValueError, match=r"async_save=True\) writes sharded checkpoints"):
+        CheckpointOptions(async_save=True, state_dict_type="full")
+    # The layout is resolved from the options once: sizes and names for a world.
+    layout = options.layout(world_size=8, num_nodes=2, devices_per_node=4)
+    assert (layout.names, layout.shape) == (("replicate", "shard", "tp"), (2, 2, 2))
+
+
+def test_both_front_ends_take_every_option_from_the_one_constructor():
+    import inspect
+
+    from hp_lightning.core.options import HSDPOptions, field_types
+    from hp_lightning.fabric import HSDPFabricStrategy
+    from hp_lightning.strategies import HSDPStrategy
+
+    types = field_types()
+    for cls in (HSDPStrategy, HSDPFabricStrategy):
+        params = inspect.signature(cls.__init__).parameters
+        keyword_only = {n: p for n, p in params.items() if p.kind is p.KEYWORD_ONLY}
+        assert list(keyword_only) == list(types)
+        assert all(keyword_only[n].annotation == types[n] for n in types)
+        assert cls.__init__.__doc__ and all(f"    {n}: " in cls.__init__.__doc__ for n in types)
+    strategy = HSDPStrategy(None, None, None, None, None, prefetch=2)
+    assert strategy.options == HSDPOptions(prefetch=2)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'prefetchh'"):
+        HSDPStrategy(prefetchh=2)

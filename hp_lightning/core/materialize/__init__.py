@@ -109,7 +109,15 @@ from hp_lightning.core.materialize.rules import (  # noqa: F401
     _Step,
     _untie,
 )
-from hp_lightning.core.materialize.stage_units import _DETACHED_ATTR, _VALUE_READS, DetachedUnit, _Discarded, _units_put_back, record_detached_units  # noqa: F401
+from hp_lightning.core.materialize.stage_units import (  # noqa: F401
+    _DETACHED_ATTR,
+    _VALUE_READS,
+    _VIEW_METHODS,
+    DetachedUnit,
+    _Discarded,
+    _units_put_back,
+    record_detached_units,
+)
 
 __all__ = [
     "ABSURD_MAGNITUDE",

@@ -1,15 +1,19 @@
-"""Allocation (NaN-filled, local shards only), metrics kept off the meta device, and the RNG state every rank starts from.
+"""Allocation (NaN-filled, local shards only), metrics kept off the meta device, and the RNG state
+every rank starts from.
 """
 
 from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+if TYPE_CHECKING:
+    from torchmetrics import Metric
 from hp_lightning.core.materialize.full_tensors import _Slot
 from hp_lightning.core.materialize.ops import _local, _poison
 
@@ -37,7 +41,7 @@ def refuse_metrics_on_meta(model: nn.Module) -> None:
             )
 
 
-def _metric_defaults(model: nn.Module) -> list[tuple[nn.Module, dict]]:
+def _metric_defaults(model: nn.Module) -> list[tuple[Metric, dict]]:
     """Copies of every torchmetrics Metric's default states: ``to_empty`` leaves them uninitialized."""
     try:
         from torchmetrics import Metric
@@ -47,7 +51,7 @@ def _metric_defaults(model: nn.Module) -> list[tuple[nn.Module, dict]]:
     return [(m, copy.deepcopy(m._defaults)) for m in model.modules() if isinstance(m, Metric)]
 
 
-def _restore_metrics(saved: list[tuple[nn.Module, dict]]) -> None:
+def _restore_metrics(saved: list[tuple[Metric, dict]]) -> None:
     """Put the defaults back and reset each metric's states from them (on the metric's new device)."""
     for metric, defaults in saved:
         metric._defaults = defaults
@@ -73,7 +77,7 @@ def _allocate(model: nn.Module, slots: Sequence[_Slot], init_device: torch.devic
     _restore_metrics(metric_defaults)
     for module, kind, name, value in keep:
         table = module._parameters if kind == "parameter" else module._buffers
-        _local(table[name]).copy_(value)
+        _local(cast(torch.Tensor, table[name])).copy_(value)  # kept above: it is there
     for slot in slots:
         _poison(_local(slot.get()))
 

@@ -1,4 +1,5 @@
-"""The entry point, :func:`materialize`: coverage check, allocation, replay or rules, value check; and what is moved after setup.
+"""The entry point, :func:`materialize`: coverage check, allocation, replay or rules, value check;
+and what is moved after setup.
 """
 
 from __future__ import annotations
@@ -6,6 +7,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Sequence
 from contextlib import ExitStack
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -13,6 +15,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from hp_lightning.core.mesh import ParallelMesh
+
+if TYPE_CHECKING:
+    pass
 from hp_lightning.core.materialize.allocation import _agreed_rng_state, _allocate
 from hp_lightning.core.materialize.checks import _meta_slots, _uncovered_message, check_coverage, check_values
 from hp_lightning.core.materialize.full_tensors import _FullTensorWrites, _Slot
@@ -24,7 +30,7 @@ from hp_lightning.core.materialize.stage_units import _Discarded, _units_put_bac
 
 
 @torch.no_grad()
-def materialize(model: nn.Module, mesh: DeviceMesh, init_device: torch.device, group: dist.ProcessGroup | None = None) -> bool:
+def materialize(model: nn.Module, mesh: DeviceMesh | ParallelMesh, init_device: torch.device, group: dist.ProcessGroup | None = None) -> bool:
     """Allocate meta-device tensors (local shards only) and initialize every one of them.
 
     See the module docstring for the guarantee and its cost. In order: coverage check (may
@@ -37,7 +43,7 @@ def materialize(model: nn.Module, mesh: DeviceMesh, init_device: torch.device, g
 
     Args:
         model: the sharded model (``prepare_model`` called :func:`link_construction` before sharding).
-        mesh: the data-parallel mesh.
+        mesh: the data-parallel mesh, or the strategy's :class:`ParallelMesh` (only its device type is read).
         init_device: where tensors are allocated and initialized (the host under CPU offload).
         group: the ranks holding this same model (None: the world; a pipeline stage's ranks
             under PP, whose tensors differ from the other stages').
@@ -176,7 +182,7 @@ def move_unsharded_states(model: nn.Module, device: torch.device) -> None:
     Sharded parameters are left where FSDP put them (the device, or the host under CPU offload).
     """
     for module in model.modules():
-        for name, param in list(module._parameters.items()):
+        for param in list(module._parameters.values()):
             if param is not None and not isinstance(param, DTensor) and param.device != device:
                 param.data = param.data.to(device)
         for name, buf in list(module._buffers.items()):

@@ -1,15 +1,18 @@
-"""Refusing what nothing covers (before anything is allocated) and what came out uninitialized or absurd (after).
+"""Refusing what nothing covers (before anything is allocated) and what came out uninitialized or
+absurd (after).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+if TYPE_CHECKING:
+    pass
 from hp_lightning.core.materialize.full_tensors import _Slot
 from hp_lightning.core.materialize.ops import _EMPTY_FACTORIES, ABSURD_MAGNITUDE, _func_name, _is_float, _is_inplace, _leaves, _local, _target
 from hp_lightning.core.materialize.recording import _Links, _Node, _Ref
@@ -20,7 +23,7 @@ def _meta_slots(model: nn.Module) -> list[_Slot]:
     slots: list[_Slot] = []
     seen: set[int] = set()
     for module_name, module in model.named_modules():
-        non_persistent = getattr(module, "_non_persistent_buffers_set", set())
+        non_persistent: set[str] = getattr(module, "_non_persistent_buffers_set", set())
         for kind, table in (("parameter", module._parameters), ("buffer", module._buffers)):
             for name, tensor in table.items():
                 if tensor is None or not tensor.is_meta or id(tensor) in seen:

@@ -1,17 +1,20 @@
-"""Full tensors for init code: inside init rules and replay, sharded parameters behave like whole tensors; each is written back into its local shard (:class:`_FullTensorWrites`).
+"""Full tensors for init code: inside init rules and replay, sharded parameters behave like whole
+tensors; each is written back into its local shard (:class:`_FullTensorWrites`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.overrides import TorchFunctionMode
 
+if TYPE_CHECKING:
+    pass
 from hp_lightning.core.materialize.ops import _ALIASING_PROPERTIES, _METADATA, _OVERWRITING, _func_name, _leaves, _local, _map_leaves, _poison, _written
 
 
@@ -27,7 +30,7 @@ class _Slot:
 
     def get(self) -> torch.Tensor:
         table = self.module._parameters if self.kind == "parameter" else self.module._buffers
-        return table[self.name]
+        return cast(torch.Tensor, table[self.name])  # a slot is made only for a tensor that is there
 
     def describe(self) -> str:
         note = "" if self.persistent else ", non-persistent: no checkpoint holds it"

@@ -1,15 +1,20 @@
-"""What a tensor operation does to its tensors: the small rules recording, replay and the checks share (which calls write, which only read metadata, which factories leave memory uninitialized).
+"""What a tensor operation does to its tensors: the small rules recording, replay and the checks
+share (which calls write, which only read metadata, which factories leave memory uninitialized).
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+
+if TYPE_CHECKING:
+    pass
+
 
 #: A finite parameter value above this (in magnitude) after initialization is reported as garbage.
 ABSURD_MAGNITUDE = 1e12

@@ -1,4 +1,6 @@
-"""Recording construction on the meta device: every tensor operation a module's constructor performs, in order, with the RNG state at the start (:func:`meta_init_context`), and the links from recorded tensors to the model's parameters and buffers (:func:`link_construction`).
+"""Recording construction on the meta device: every tensor operation a module's constructor performs,
+in order, with the RNG state at the start (:func:`meta_init_context`), and the links from recorded
+tensors to the model's parameters and buffers (:func:`link_construction`).
 """
 
 from __future__ import annotations
@@ -6,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -17,6 +19,8 @@ from torch.nn.modules.module import (
 )
 from torch.overrides import TorchFunctionMode
 
+if TYPE_CHECKING:
+    pass
 from hp_lightning.core.materialize.full_tensors import _Slot
 from hp_lightning.core.materialize.ops import (
     _DTYPE_FACTORIES,
@@ -238,10 +242,10 @@ def link_construction(model: nn.Module) -> None:
         for name, tensor in [*module._parameters.items(), *module._buffers.items()]:
             if tensor is None or not tensor.is_meta or id(tensor.untyped_storage()) not in record.storages:
                 continue  # real, or built on meta outside the recording: initialized by rules
-            group = groups.get(_memory_key(tensor))
-            if group is not None:
-                slots.setdefault(group, (module, name))
-                slot_groups[(id(module), name)] = group
+            tensor_group = groups.get(_memory_key(tensor))
+            if tensor_group is not None:
+                slots.setdefault(tensor_group, (module, name))
+                slot_groups[(id(module), name)] = tensor_group
     model.__dict__[_LINKS_ATTR] = _Links(record, group_of, slots, slot_groups)
 
 

@@ -1,14 +1,17 @@
-"""Replaying a :class:`~hp_lightning.core.materialize.recording.ConstructionRecord` on real memory, in the recorded order and from the recorded RNG state.
+"""Replaying a :class:`~hp_lightning.core.materialize.recording.ConstructionRecord` on real memory,
+in the recorded order and from the recorded RNG state.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+if TYPE_CHECKING:
+    pass
 from hp_lightning.core.materialize.full_tensors import _FullTensorWrites
 from hp_lightning.core.materialize.ops import _EMPTY_FACTORIES, _func_name, _leaves, _map_leaves, _poison
 from hp_lightning.core.materialize.recording import _Links, _Node, _Ref

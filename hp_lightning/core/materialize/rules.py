@@ -1,15 +1,19 @@
-"""The init program without a recording: each module's own rule (``reset_parameters``, ``_reset_parameters``, Hugging Face ``init_weights``, the LightningModule's ``init_weights()``), in construction order.
+"""The init program without a recording: each module's own rule (``reset_parameters``,
+``_reset_parameters``, Hugging Face ``init_weights``, the LightningModule's ``init_weights()``),
+in construction order.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
 
+if TYPE_CHECKING:
+    pass
 from hp_lightning.core.materialize.full_tensors import _Slot
 from hp_lightning.core.materialize.ops import _local
 
@@ -59,7 +63,7 @@ def _hf_init_weights(module: nn.Module) -> None:
     """``PreTrainedModel.init_weights()`` as its ``post_init`` runs it on a real build (untied first)."""
     swapped = _untie(module)
     try:
-        module.init_weights()
+        cast(Any, module).init_weights()  # an HF PreTrainedModel (checked by the caller)
     finally:
         _retie(swapped)
 
@@ -70,15 +74,17 @@ def _owns_state(module: nn.Module) -> bool:
 
 def _constructor_rule(module: nn.Module) -> Callable[[], Any] | None:
     """What the module's constructor runs to initialize itself, by torch convention."""
-    if callable(getattr(module, "_reset_parameters", None)):
-        return module._reset_parameters  # nn.MultiheadAttention, nn.Transformer
-    if _owns_state(module) and callable(getattr(module, "reset_parameters", None)):
-        return module.reset_parameters
+    private_rule = getattr(module, "_reset_parameters", None)
+    if callable(private_rule):
+        return private_rule  # nn.MultiheadAttention, nn.Transformer
+    public_rule = getattr(module, "reset_parameters", None)
+    if _owns_state(module) and callable(public_rule):
+        return public_rule
     return None
 
 
 #: Containers whose constructor deep-copies one given layer into ``layers`` (equal initial values).
-_CLONING_CONTAINERS: tuple[type[nn.Module], ...] = (nn.TransformerEncoder, nn.TransformerDecoder)
+_CLONING_CONTAINERS: tuple[type[nn.TransformerEncoder], type[nn.TransformerDecoder]] = (nn.TransformerEncoder, nn.TransformerDecoder)
 
 
 @dataclass
@@ -90,7 +96,7 @@ class _Step:
     run: Callable[[], Any]
 
 
-def _clone_layers(container: nn.Module) -> Callable[[], None]:
+def _clone_layers(container: nn.TransformerEncoder | nn.TransformerDecoder) -> Callable[[], None]:
     def run() -> None:
         layers = list(container.layers)
         first = dict(layers[0].named_parameters()) | dict(layers[0].named_buffers())
@@ -115,7 +121,11 @@ def _rule_program(model: nn.Module, root_hook: bool) -> list[_Step]:
         if hf:
             # Its constructor runs before post_init ties weights: rules see untied targets.
             swapped: list[tuple[nn.Module, str, nn.Parameter]] = []
-            steps.append(_Step(module, "untie", lambda m=module, out=swapped: out.extend(_untie(m))))
+
+            def untie(m: nn.Module = module, out: list[tuple[nn.Module, str, nn.Parameter]] = swapped) -> None:
+                out.extend(_untie(m))
+
+            steps.append(_Step(module, "untie", untie))
         if isinstance(module, _CLONING_CONTAINERS) and len(getattr(module, "layers", ())) > 1:
             visit(module.layers[0])
             steps.append(_Step(module, "copies of layers.0 (its constructor deep-copies one layer)", _clone_layers(module)))
@@ -133,7 +143,7 @@ def _rule_program(model: nn.Module, root_hook: bool) -> list[_Step]:
 
             def post_init(m: nn.Module = module, out: list = swapped) -> None:
                 try:
-                    m.init_weights()
+                    cast(Any, m).init_weights()  # an HF PreTrainedModel
                 finally:
                     _retie(out)
 

@@ -1,4 +1,6 @@
-"""Units a pipeline stage removed: put back (still on meta) while the stage is materialized, so random draws land where a full build puts them; their operations run on discarded full-size temporaries.
+"""Units a pipeline stage removed: put back (still on meta) while the stage is materialized, so
+random draws land where a full build puts them; their operations run on discarded full-size
+temporaries.
 """
 
 from __future__ import annotations
@@ -6,13 +8,22 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+if TYPE_CHECKING:
+    pass
 from hp_lightning.core.materialize.ops import _ALIASING_PROPERTIES, _METADATA, _func_name, _leaves, _map_leaves, _written
+
+#: Methods that return views of their tensor (on a removed tensor: still meta, on the same storage).
+_VIEW_METHODS = frozenset(
+    {"view", "view_as", "reshape", "t", "transpose", "flatten", "unflatten", "detach", "__getitem__", "narrow", "select",
+     "chunk", "split", "unbind", "expand", "permute"}
+)
+
 
 #: Where :func:`record_detached_units` keeps, on a cut model, the meta-device units it lost.
 _DETACHED_ATTR = "_hp_detached_units"
@@ -119,7 +130,7 @@ class _Discarded(TorchFunctionMode):
         name = _func_name(func)
         if name in _METADATA or name.startswith("__get__:") and name[8:] not in _ALIASING_PROPERTIES:
             return func(*args, **kwargs)
-        if name.startswith("__get__:") or name in ("view", "view_as", "reshape", "t", "transpose", "flatten", "unflatten", "detach", "__getitem__", "narrow", "select", "chunk", "split", "unbind", "expand", "permute"):
+        if name.startswith("__get__:") or name in _VIEW_METHODS:
             return func(*args, **kwargs)  # a view of a removed tensor: still on meta, on the same storage
         targets = _written(func, args, kwargs)
         kept_writes = [t for t in targets if not self._is_removed(t)]

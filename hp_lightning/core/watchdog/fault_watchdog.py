@@ -415,8 +415,8 @@ class FaultWatchdog:
             return
         for rank in list(self._local_candidates):
             key = f"proc/{rank}"
-            if self._store_op(lambda s: s.check([key])):
-                info = _ProcessInfo.from_wire(self._store_op(lambda s: s.get(key)))
+            if self._store_op(lambda s, key=key: s.check([key])):
+                info = _ProcessInfo.from_wire(self._store_op(lambda s, key=key: s.get(key)))
                 self._local_candidates.remove(rank)
                 if info.machine == self._me.machine:
                     self._local[rank] = info

@@ -1,0 +1,75 @@
+"""Optimizers created before ``fabric.setup`` sharded the model: pointed at the sharded parameters, or refused.
+
+Sharding replaces every parameter (FSDP2 registers new DTensor parameters), so an optimizer
+created before setup would update tensors the model no longer uses. :func:`rebind_optimizer`
+swaps each of its parameters for the sharded one of the same name (``fabric.setup(model,
+optimizer)``); :class:`ReplacedParameters` remembers what sharding replaced, so
+``fabric.setup_optimizers`` can refuse an optimizer that still holds one.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable, Mapping
+
+from torch import Tensor
+from torch.optim import Optimizer
+
+
+class ReplacedParameters:
+    """The parameters sharding replaced, by id and weakly held (an optimizer still holding one is stale)."""
+
+    def __init__(self) -> None:
+        self._replaced: dict[int, weakref.ref] = {}
+
+    def record(self, before: Iterable[Tensor], after: Iterable[Tensor]) -> None:
+        current = {id(p) for p in after}
+        for param in before:
+            if id(param) not in current:
+                self._replaced[id(param)] = weakref.ref(param)
+
+    def stale(self, optimizer: Optimizer) -> list[Tensor]:
+        """The parameters ``optimizer`` holds that sharding replaced."""
+        params: list[Tensor] = [p for group in optimizer.param_groups for p in group["params"]]
+        return [p for p in params if (ref := self._replaced.get(id(p))) is not None and ref() is p]
+
+
+def rebind_optimizer(optimizer: Optimizer, before: Mapping[int, tuple[str, Tensor]], after: Mapping[str, Tensor], index: int) -> None:
+    """Swap each of ``optimizer``'s pre-sharding parameters for the sharded one of the same name.
+
+    Args:
+        before: ``id(param) -> (name, param)`` of the model before sharding.
+        after: ``name -> param`` after sharding.
+        index: the optimizer's position in ``fabric.setup``'s arguments (for the message).
+
+    Raises:
+        ValueError: for a parameter that is not the model's, or an optimizer that already holds
+            state (it stepped before setup).
+    """
+    current = {id(p) for p in after.values()}
+    groups: list[list[Tensor]] = []
+    moved = 0
+    for group_index, group in enumerate(optimizer.param_groups):
+        params = []
+        for param in group["params"]:
+            if id(param) in current:
+                params.append(param)
+            elif id(param) in before:
+                params.append(after[before[id(param)][0]])
+                moved += 1
+            else:
+                raise ValueError(
+                    f"fabric.setup(model, optimizer): optimizer {index} (param group {group_index}) holds a parameter of "
+                    f"shape {tuple(param.shape)} that is not one of the model's, so it cannot be pointed at a sharded one. "
+                    f"Build the optimizer from model.parameters(), or create it after fabric.setup_module(model) and pass "
+                    f"it to fabric.setup_optimizers(optimizer)."
+                )
+        groups.append(params)
+    if moved and any(optimizer.state.values()):
+        raise ValueError(
+            f"fabric.setup(model, optimizer): optimizer {index} already holds state (it stepped before setup) for "
+            f"parameters that sharding replaced; that state cannot follow them. Create the optimizer after "
+            f"fabric.setup_module(model), then call fabric.setup_optimizers(optimizer)."
+        )
+    for group, params in zip(optimizer.param_groups, groups):
+        group["params"] = params

@@ -1,0 +1,10 @@
+"""What the Trainer and Fabric strategies share, written once.
+
+* :mod:`.core`: :class:`~hp_lightning.frontends.core.StrategyCore`, the base both strategies
+  extend: the constructor built from :class:`~hp_lightning.core.options.HSDPOptions`, launch,
+  process group, watchdog, mesh, collectives, accumulation, timeouts, checkpoint writes, teardown,
+  registration. :mod:`hp_lightning.strategies` (Trainer) and :mod:`hp_lightning.fabric` keep only
+  the hooks that differ between the two.
+* :mod:`.precision`: :class:`~hp_lightning.frontends.precision.PrecisionCore`, both precision
+  plugins' behaviour (:mod:`hp_lightning.core.precision_flags` says what each flag means).
+"""

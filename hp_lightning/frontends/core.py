@@ -1,0 +1,492 @@
+"""StrategyCore: everything the Trainer and Fabric strategies do the same way, once.
+
+Both front ends are ``class HSDPStrategy(StrategyCore, <Lightning's ParallelStrategy>)``. The core
+gives them:
+
+* their constructor: Lightning's own arguments (those of the ``ParallelStrategy`` the adapter
+  extends), then every field of :class:`~hp_lightning.core.options.HSDPOptions` as a keyword-only
+  argument with its type, default and documentation, so LightningCLI/jsonargparse read every
+  option through the class (built in ``__init_subclass__`` from the fields: an option is written
+  once, in :mod:`hp_lightning.core.options`);
+* launch and the process group, the fault watchdog, the settings every rank must agree on, the
+  mesh (its layout resolved once, before launch), the mesh properties and the collectives;
+* gradient accumulation modes, the shorter collective timeout after the first step, checkpoint
+  writes (sharded, full, in the background), teardown, registration and ``repr``.
+
+An adapter keeps only the hooks its front end calls differently; a hook it must provide is a
+``_``-method below that raises ``NotImplementedError``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import typing
+from contextlib import AbstractContextManager
+from dataclasses import MISSING, fields
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable, ClassVar, Optional, Union, cast
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.rank_zero import rank_zero_only, rank_zero_warn
+from lightning.fabric.utilities.seed import reset_seed
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from hp_lightning import checkpoint as hp_checkpoint
+from hp_lightning._lightning_private import all_gather_ddp_if_available, distributed_is_initialized, init_dist_connection, sync_ddp_if_available
+from hp_lightning.checkpoint import AsyncSaves
+from hp_lightning.core import agreement, devices, watchdog
+from hp_lightning.core.accumulation import check_mode
+from hp_lightning.core.introspection import ShardingSummary, summarize, units_in_order
+from hp_lightning.core.materialize import meta_init_context
+from hp_lightning.core.mesh import MeshLayout, ParallelMesh, build_parallel_mesh, describe, set_collective_timeout
+from hp_lightning.core.options import HSDPOptions, field_docs, field_types
+from hp_lightning.core.parallelize import ShardedModel, ShardingPlan
+from hp_lightning.core.prepare import prepared
+from hp_lightning.frontends.precision import PrecisionCore
+from hp_lightning.fully_shard import HSDPModule
+from hp_lightning.fully_shard.divergence import divergence_check
+
+__all__ = ["StrategyCore"]
+
+_REGISTERED: tuple[tuple[str, str, dict[str, Any]], ...] = (
+    ("hsdp", "HSDP over (nodes, devices per node) with FSDP2", {}),
+    ("hp_fsdp", "FSDP2 over all ranks (1-D mesh)", {"mesh_shape": [-1]}),
+    ("hsdp_cpu_offload", "HSDP with shards, gradients and optimizer state on the host", {"cpu_offload": True}),
+)
+
+
+class StrategyCore:
+    """The shared half of both ``HSDPStrategy`` classes (see the module docstring).
+
+    Attributes:
+        options: every option, validated at construction (before any process or group exists).
+    """
+
+    options: HSDPOptions
+    #: The launcher Lightning's connector gets when the processes are not created externally.
+    _launcher_class: ClassVar[type]
+    #: When the mesh exists, in the front end's words (for the error before that).
+    _mesh_available: ClassVar[str] = "once the processes are set up"
+    _mesh: Optional[ParallelMesh] = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "__init__" not in cls.__dict__ and not getattr(cls.__init__, "_takes_options", False):
+            cls.__init__ = _options_constructor(cls)  # type: ignore[method-assign]
+
+    def _init_core(self, lightning_args: dict[str, Any], options: HSDPOptions) -> None:
+        self.options = options
+        self._refuse_options(options, lightning_args)
+        self._process_group_backend = options.process_group_backend
+        self._accumulation_mode: str = options.accumulation_mode
+        self._num_nodes = 1
+        self._layout: Optional[MeshLayout] = None
+        super().__init__(**lightning_args)
+        self._watchdog: Optional[watchdog.FaultWatchdog] = None
+        # The step's one control collective (preemption, divergence): on a host group from setup on.
+        self._agreement = agreement.StepAgreement()
+        self._train_timeout_set = False
+        self._async_saves = AsyncSaves()
+        self._failed = False
+        self._init_front_end()
+
+    # ------------------------------------------------------------------ what the adapters provide
+
+    def _refuse_options(self, options: HSDPOptions, lightning_args: dict[str, Any]) -> None:
+        """Raise for what this front end cannot honour (before Lightning's base is set up)."""
+
+    def _init_front_end(self) -> None:
+        """The adapter's own state, after the core's."""
+
+    @property
+    def _hsdp_precision(self) -> PrecisionCore:
+        raise NotImplementedError
+
+    def _sharded_roots(self) -> list[nn.Module]:
+        """The models this strategy sharded (roots), for :meth:`reshard_all`."""
+        raise NotImplementedError
+
+    def _agreement_trainer(self) -> Any:
+        """The Trainer whose checkpoint folders and loop lengths every rank must share (None: Fabric)."""
+        return None
+
+    def _watchdog_started(self) -> None:
+        """Right after the fault watchdog starts (before the first collective that could fail)."""
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def state_dict_type(self) -> str:
+        return self.options.state_dict_type
+
+    @property
+    def cpu_offload(self) -> bool:
+        return self.options.cpu_offload
+
+    @property
+    def reshard_after_forward(self) -> bool:
+        """The ``reshard_after_forward`` units were sharded with (the root always keeps its parameters)."""
+        return self.options.reshard_after_forward
+
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None  # type: ignore[attr-defined]
+        return self.parallel_devices[self.local_rank]  # type: ignore[attr-defined]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0  # type: ignore[attr-defined]
+
+    @property
+    def process_group_backend(self) -> Optional[str]:
+        return self._process_group_backend
+
+    @property
+    def parallel_mesh(self) -> ParallelMesh:
+        """The mesh and its per-technique sub-meshes."""
+        if self._mesh is None:
+            raise RuntimeError(f"HSDPStrategy.device_mesh is available {self._mesh_available}.")
+        return self._mesh
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        """The whole named mesh: ``("shard",)`` or ``("replicate", "shard")``, plus ``"pp"``/``"tp"``/``"ep"`` when on."""
+        return self.parallel_mesh.world
+
+    @property
+    def data_parallel_mesh(self) -> DeviceMesh:
+        """What FSDP shards over (the whole mesh without TP/EP/PP)."""
+        return self.parallel_mesh.dp
+
+    @property
+    def layout(self) -> MeshLayout:
+        """The sizes of every mesh dim, resolved once from the options and the world (before launch)."""
+        if self._layout is None:
+            world = self.num_nodes * self.num_processes
+            self._layout = self.options.layout(world_size=world, num_nodes=self.num_nodes, devices_per_node=self.num_processes)
+        return self._layout
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Every data-parallel rank reads different data; the ranks of one TP group (or pipeline) the same."""
+        if self._mesh is None or not self._tp_or_pp:
+            return {"num_replicas": self.world_size, "rank": self.global_rank}  # type: ignore[attr-defined]
+        return {"num_replicas": self._mesh.dp_size, "rank": self._mesh.dp_rank}
+
+    @property
+    def _tp_or_pp(self) -> bool:
+        return self._mesh is not None and (self._mesh.layout.tp > 1 or self._mesh.layout.pp > 1)
+
+    # ------------------------------------------------------------------ launch, process group, mesh
+
+    def _configure_launcher(self) -> None:
+        # Lightning calls this inside Trainer(...) / Fabric(...) once devices and nodes are known:
+        # the last moment to refuse a mesh that cannot cover the world before any process starts.
+        try:
+            self._layout = None
+            self.layout  # noqa: B018  (resolved here, once: setup_environment builds the mesh from it)
+        except ValueError as exc:
+            watchdog.print_once_per_job(exc)  # every torchrun worker raises it: one traceback per job
+            raise
+        environment = self.cluster_environment  # type: ignore[attr-defined]
+        assert environment is not None
+        if not environment.creates_processes_externally:
+            self._launcher = self._launcher_class(environment, self.num_processes, self.num_nodes)
+
+    def setup_environment(self) -> None:
+        super().setup_environment()  # type: ignore[misc]
+        self._join_process_group()
+        # First thing once the process group exists: from here on, a failure anywhere stops every rank.
+        if self.options.fault_watchdog:
+            options = self.options
+            self._watchdog = self._watchdog or watchdog.FaultWatchdog(
+                heartbeat_timeout=options.heartbeat_timeout, exit_grace=options.failure_exit_grace
+            )
+            node = self.node_rank * self.num_processes  # type: ignore[attr-defined]
+            self._watchdog.start(self.global_rank, self.world_size, range(node, node + self.num_processes))  # type: ignore[attr-defined]
+            self._watchdog_started()
+        if self.layout.world_size != self.world_size:  # type: ignore[attr-defined]  # a launcher's own world
+            self._layout = self.options.layout(world_size=self.world_size, num_nodes=self.num_nodes, devices_per_node=self.num_processes)  # type: ignore[attr-defined]
+        # Compared across ranks before any group exists (a difference would hang), then built.
+        settings = agreement.setup_settings(
+            self.options.settings(), self._hsdp_precision.precision, self._agreement_trainer(), self.layout.shape
+        )
+        agreement.check_rank_agreement(settings, stage="setup")
+        self._mesh = build_parallel_mesh(self.root_device.type, self.layout)
+        if self._agreement.group is None:  # once: later setups (fit, then test) reuse it
+            self._agreement.group = agreement.host_group(self.options.timeout)
+        self._hsdp_precision.data_parallel_group = self._mesh.dp_group  # clipping: one norm per replica
+        self._hsdp_precision.device_type = self.root_device.type
+
+    def _join_process_group(self) -> None:
+        """Create the default process group (a configuration error is printed once per job).
+
+        Under CPU offload whole parameters are initialized on the host and broadcast from there,
+        so accelerator ranks also get gloo (``"cpu:gloo,cuda:nccl"``).
+        """
+        try:
+            reset_seed()
+            self._set_world_ranks()
+            device = self.root_device
+            backend = self._process_group_backend or devices.process_group_backend(device.type, host_collectives=self.options.cpu_offload)
+            device_id = device if devices.is_accelerator(device.type) else None
+            init_dist_connection(self.cluster_environment, backend, timeout=self.options.timeout, device_id=device_id)  # type: ignore[attr-defined]
+        except Exception as exc:
+            watchdog.print_once_per_job(exc)  # e.g. a backend that cannot start: the same on every rank
+            raise
+        self._process_group_backend = backend
+
+    def _set_world_ranks(self) -> None:
+        """Tell the cluster environment and the rank-zero helpers this process's global rank."""
+        environment = self.cluster_environment  # type: ignore[attr-defined]
+        if environment is not None:
+            environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)  # type: ignore[attr-defined]
+            environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
+
+    #: The Trainer's connector calls it by this name, Fabric's by the private one.
+    set_world_ranks = _set_world_ranks
+
+    # ------------------------------------------------------------------ model
+
+    def sharding_plan(self) -> ShardingPlan:
+        """The plan :func:`hp_lightning.core.parallelize.parallelize` applies, from this strategy's options."""
+        return self.options.sharding_plan(
+            derived_param_dtype=self._hsdp_precision.derived_param_dtype,
+            derived_reduce_dtype=self._hsdp_precision.derived_reduce_dtype,
+            device_type=self.root_device.type,
+        )
+
+    def _init_context(self, empty_init: Optional[bool], otherwise: AbstractContextManager) -> AbstractContextManager:
+        """Meta device with construction recorded (:func:`~hp_lightning.core.materialize.meta_init_context`), or ``otherwise``.
+
+        ``empty_init=True`` always builds on meta, False never, None follows ``meta_init``.
+        """
+        on_meta = empty_init is True or (empty_init is None and self.options.meta_init)
+        return meta_init_context() if on_meta else otherwise
+
+    def _after_sharding(self, model: nn.Module) -> None:
+        """Point the model's divergence check at the step agreement; scope metrics to data parallel."""
+        check = divergence_check(model)
+        if check is not None:
+            check.agreement = self._agreement
+            check.enabled = self.options.divergence_check != "off"
+        self.scope_metrics_to_data_parallel(model)
+
+    def _summary(self, module: Optional[nn.Module], **scope: Any) -> ShardingSummary:
+        sharded: Optional[ShardedModel] = prepared(module) if module is not None else None
+        if module is None or sharded is None or not isinstance(module, HSDPModule):
+            raise RuntimeError("HSDPStrategy.sharding_summary() is available once the strategy has sharded the model (setup).")
+        mesh = self.parallel_mesh
+        return summarize(module, units_in_order(module, sharded.units), mesh.world, [*sharded.ignored, *sharded.replicated], self.root_device, **scope)
+
+    def reshard_all(self) -> None:
+        """Free every gathered unit, so ``model.parameters()`` are the sharded DTensors again.
+
+        A forward without backward (evaluation) leaves what it gathered, and the root keeps its
+        parameters after forward by design; this releases that memory.
+        """
+        for model in self._sharded_roots():
+            for unit in model.modules():
+                if isinstance(unit, HSDPModule):
+                    unit.reshard()
+
+    def scope_metrics_to_data_parallel(self, module: nn.Module) -> None:
+        """Under TP/PP, torchmetrics ``Metric`` objects sync over the data-parallel group.
+
+        Their default, the world group, would count each sample once per TP peer and pipeline
+        stage (sums, counts and concatenations off by TP x PP; ratios hide it). A metric given a
+        ``process_group`` of its own keeps it.
+        """
+        if not self._tp_or_pp:
+            return
+        try:
+            from torchmetrics import Metric
+        except ImportError:
+            return
+        for metric in module.modules():
+            if isinstance(metric, Metric) and metric.process_group is None:
+                metric.process_group = self.parallel_mesh.dp_group
+
+    # ------------------------------------------------------------------ accumulation and steps
+
+    @property
+    def accumulation_mode(self) -> str:
+        """What non-final micro-batches communicate: ``"skip"``, ``"every"`` or ``"defer_all_reduce"``."""
+        return self._accumulation_mode
+
+    def set_accumulation_mode(self, mode: str) -> str:
+        """Change :attr:`accumulation_mode` from the next micro-batch on; returns the previous mode.
+
+        The API :class:`~hp_lightning.callbacks.GradientAccumulationSync` calls.
+
+        Raises:
+            TypeError / ValueError: for anything but one of the three mode strings.
+        """
+        previous = self._accumulation_mode
+        self._accumulation_mode = check_mode(mode, "HSDPStrategy.set_accumulation_mode(...)")
+        return previous
+
+    def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().optimizer_step(*args, **kwargs)  # type: ignore[misc]
+        if self.options.train_timeout is not None and not self._train_timeout_set:
+            # After the first step every rank is in step: a collective that waits longer is a hang.
+            set_collective_timeout(self.parallel_mesh, cast(timedelta, self.options.train_timeout))  # HSDPOptions normalizes it to a timedelta
+            self._train_timeout_set = True
+        return output
+
+    # ------------------------------------------------------------------ collectives
+
+    def barrier(self, name: Optional[str] = None) -> None:
+        if distributed_is_initialized():
+            dist.barrier(device_ids=devices.barrier_device_ids(self.root_device))
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not distributed_is_initialized():
+            return obj
+        container = [obj]
+        dist.broadcast_object_list(container, src, group=_group.WORLD)
+        return container[0]
+
+    def all_reduce(self, tensor: Union[Tensor, Any], group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Union[Tensor, Any]:
+        """Reduce over the data-parallel group by default (TP peers and pipeline stages hold the same value)."""
+        if isinstance(tensor, Tensor):
+            return sync_ddp_if_available(tensor, self.data_parallel_group(group), reduce_op=reduce_op)
+        return tensor
+
+    def all_gather(self, tensor: Any, group: Optional[Any] = None, sync_grads: bool = False) -> Any:
+        """Gather from every data-parallel rank (as :meth:`all_reduce`): TP peers and pipeline
+        stages hold the same samples, and gathering over them would return each sample TP x PP times."""
+        return all_gather_ddp_if_available(tensor, group=self.data_parallel_group(group), sync_grads=sync_grads)
+
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        """Every rank votes, TP peers and pipeline stages included (Lightning's ``ModelCheckpoint`` asks).
+
+        Lightning sums the votes with ``reduce``/``all_reduce`` and compares with the world size;
+        those default to the data-parallel group here under TP/PP, whose sum never reaches it, so
+        "all agree" would always be False (``ModelCheckpoint`` would stop keeping better checkpoints).
+        """
+        if not dist.is_initialized():
+            return decision
+        votes = torch.tensor(int(decision), device=self.root_device)
+        dist.all_reduce(votes, op=dist.ReduceOp.SUM)
+        return bool(votes == dist.get_world_size()) if all else bool(votes)
+
+    def data_parallel_group(self, group: Any) -> Any:
+        """``group``, or the data-parallel group under TP/PP when none is given (TP peers hold the same value)."""
+        return self.parallel_mesh.dp_group if group is None and self._tp_or_pp else group
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def _write_checkpoint(self, checkpoint: dict[str, Any], path: Path, *, in_background: bool) -> None:
+        """Write in the layout ``state_dict_type`` says, in the background when asked (after the one in flight)."""
+        self._warn_ignored_params_in_checkpoint()
+        checksums = self.options.checkpoint_checksums
+        if in_background:
+            self._async_saves.save(checkpoint, path, checksums=checksums)
+            return
+        self.wait_for_checkpoint()  # a save never overtakes the one in flight
+        hp_checkpoint.save_checkpoint(checkpoint, path, sharded=self.options.state_dict_type == "sharded", checksums=checksums)
+
+    def _warn_ignored_params_in_checkpoint(self) -> None:
+        """Once: ``ignored_params`` differ per rank, a checkpoint holds rank 0's copy and a resume gives it to every rank."""
+        if getattr(self, "_warned_ignored", False) or not self.options.ignored_params:
+            return
+        self._warned_ignored = True
+        rank_zero_warn(
+            f"HSDPStrategy(ignored_params={list(self.options.ignored_params)}): these parameters are trained by each rank on "
+            f"its own and differ between ranks; a checkpoint holds rank 0's copy, and a resume gives that copy to every "
+            f"rank. Keep them identical (replicate_params all-reduces their gradients) if every rank's copy matters."
+        )
+
+    @property
+    def checkpoint_in_flight(self) -> bool:
+        """Whether an ``async_save`` checkpoint may still be writing (until :meth:`wait_for_checkpoint`)."""
+        return self._async_saves.in_flight
+
+    def wait_for_checkpoint(self) -> None:
+        """Block until an ``async_save`` in flight is written and published (every rank calls it).
+
+        A no-op without one. Raises the save's error, if it failed, on every rank.
+        """
+        self._async_saves.wait()
+
+    # ------------------------------------------------------------------ teardown, registration
+
+    def _stop_background(self) -> None:
+        """Finish (unless this rank failed: no collective then) and close saves; stop the watchdog."""
+        if not self._failed:
+            self.wait_for_checkpoint()
+        self._async_saves.close()
+        if self._watchdog is not None:
+            self._watchdog.stop()
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        for name, description, init_params in _REGISTERED:
+            strategy_registry.register(name, cls, description=description, **init_params)
+
+    def __repr__(self) -> str:
+        mesh = describe(self._mesh.world) if self._mesh is not None else f"mesh_shape={self.options.mesh_shape}"
+        return f"{type(self).__name__}({mesh})"
+
+
+def _options_constructor(cls: type) -> Callable[..., None]:
+    """``__init__(self, <Lightning's ParallelStrategy arguments>, *, <every HSDPOptions field>)`` for ``cls``.
+
+    Lightning's arguments come from the ``ParallelStrategy`` that ``cls`` extends; the options,
+    with their types, defaults and docstrings, from :class:`~hp_lightning.core.options.HSDPOptions`.
+    The docstring lists every argument (Google style), which is where jsonargparse reads the help.
+    """
+    lightning_init = next(base.__dict__["__init__"] for base in cls.__mro__ if "__init__" in base.__dict__)
+    hints = typing.get_type_hints(lightning_init)
+    lightning = [p.replace(annotation=hints.get(name, p.annotation)) for name, p in inspect.signature(lightning_init).parameters.items()][1:]
+    types = field_types()
+    options = [
+        inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=types[f.name])
+        for f in fields(HSDPOptions)
+        if f.default is not MISSING
+    ]
+    signature = inspect.Signature([inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD), *lightning, *options])
+    lightning_names = [p.name for p in lightning]
+
+    def __init__(self: StrategyCore, *args: Any, **kwargs: Any) -> None:
+        bound = signature.bind(self, *args, **kwargs)  # a TypeError naming an unknown keyword
+        bound.apply_defaults()
+        values = dict(bound.arguments)
+        del values["self"]
+        lightning_args = {name: values.pop(name) for name in lightning_names}
+        # Validated here: this runs in Trainer(...) / Fabric(...) before any process or group exists.
+        self._init_core(lightning_args, HSDPOptions(**values))
+
+    docs = field_docs()
+    lines = [
+        "Every option of :class:`~hp_lightning.core.options.HSDPOptions`, checked here (before any process starts).",
+        "",
+        "Args:",
+        *(f"    {p.name}: set by the front end's connector." for p in lightning),
+        *(f"    {name}: {docs[name]}" for name in (p.name for p in options)),
+        "",
+        "Raises:",
+        "    TypeError / ValueError: for any option of the wrong type or value, naming it.",
+    ]
+    __init__.__signature__ = signature  # type: ignore[attr-defined]
+    __init__.__annotations__ = {p.name: p.annotation for p in signature.parameters.values() if p.annotation is not p.empty}
+    __init__.__doc__ = "\n".join(lines)
+    __init__.__qualname__ = f"{cls.__qualname__}.__init__"
+    __init__.__module__ = cls.__module__
+    __init__._takes_options = True  # type: ignore[attr-defined]
+    return __init__

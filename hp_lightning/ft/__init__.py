@@ -1,0 +1,26 @@
+"""Fault-tolerant HSDP across replica groups on torchft (``pip install 'hp-lightning[ft]'``).
+
+The engine (no Lightning): :class:`FaultTolerance` (the option), :class:`FaultTolerantHSDP`
+(Manager, replicate all-reduce hooks, quorum and commit), :class:`TrainingState` (what heals),
+:class:`ParticipantBatches` (each step's data share), :func:`start_lighthouse` and the
+``python -m hp_lightning.ft lighthouse`` command. torchft itself is imported only when used.
+"""
+
+from hp_lightning.ft.config import LIGHTHOUSE_ENV, FaultTolerance, check_lighthouse_reachable, require_torchft
+from hp_lightning.ft.data import ParticipantBatches
+from hp_lightning.ft.engine import FaultTolerantHSDP, Participation
+from hp_lightning.ft.lighthouse import start_lighthouse
+from hp_lightning.ft.state import Stateful, TrainingState
+
+__all__ = [
+    "LIGHTHOUSE_ENV",
+    "FaultTolerance",
+    "FaultTolerantHSDP",
+    "ParticipantBatches",
+    "Participation",
+    "Stateful",
+    "TrainingState",
+    "check_lighthouse_reachable",
+    "require_torchft",
+    "start_lighthouse",
+]

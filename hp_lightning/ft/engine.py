@@ -1,0 +1,261 @@
+"""Fault-tolerant HSDP: FSDP2 inside each replica group, torchft's Manager across groups.
+
+HSDP's replicate dimension is also its unit of failure. Here each replica group is its own job
+(own launcher, own rendezvous, own default process group) and shards the model with FSDP2 over
+its own ranks only; nothing in a group's mesh spans groups. The replicate all-reduce is torchft's:
+FSDP2 calls :meth:`torchft.Manager.allreduce` on every unit's reduce-scattered gradient (its
+``set_all_reduce_hook``), over a process group torchft rebuilds at each new quorum, so a dead group
+costs one uncommitted step instead of a hung job.
+
+One optimizer step is::
+
+    ft.begin_step()        # quorum with the live groups; a returning group heals here
+    loss.backward()        # reduce-scatter in the group, then average across participants
+    ft.commit()            # every rank of every participant votes; only then optimizer.step()
+
+An uncommitted step is not applied: the optimizer does not step, gradients are dropped and the
+step counters (torchft's and the data position derived from them) stay where they were.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from hp_lightning.core.devices import CPU, CUDA
+from hp_lightning.ft.config import FaultTolerance, check_lighthouse_reachable, require_torchft
+from hp_lightning.ft.state import Stateful, TrainingState
+
+__all__ = ["FaultTolerantHSDP", "Participation"]
+
+#: The key under which the training state registers with torchft's Manager.
+STATE_KEY = "hp_lightning"
+
+
+@dataclasses.dataclass(frozen=True)
+class Participation:
+    """Where this group stands in the current step's quorum.
+
+    Attributes:
+        rank: this group's rank among the participating groups (what selects its data share).
+        count: how many groups take part (what gradients are averaged over).
+        step: committed optimizer steps so far, the same on every participant (the data position).
+    """
+
+    rank: int
+    count: int
+    step: int
+
+
+def _units(model: nn.Module) -> list[FSDPModule]:
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def _check_sharding(model: nn.Module, group_world_size: int) -> None:
+    """Refuse layouts whose gradients this wiring would reduce wrongly.
+
+    Raises:
+        ValueError: no FSDP2 unit, a unit on a mesh that is not the group's 1-D shard mesh, or
+            hp_lightning ``replicate_params`` (their all-reduce does not go through torchft yet).
+    """
+    units = _units(model)
+    if not units:
+        raise ValueError(
+            "FaultTolerantHSDP expects a model sharded with fully_shard (FSDP2) inside the replica group; found no "
+            "sharded unit. Call hp_lightning.fully_shard(unit, mesh=group_mesh) on each block, then on the root."
+        )
+    for name, param in model.named_parameters():
+        if not isinstance(param, DTensor):
+            continue
+        mesh = param.device_mesh
+        # (n,) or (1, n): a replicate dimension of size 1 inside the group is a no-op.
+        within_group = all(size == 1 for size in mesh.shape[:-1]) and mesh.size() == group_world_size
+        if mesh.ndim > 2 or not within_group:
+            raise ValueError(
+                f"FaultTolerantHSDP shards inside each replica group and replicates across groups through torchft, "
+                f"so every parameter must be sharded on the group's own mesh of {group_world_size} rank(s) ((n,) or (1, n)); "
+                f"{name!r} lives on a mesh of shape {tuple(mesh.shape)}. Build the mesh over this group only "
+                f"(init_device_mesh(device, ({group_world_size},))); a 2-D HSDP mesh or tensor parallelism are not "
+                f"supported with fault tolerance yet."
+            )
+    if any(getattr(unit, "_hp_replicated", None) is not None for unit in units):
+        raise ValueError(
+            "FaultTolerantHSDP does not support fully_shard(replicate_params=...) yet: their all-reduce would stay "
+            "inside the replica group. Shard those parameters (drop replicate_params) or run without fault tolerance."
+        )
+
+
+class FaultTolerantHSDP:
+    """Wires one replica group's sharded model and optimizers to torchft's Manager.
+
+    Build it on every rank of the group, after the group's process group exists (it reads the
+    group's rendezvous store from ``MASTER_ADDR`` / ``MASTER_PORT``, as torchrun and Lightning set
+    them) and after the optimizers are built on the sharded parameters.
+
+    Args:
+        config: the fault-tolerance option.
+        model: the module sharded with FSDP2 over this group's ranks (a 1-D mesh).
+        optimizers: an optimizer or a list of them, on the sharded parameters.
+        extra: named stateful objects healed with the weights (LR schedulers, loop progress, ...).
+        device_type: ``"cpu"`` (gloo across groups) or ``"cuda"`` (NCCL); None: the
+            parameters' device.
+        group_watchdog: run hp_lightning's :class:`~hp_lightning.core.watchdog.FaultWatchdog` over
+            the group's ranks, so that one dead rank ends its whole group within seconds. Without
+            it a lingering rank keeps its group's manager heartbeating, and the lighthouse, which
+            never lets a minority of live groups form a quorum, holds the survivors until their
+            quorum timeout. False only when something else does this (the Trainer/Fabric
+            strategies run the same watchdog when their ``fault_watchdog`` option is on).
+
+    Raises:
+        ValueError / TypeError: for a layout torchft's replicate all-reduce cannot serve.
+        ConnectionError: when the lighthouse does not answer within ``config.connect_timeout``.
+        ImportError: without torchft.
+    """
+
+    def __init__(
+        self,
+        config: FaultTolerance,
+        model: nn.Module,
+        optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
+        *,
+        extra: Mapping[str, Stateful] | None = None,
+        device_type: str | None = None,
+        group_watchdog: bool = True,
+    ) -> None:
+        if not isinstance(config, FaultTolerance):
+            raise TypeError(f"FaultTolerantHSDP(config=...) expects a FaultTolerance; got {type(config).__name__}.")
+        optimizers = [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else list(optimizers)
+        if not optimizers or not all(isinstance(o, torch.optim.Optimizer) for o in optimizers):
+            raise TypeError("FaultTolerantHSDP(optimizers=...) expects a torch.optim.Optimizer or a non-empty list of them.")
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "FaultTolerantHSDP needs the replica group's own process group first: "
+                "torch.distributed.init_process_group(...) over this group's ranks (torchrun/SLURM per group)."
+            )
+        missing = [key for key in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(key)]
+        if missing:
+            raise RuntimeError(
+                f"FaultTolerantHSDP reads the group's rendezvous store from MASTER_ADDR/MASTER_PORT; {missing} not set. "
+                f"Launch each replica group with torchrun, SLURM or Lightning's launcher, which set them."
+            )
+        group_rank, group_world_size = dist.get_rank(), dist.get_world_size()
+        _check_sharding(model, group_world_size)
+        if device_type is None:
+            device_type = next(model.parameters()).device.type
+        if device_type not in (CPU, CUDA):
+            raise ValueError(
+                f"FaultTolerantHSDP: torchft's cross-group process groups are gloo (CPU) and NCCL (CUDA); the model is "
+                f"on {device_type!r}, which has none yet. Train on {CPU!r} or {CUDA!r}, or without fault tolerance."
+            )
+        lighthouse = config.lighthouse_address()
+        check_lighthouse_reachable(lighthouse, config.connect_timeout)
+        torchft = require_torchft()
+        from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
+
+        timeout = timedelta(seconds=config.timeout)
+        cross_group_pg = ProcessGroupNCCL(timeout=timeout) if device_type == CUDA else ProcessGroupGloo(timeout=timeout)
+
+        self.config = config
+        self.model = model
+        self.optimizers = optimizers
+        self.state = TrainingState(model, optimizers, extra)
+        self.manager = torchft.Manager(
+            pg=cross_group_pg,
+            load_state_dict=None,
+            state_dict=None,
+            min_replica_size=config.min_replicas,
+            use_async_quorum=False,
+            timeout=timeout,
+            quorum_timeout=timedelta(seconds=config.quorum_timeout),
+            connect_timeout=timedelta(seconds=config.connect_timeout),
+            rank=group_rank,
+            world_size=group_world_size,
+            lighthouse_addr=lighthouse,
+            replica_id=config.replica_id(),
+            port=config.manager_port,
+            init_sync=config.init_sync,
+        )
+        self.manager.register_state_dict_fn(STATE_KEY, self.state.load_state_dict, self.state.state_dict)
+        self._install_all_reduce_hooks()
+        self._in_step = False
+        self._watchdog: Any = None
+        if group_watchdog:
+            from hp_lightning.core.watchdog import FaultWatchdog
+
+            local_world = int(os.environ.get("LOCAL_WORLD_SIZE", group_world_size))
+            first_local = group_rank - int(os.environ.get("LOCAL_RANK", group_rank % local_world))
+            self._watchdog = FaultWatchdog(heartbeat_timeout=config.timeout, exit_grace=min(5.0, config.timeout))
+            self._watchdog.start(group_rank, group_world_size, range(first_local, first_local + local_world))
+
+    def _install_all_reduce_hooks(self) -> None:
+        manager = self.manager
+
+        def average_across_replica_groups(reduce_output: torch.Tensor) -> None:
+            # The unit's reduce-scattered gradient shard: average it over the participating groups.
+            # A failed collective is recorded by the Manager (the step will not commit), not raised.
+            manager.allreduce(reduce_output).wait()
+
+        for unit in _units(self.model):
+            unit.set_all_reduce_hook(average_across_replica_groups)
+
+    def add_state(self, name: str, obj: Stateful) -> None:
+        """Heal ``obj`` (an LR scheduler, loop progress, a callback) with the weights."""
+        self.state.add(name, obj)
+
+    @property
+    def step(self) -> int:
+        """Committed optimizer steps: the quorum's, on every participant."""
+        return self.manager.current_step()
+
+    def begin_step(self) -> Participation:
+        """Join this step's quorum (healing from a live group if behind) and clear the gradients.
+
+        Call before forward. Returns where this group stands, from which its data share follows.
+        """
+        self.manager.start_quorum()
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
+        self._in_step = True
+        rank = self.manager.participating_rank()
+        return Participation(rank=-1 if rank is None else rank, count=self.manager.num_participants(), step=self.step)
+
+    def commit(self) -> bool:
+        """Vote on this step after backward; step the optimizers only if every participant's rank agrees.
+
+        Returns:
+            Whether the step was applied. False: gradients are dropped, nothing moved.
+
+        Raises:
+            RuntimeError: without :meth:`begin_step` first.
+        """
+        if not self._in_step:
+            raise RuntimeError("FaultTolerantHSDP.commit() needs begin_step() first, once per optimizer step.")
+        self._in_step = False
+        committed = self.manager.should_commit()
+        if committed:
+            # Hold off healing peers' reads while the live tensors change.
+            self.manager.disallow_state_dict_read()
+            try:
+                for opt in self.optimizers:
+                    opt.step()
+            finally:
+                self.manager.allow_state_dict_read()
+        else:
+            for opt in self.optimizers:
+                opt.zero_grad(set_to_none=True)
+        return committed
+
+    def shutdown(self) -> None:
+        """Stop this rank's manager server, checkpoint server and group watchdog (threads and ports)."""
+        if self._watchdog is not None:
+            self._watchdog.stop()
+        self.manager.shutdown(wait=False)

@@ -1,0 +1,207 @@
+"""Lightning glue for fault tolerance: a Callback the Trainer front end adds when the option is set.
+
+Kept out of the engine (this is the only module of ``hp_lightning.ft`` that imports Lightning).
+Each replica group is one Lightning job whose strategy shards over the group's ranks only; this
+callback then wires the sharded module and its optimizer to torchft (:class:`FaultTolerantHSDP`)
+and keeps Lightning's own bookkeeping in step with the commit decision:
+
+- ``on_train_batch_start``: join the quorum (a returning group heals here), snapshot the LR
+  schedulers;
+- the optimizer's ``step(closure)`` runs Lightning's closure (forward, backward: the cross-group
+  average happens in FSDP2's all-reduce hook), then votes and steps the real optimizer only if
+  committed;
+- ``on_train_batch_end``: after an uncommitted step, the schedulers go back to the snapshot and
+  Lightning's optimizer-step counter (``trainer.global_step``) is taken back by one, so both agree
+  with torchft's step.
+
+Healed with the weights: optimizer state, LR schedulers and ``trainer.global_step``. Scope, refused
+loudly otherwise: automatic optimization, one optimizer, ``accumulate_grad_batches=1``. Data:
+Lightning's loader prefetches a batch before the quorum is known, so the Trainer path splits data
+by the *fixed* replica group (:func:`replica_group_sampler`, torchft's semantics: a dead group's
+share is skipped while it is down), not by participants as :class:`ParticipantBatches` does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from typing_extensions import override
+
+from hp_lightning.ft.config import FaultTolerance
+from hp_lightning.ft.engine import FaultTolerantHSDP, Participation
+
+__all__ = ["CommittingOptimizer", "FaultToleranceCallback", "replica_group_sampler"]
+
+
+class CommittingOptimizer(torch.optim.Optimizer):
+    """An optimizer whose ``step(closure)`` runs the closure, then steps only a committed step.
+
+    Everything else (``param_groups``, ``state``, state dicts) is the wrapped optimizer's, so LR
+    schedulers built on the wrapped optimizer keep working.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, ft: FaultTolerantHSDP) -> None:
+        # No Optimizer.__init__: this object owns no parameters of its own.
+        self.optimizer = optimizer
+        self.ft = ft
+        self.last_committed: bool | None = None
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]  # read-only view of the wrapped optimizer's
+        return self.optimizer.param_groups
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]  # read-only view of the wrapped optimizer's
+        return self.optimizer.state
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        return self.optimizer.defaults
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        self.optimizer.add_param_group(param_group)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    @override
+    def step(self, closure: Any = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.last_committed = self.ft.commit()
+        return loss
+
+
+class _SchedulersState:
+    """The Trainer's LR schedulers as one stateful object (healed, and rolled back on no commit)."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"schedulers": [config.scheduler.state_dict() for config in self.trainer.lr_scheduler_configs]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for config, sd in zip(self.trainer.lr_scheduler_configs, state["schedulers"], strict=True):
+            config.scheduler.load_state_dict(sd)
+
+
+def _optimizer_step_progress(trainer: Trainer) -> Any:
+    """Lightning's counter behind ``trainer.global_step`` under automatic optimization (Lightning 2.x)."""
+    return trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.step.total
+
+
+class _GlobalStepState:
+    """``trainer.global_step`` as a stateful object: the returning group continues at the quorum's step."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"global_step": self.trainer.global_step}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        progress = _optimizer_step_progress(self.trainer)
+        progress.ready = progress.completed = int(state["global_step"])
+
+
+class FaultToleranceCallback(Callback):
+    """Joins torchft's quorum every step and keeps the Trainer's counters with the commit.
+
+    Args:
+        config: the fault-tolerance option (or a dict of its fields).
+    """
+
+    def __init__(self, config: FaultTolerance | dict[str, Any]) -> None:
+        resolved = FaultTolerance.from_value(config)
+        if resolved is None:
+            raise ValueError("FaultToleranceCallback expects a FaultTolerance (or a dict of its fields); got None.")
+        self.config = resolved
+        self.ft: FaultTolerantHSDP | None = None
+        self._optimizer: CommittingOptimizer | None = None
+        self._schedulers_before: dict[str, Any] | None = None
+        #: torchft's committed step count when fit ended (the same as ``trainer.global_step``).
+        self.final_step: int | None = None
+        #: The current step's quorum (set at each batch start): what a module may log or split by.
+        self.participation: Participation | None = None
+
+    @override
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not pl_module.automatic_optimization:
+            raise ValueError("fault_tolerance supports automatic optimization only; set automatic_optimization=True.")
+        if trainer.accumulate_grad_batches != 1:
+            raise ValueError(
+                f"fault_tolerance commits once per batch; got accumulate_grad_batches={trainer.accumulate_grad_batches}. "
+                f"Use accumulate_grad_batches=1 (a larger per-rank batch) with fault tolerance for now."
+            )
+        if len(trainer.optimizers) != 1:
+            raise ValueError(f"fault_tolerance expects exactly one optimizer; got {len(trainer.optimizers)}.")
+        schedulers = _SchedulersState(trainer)
+        self.ft = FaultTolerantHSDP(
+            self.config, pl_module, trainer.optimizers[0],
+            extra={"lr_schedulers": schedulers, "global_step": _GlobalStepState(trainer)},
+            # The strategy's own fault watchdog (its fault_watchdog option) ends the group on a failure.
+            group_watchdog=False,
+        )
+        self._schedulers = schedulers
+        self._optimizer = CommittingOptimizer(trainer.optimizers[0], self.ft)
+        trainer.strategy.optimizers = [self._optimizer]
+
+    @override
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        assert self.ft is not None
+        self.participation = self.ft.begin_step()
+        self._schedulers_before = self._schedulers.state_dict()
+
+    @property
+    def last_committed(self) -> bool | None:
+        """Whether the last step was applied (None before the first)."""
+        return None if self._optimizer is None else self._optimizer.last_committed
+
+    @override
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        assert self._optimizer is not None
+        if self._optimizer.last_committed is False:
+            # Not applied: Lightning stepped its schedulers and counted the step; take both back.
+            assert self._schedulers_before is not None
+            self._schedulers.load_state_dict(self._schedulers_before)
+            progress = _optimizer_step_progress(trainer)
+            progress.ready -= 1
+            progress.completed -= 1
+
+    @override
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if self.ft is not None:
+            self.final_step = self.ft.step
+            self.ft.shutdown()
+            self.ft = None
+
+
+def replica_group_sampler(
+    dataset: Any, config: FaultTolerance, *, group_rank: int, group_world_size: int, shuffle: bool = True, seed: int = 0
+) -> Any:
+    """torchft's ``DistributedSampler``: this rank's shard among all groups' ranks (fixed by group).
+
+    Global rank ``replica_group x group_world_size + group_rank`` of ``num_replica_groups x
+    group_world_size``: with every group up, exactly plain HSDP's split. Use it with
+    ``Trainer(use_distributed_sampler=False)``; Lightning's own sampler would give every group the
+    same samples.
+    """
+    from torchft.data import DistributedSampler
+
+    return DistributedSampler(
+        dataset, replica_rank=config.replica_group, num_replica_groups=config.num_replica_groups,
+        group_rank=group_rank, num_replicas=group_world_size, shuffle=shuffle, seed=seed,
+    )

@@ -1,0 +1,85 @@
+"""Bytes per optimizer step, per collective and link class, from the simulated rank's real calls.
+
+The data plane (FSDP2's all-gathers, reduce-scatters and HSDP all-reduces, DTensor's TP
+collectives, pipeline sends and receives) is what :mod:`hp_lightning.planner.simulate` counted
+at the ``torch.distributed`` call while running the real plan; its byte counts are
+CollectiveCounter's (the gathered output, the scattered input, the reduced tensor).
+
+The front end adds a few small *control* collectives per step, which no fake step runs because
+they live in the Lightning strategy (:func:`control_calls`):
+
+* without PP: the step agreement all-reduce (int32) over the world, carrying the preemption
+  signal and two flags per parameter the divergence check compares
+  (:mod:`hp_lightning.fully_shard.divergence`; one flag only with ``divergence_check="off"``);
+* with PP: the last stage's loss broadcast over the pipeline group (fp32 scalar), the logged
+  ``train_loss`` all-reduce over the stage's data-parallel ranks (``sync_dist=True``), and the
+  step agreement (preemption signal only: the divergence check does not run under a schedule).
+
+A group is *intra-node* when all its ranks share a node (``rank // devices``), else *inter-node*.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+
+from hp_lightning.core.diagnostics import CollectiveCall
+from hp_lightning.planner.candidates import Candidate, Cluster
+from hp_lightning.planner.simulate import RankRun
+
+
+def control_calls(run: RankRun, candidate: Candidate, cluster: Cluster, *, divergence_check: bool = True) -> list[CollectiveCall]:
+    """The strategy's own per-step collectives on this rank (see the module docstring)."""
+    world = tuple(range(cluster.world_size))
+    if candidate.pp == 1:
+        flags = 1 + (2 * run.divergence_slots if divergence_check else 0)
+        return [CollectiveCall("all_reduce", world, 4 * flags, torch.int32)]
+    stride = cluster.world_size // candidate.pp
+    pipeline_group = tuple(run.rank % stride + i * stride for i in range(candidate.pp))
+    stage_group = tuple(range(run.stage * stride, (run.stage + 1) * stride))
+    return [
+        CollectiveCall("broadcast", pipeline_group, 4, torch.float32),
+        CollectiveCall("all_reduce", stage_group, 4, torch.float32),
+        CollectiveCall("all_reduce", world, 4, torch.int32),
+    ]
+
+
+def step_calls(run: RankRun, candidate: Candidate, cluster: Cluster, *, divergence_check: bool = True) -> list[CollectiveCall]:
+    """Every collective this rank issues in one steady-state optimizer step."""
+    return [*run.calls, *control_calls(run, candidate, cluster, divergence_check=divergence_check)]
+
+
+def link_of(ranks: tuple[int, ...], cluster: Cluster) -> str:
+    """``"intra"`` when every rank of the group is on one node, else ``"inter"``."""
+    return "intra" if len({cluster.node_of(r) for r in ranks}) <= 1 else "inter"
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """Calls and bytes of one collective kind on one link class, per optimizer step."""
+
+    kind: str
+    link: str
+    calls: int
+    bytes: int
+
+
+def traffic(calls: list[CollectiveCall], cluster: Cluster) -> list[Traffic]:
+    """``calls`` summed per (kind, link class), largest first."""
+    sums: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0])
+    for call in calls:
+        entry = sums[(call.kind, link_of(call.ranks, cluster))]
+        entry[0] += 1
+        entry[1] += call.bytes
+    rows = [Traffic(kind, link, n, b) for (kind, link), (n, b) in sums.items()]
+    return sorted(rows, key=lambda t: -t.bytes)
+
+
+def bytes_by_kind(calls: list[CollectiveCall]) -> dict[str, int]:
+    """Bytes per collective kind (CollectiveCounter's ``bytes(kind)``)."""
+    out: dict[str, int] = defaultdict(int)
+    for call in calls:
+        out[call.kind] += call.bytes
+    return dict(out)

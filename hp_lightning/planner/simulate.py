@@ -1,0 +1,437 @@
+"""One simulated rank: hp_lightning's real recipe on a fake world, one step on fake tensors.
+
+For a candidate and a rank, :func:`simulate_rank` does in one process what that rank would do at
+setup and in its second optimizer step:
+
+1. joins a *fake* process group of the cluster's world size as that rank, builds the candidate's
+   :class:`~hp_lightning.core.mesh.ParallelMesh` (the strategy's own code);
+2. builds the model on the meta device, cuts its pipeline stage, and applies
+   :func:`hp_lightning.core.parallelize.parallelize` with the plan ``HSDPOptions`` makes of the
+   candidate's strategy arguments: the units, meshes, placements, padding and dtypes are torch
+   FSDP2's own, nothing is re-derived;
+3. allocates the local shards as *fake* tensors and runs two optimizer steps (forward, backward,
+   optimizer) of fake micro-batches, counting every collective at the ``torch.distributed`` call
+   (:class:`~hp_lightning.core.diagnostics.CollectiveCounter`) and every tensor's storage as it
+   is created and freed (:class:`LiveBytes`). The second step is the steady state reported.
+
+Pipeline stages run the micro-batches in torch's schedule order (1F1B or GPipe) through torch's
+``PipelineStage`` gradient-sync calls; the point-to-point transfers between stages, which a fake
+world cannot pair, are added from the stage's output shape.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from hp_lightning.core import devices
+from hp_lightning.core._torch_private import TorchDispatchMode, managed_params, tree_flatten
+from hp_lightning.core.accumulation import no_gradient_sync
+from hp_lightning.core.diagnostics import CollectiveCall, CollectiveCounter
+from hp_lightning.core.introspection import unit_names
+from hp_lightning.core.mesh import build_parallel_mesh
+from hp_lightning.core.options import HSDPOptions
+from hp_lightning.core.parallelize import parallelize
+from hp_lightning.parallel.pipeline import split_stage
+from hp_lightning.planner import _private
+from hp_lightning.planner.candidates import (
+    PRECISIONS,
+    Candidate,
+    Cluster,
+    ModelFacts,
+    Workload,
+)
+from hp_lightning.planner.model import ModelBuildError, ModelSpec, step_loss
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+
+class LiveBytes(TorchDispatchMode):
+    """Bytes of tensor storage alive on this rank, and their peak, at op granularity.
+
+    Every tensor an op creates is registered by its storage (views share it) with its size, and
+    subtracted when the storage dies. FSDP2 frees and re-allocates the unsharded parameters of a
+    unit by resizing their storage (``resize_``, outside the dispatcher); those storages are marked
+    with :meth:`track_resizable` (from a pre-forward hook on every unit) and counted at their
+    *current* size at every op. Storages created before the mode are added with :meth:`track`.
+    Works on fake tensors: their storages have sizes, not memory.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._fixed: dict[int, tuple[weakref.ref, int]] = {}
+        self._resizable: dict[int, weakref.ref] = {}
+        self._fixed_total = 0
+        self.peak = 0
+
+    def _gone(self, key: int) -> None:
+        entry = self._fixed.pop(key, None)
+        if entry is not None:
+            self._fixed_total -= entry[1]
+        self._resizable.pop(key, None)
+
+    @staticmethod
+    def _storage(tensor: Any) -> Any:
+        if isinstance(tensor, DTensor):
+            tensor = tensor._local_tensor
+        return tensor.untyped_storage() if isinstance(tensor, torch.Tensor) else None
+
+    def track(self, tensor: Any) -> None:
+        storage = self._storage(tensor)
+        if storage is None:
+            return
+        key = id(storage)
+        if key in self._fixed or key in self._resizable:
+            return
+        size = storage.nbytes()
+        self._fixed[key] = (weakref.ref(storage, lambda _ref: self._gone(key)), size)
+        self._fixed_total += size
+
+    def track_resizable(self, tensor: Any) -> None:
+        storage = self._storage(tensor)
+        if storage is None:
+            return
+        key = id(storage)
+        if key in self._resizable:
+            return
+        entry = self._fixed.pop(key, None)
+        if entry is not None:
+            self._fixed_total -= entry[1]
+            ref = entry[0]
+        else:
+            ref = weakref.ref(storage, lambda _ref: self._gone(key))
+        self._resizable[key] = ref
+
+    def now(self) -> int:
+        total = self._fixed_total
+        for ref in list(self._resizable.values()):
+            storage = ref()
+            if storage is not None:
+                total += storage.nbytes()
+        return total
+
+    def reset_peak(self) -> None:
+        self.peak = self.now()
+
+    def watch_units(self, units: list[nn.Module]) -> list[Any]:
+        """Mark each unit's unsharded parameters resizable when FSDP2 has gathered them (a pre-forward hook)."""
+
+        def mark(unit: nn.Module, _args: Any) -> None:
+            for module in unit.modules():
+                for param in module._parameters.values():
+                    if param is not None and not isinstance(param, DTensor):
+                        self.track_resizable(param)
+
+        return [unit.register_forward_pre_hook(mark) for unit in units]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in tree_flatten(out)[0]:
+            if isinstance(tensor, torch.Tensor):
+                self.track(tensor)
+        self.peak = max(self.peak, self.now())
+        return out
+
+
+@dataclass(frozen=True)
+class UnitFact:
+    """One sharding unit as FSDP2 built it on this rank."""
+
+    name: str
+    sharded_bytes: int  # this rank's shards, as stored
+    gathered_bytes: int  # the unsharded parameters in the compute dtype (what one all-gather produces)
+    reshard_after_forward: bool
+
+
+@dataclass
+class RankRun:
+    """What one simulated rank did in its steady-state optimizer step."""
+
+    rank: int
+    stage: int
+    calls: list[CollectiveCall]
+    params_bytes: int
+    grads_bytes: int
+    optimizer_bytes: int
+    start_bytes: int  # live storage at the start of the step (parameters + optimizer state + kept buffers)
+    peak_bytes: int  # live storage at the step's peak
+    units: list[UnitFact]
+    stage_numel: int  # parameters of this rank's stage, unsharded and before TP (for FLOPs)
+    block_numel: int  # of those, inside the blocks (what activation checkpointing recomputes)
+    divergence_slots: int  # parameters the strategy's per-step divergence check compares
+    tokens: int  # tokens this rank processes per optimizer step
+    stage_io_bytes: tuple[int, int] = (0, 0)  # bytes of one pipeline micro-batch into / out of this stage
+    notes: list[str] = field(default_factory=list)
+
+
+def _local_bytes(tensor: torch.Tensor) -> int:
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return local.numel() * local.element_size()
+
+
+def strategy_args_for(candidate: Candidate, workload: Workload, facts: ModelFacts, spec: ModelSpec) -> dict[str, Any]:
+    """The ``HSDPStrategy`` arguments of a candidate, with the user's own strategy arguments kept."""
+    args = {k: v for k, v in spec.strategy_args.items() if k not in _CANDIDATE_KEYS}
+    args.update(candidate.strategy_args(workload, facts.tp_plan, [facts.block_class] if facts.block_class else None))
+    return args
+
+
+#: Strategy arguments a candidate decides (a YAML's own values for them are replaced).
+_CANDIDATE_KEYS = {
+    "mesh_shape", "tensor_parallel_size", "pipeline_parallel_size", "pipeline_split_points", "pipeline_microbatches",
+    "reshard_after_forward", "cpu_offload", "activation_checkpointing", "param_dtype", "reduce_dtype", "tp_plan",
+}
+
+
+@contextmanager
+def _quiet() -> Iterator[None]:
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+def schedule_order(kind: str, stage: int, stages: int, microbatches: int) -> list[tuple[str, int]]:
+    """The forward ("F") and backward ("B") actions of one stage in torch's single-stage schedules."""
+    if kind == "gpipe":
+        return [("F", i) for i in range(microbatches)] + [("B", i) for i in range(microbatches)]
+    warmup = min(microbatches, stages - stage)
+    order = [("F", i) for i in range(warmup)]
+    forward, backward = warmup, 0
+    while True:
+        order.append(("B", backward))
+        backward += 1
+        if forward == microbatches:
+            break
+        order.append(("F", forward))
+        forward += 1
+    order += [("B", i) for i in range(backward, microbatches)]
+    return order
+
+
+def simulate_rank(
+    spec: ModelSpec,
+    candidate: Candidate,
+    cluster: Cluster,
+    workload: Workload,
+    facts: ModelFacts,
+    rank: int,
+    *,
+    stage_input: tuple[tuple[int, ...], torch.dtype] | None = None,
+) -> tuple[RankRun, tuple[tuple[int, ...], torch.dtype] | None]:
+    """Simulate ``rank`` under ``candidate``; returns its run and (under PP) its stage's output shape and dtype.
+
+    Raises:
+        ModelBuildError: the model cannot be built, sharded or run on fake tensors (reason included).
+    """
+    args = strategy_args_for(candidate, workload, facts, spec)
+    args.pop("cpu_offload", None)  # offload moves state to the host; collectives and shapes are the same
+    options = HSDPOptions(**args)
+    plan = options.sharding_plan(derived_param_dtype=None, derived_reduce_dtype=None, device_type=devices.CPU)
+    fake = _private.fake_tensor_mode()
+    with _private.fake_process_group(rank, cluster.world_size), _quiet():
+        layout = candidate.layout(cluster)
+        mesh = build_parallel_mesh(devices.CPU, layout)
+        module = spec.build()
+        if PRECISIONS[workload.precision][2]:
+            module.to(torch.bfloat16)
+        stage = mesh.pp.get_local_rank() if mesh.pp is not None else 0
+        if candidate.pp > 1:
+            split_stage(module, list(candidate.pipeline_split_points or ()), stage)
+        unique = {id(p): p for p in module.parameters()}
+        stage_numel = sum(p.numel() for p in unique.values())
+        block_ids = {id(p) for name in facts.block_names if _has(module, name) for p in module.get_submodule(name).parameters()}
+        block_numel = sum(p.numel() for i, p in unique.items() if i in block_ids)
+        try:
+            sharded = parallelize(module, mesh, plan)
+        except (ValueError, TypeError) as exc:
+            raise ModelBuildError(f"{candidate.name}: hp_lightning refuses this plan for the model: {exc}") from exc
+        slots = divergence_slots(module, sharded.replicated)
+        names = unit_names(module)
+        units = []
+        for unit in [module, *sharded.units]:
+            params = managed_params(unit)
+            if not params:
+                continue
+            sharded_bytes = sum(_local_bytes(p) for p, _, _ in params)
+            gathered = 0
+            for p, mp, _ in params:
+                dtype = mp.param_dtype or p.dtype
+                local = p.to_local() if isinstance(p, DTensor) else p
+                shard_dims = [i for i, pl in enumerate(p.placements) if pl.is_shard()] if isinstance(p, DTensor) else []
+                ranks = 1
+                for i in shard_dims:
+                    if p.device_mesh.mesh_dim_names[i] not in ("tp", "ep"):
+                        ranks *= p.device_mesh.size(i)
+                gathered += local.numel() * ranks * dtype.itemsize
+            from hp_lightning.core._torch_private import reshards_after_forward
+
+            units.append(UnitFact(names.get(id(unit), type(unit).__name__), sharded_bytes, gathered, reshards_after_forward(unit)))
+        with fake:
+            module.to_empty(device=devices.cpu_device())
+        live = LiveBytes()
+        trainable = [p for p in module.parameters() if p.requires_grad]
+        with fake:
+            optimizer = (
+                torch.optim.AdamW(trainable, lr=1e-3) if workload.optimizer == "adamw" else torch.optim.SGD(trainable, lr=1e-3)
+            )
+        live.watch_units([module, *sharded.units])
+        for p in module.parameters():
+            live.track(p)
+        for b in module.buffers():
+            live.track(b)
+        vocab = spec.vocab_size(module)
+        dp_batch = workload.micro_batch * (workload.pp_microbatches(candidate.pp) if candidate.pp > 1 else 1)
+        counter = CollectiveCounter()
+        io_bytes = (0, 0)
+        output_meta: tuple[tuple[int, ...], torch.dtype] | None = None
+        try:
+            for step in range(2):
+                if step == 1:
+                    counter.reset()
+                    start = live.now()
+                    live.reset_peak()
+                with counter, fake, live:
+                    if candidate.pp > 1:
+                        optimizer.zero_grad(set_to_none=True)  # the strategy drops a window's gradients before its schedule
+                        io_bytes, output_meta = _pipeline_step(module, mesh, stage, candidate, workload, vocab, stage_input, options.pipeline_schedule)
+                    else:
+                        _plain_step(module, workload, vocab, optimizer)
+                    optimizer.step()
+        except _private.data_dependent_errors() as exc:
+            raise ModelBuildError(
+                f"{candidate.name}: the model's step reads tensor values ({type(exc).__name__}: {exc}), which a fake-tensor "
+                f"run cannot; the planner needs a forward/backward whose control flow does not depend on data."
+            ) from exc
+        # FSDP2's sharded gradients have the shape and dtype of the sharded parameters.
+        params_bytes = sum(_local_bytes(p) for p in module.parameters())
+        grads = sum(_local_bytes(p) for p in module.parameters() if p.requires_grad)
+        optimizer_bytes = sum(
+            _local_bytes(t) for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor) and t.dim() > 0
+        )
+        run = RankRun(
+            rank=rank, stage=stage, calls=list(counter.calls), params_bytes=params_bytes, grads_bytes=grads,
+            optimizer_bytes=optimizer_bytes, start_bytes=start, peak_bytes=live.peak, units=units,
+            stage_numel=stage_numel, block_numel=block_numel, divergence_slots=slots,
+            tokens=dp_batch * workload.seq_len * workload.accumulation, stage_io_bytes=io_bytes,
+        )
+        if candidate.pp > 1:
+            run.calls.extend(_pipeline_p2p(rank, stage, candidate.pp, cluster.world_size // candidate.pp, workload, io_bytes))
+        return run, output_meta
+
+
+def divergence_slots(module: nn.Module, replicated: list[str]) -> int:
+    """Parameters the strategy's divergence check compares (trainable sharded or replicate ones, once each).
+
+    The same rule as :mod:`hp_lightning.fully_shard.divergence`: its per-step control all-reduce
+    carries two flags per such parameter and the preemption signal.
+    """
+    seen: set[int] = set()
+    wanted = set(replicated)
+    count = 0
+    for module_name, sub in module.named_modules():
+        for attr, param in sub._parameters.items():
+            if param is None or id(param) in seen or not param.requires_grad:
+                continue
+            seen.add(id(param))
+            name = f"{module_name}.{attr}" if module_name else attr
+            count += isinstance(param, DTensor) or name in wanted
+    return count
+
+
+def _has(module: nn.Module, name: str) -> bool:
+    try:
+        module.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
+
+
+def _tokens(workload: Workload, batch: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randint(0, vocab, (batch, workload.seq_len)), torch.randint(0, vocab, (batch, workload.seq_len))
+
+
+def _plain_step(module: pl.LightningModule, workload: Workload, vocab: int, optimizer: torch.optim.Optimizer) -> None:
+    """One optimizer step's micro-batches as Lightning runs them.
+
+    The previous step's gradients are dropped after the first forward, before its backward
+    (Lightning's closure: ``training_step``, ``zero_grad``, ``backward``); no gradient sync before
+    the window's last micro-batch.
+    """
+    for i in range(workload.accumulation):
+        last = i == workload.accumulation - 1
+        with nullcontext() if last else no_gradient_sync(module, "skip"):
+            loss = step_loss(module, _tokens(workload, workload.micro_batch, vocab)) / workload.accumulation
+            if i == 0:
+                optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+
+
+def _pipeline_step(
+    module: nn.Module, mesh: Any, stage: int, candidate: Candidate, workload: Workload, vocab: int,
+    stage_input: tuple[tuple[int, ...], torch.dtype] | None, schedule: str,
+) -> tuple[tuple[int, int], tuple[tuple[int, ...], torch.dtype]]:
+    """One pipeline step of this stage: torch's schedule order, torch's stage gradient-sync calls."""
+    from torch.distributed.pipelining import PipelineStage
+
+    if workload.accumulation != 1:
+        raise ModelBuildError("The planner simulates pipeline steps without gradient accumulation; set accumulation=1 with PP.")
+    stages = candidate.pp
+    microbatches = workload.pp_microbatches(stages)
+    torch_stage = PipelineStage(module, stage, stages, devices.cpu_device(), group=mesh.pp.get_group())
+    outputs: dict[int, Any] = {}
+    inputs: dict[int, Any] = {}
+    in_bytes = out_bytes = 0
+    meta: tuple[tuple[int, ...], torch.dtype] = ((), torch.float32)
+    order = schedule_order(schedule, stage, stages, microbatches)
+    for action, index in order:
+        if action == "F":
+            if stage == 0:
+                x, y = _tokens(workload, workload.micro_batch, vocab)
+            else:
+                assert stage_input is not None
+                shape, dtype = stage_input
+                x = torch.empty(shape, dtype=dtype).requires_grad_(True)
+                _, y = _tokens(workload, workload.micro_batch, vocab)
+                in_bytes = x.numel() * x.element_size()
+            out = module(x)
+            if stage == stages - 1:
+                out = cast(Any, module).pipeline_loss(out, y) / microbatches  # the model's own hook (ModelSpec contract)
+            else:
+                out_bytes = out.numel() * out.element_size()
+                meta = (tuple(out.shape), out.dtype)
+            outputs[index], inputs[index] = out, x
+        else:
+            out, x = outputs.pop(index), inputs.pop(index)
+            grads = None if stage == stages - 1 else torch.ones_like(out)
+            values = [x] if stage > 0 else []
+            torch_stage.backward_maybe_with_nosync(
+                "full", {"stage_output": out, "output_grads": grads, "input_values": values}, last_backward=index == microbatches - 1
+            )
+    torch_stage.perform_reduce_grad(1)
+    return (in_bytes, out_bytes), meta
+
+
+def _pipeline_p2p(rank: int, stage: int, stages: int, stride: int, workload: Workload, io_bytes: tuple[int, int]) -> list[CollectiveCall]:
+    """The sends and receives of one pipeline step: activations forward, their gradients back, per micro-batch."""
+    microbatches = workload.pp_microbatches(stages)
+    in_bytes, out_bytes = io_bytes
+    calls: list[CollectiveCall] = []
+    for _ in range(microbatches):
+        if stage > 0:
+            pair = tuple(sorted((rank, rank - stride)))
+            calls += [CollectiveCall("recv", pair, in_bytes, torch.float32), CollectiveCall("send", pair, in_bytes, torch.float32)]
+        if stage < stages - 1:
+            pair = tuple(sorted((rank, rank + stride)))
+            calls += [CollectiveCall("send", pair, out_bytes, torch.float32), CollectiveCall("recv", pair, out_bytes, torch.float32)]
+    return calls
+
