@@ -1,14 +1,8 @@
-"""When one rank fails, every rank stops within seconds, and the first cause is reported once.
+"""The watchdog thread of one rank and its decisions: report, detect, stop (see the package docstring).
 
-Without help, a failure on one rank shows up on the others as a gloo ``Connection closed by
-peer`` traceback that hides the cause, or as a hang until the collective timeout (30 minutes)
-when the failed process lingers, is frozen, deadlocks, or runs on NCCL. :class:`FaultWatchdog`
-is one daemon thread per rank that talks through the job's TCPStore on a connection of its own,
-never through the process group (which may be what is stuck). A failing rank posts the first
-:class:`FailureReport` (compare-and-set); the others read it at their next poll, wait until the
-failed rank has printed its traceback, print one line and exit. Ranks that end without a post
-are found by their local peers (a dead pid) or by their heartbeat. ``docs/faults.md`` lists the
-cases, and which of them torch, torchrun and Lightning's launcher already cover (none of these).
+A failing rank posts the first report (compare-and-set on the job's store); the others read it
+at their next poll, wait for the failed rank's traceback, print one line and exit. A rank that
+ends without posting is found by its local peers (a dead pid) or by its heartbeat.
 """
 
 from __future__ import annotations
