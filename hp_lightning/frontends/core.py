@@ -105,11 +105,12 @@ class StrategyCore:
 
     @property
     def _hsdp_precision(self) -> PrecisionCore:
-        raise NotImplementedError
+        """The adapter's precision plugin (each adapter defines it: Trainer and Fabric keep it under different names)."""
+        raise NotImplementedError(f"{type(self).__name__} must define _hsdp_precision (HSDPStrategy and HSDPFabricStrategy do)")
 
     def _sharded_roots(self) -> list[nn.Module]:
-        """The models this strategy sharded (roots), for :meth:`reshard_all`."""
-        raise NotImplementedError
+        """The models this strategy sharded (roots), for :meth:`reshard_all` (each adapter defines it)."""
+        raise NotImplementedError(f"{type(self).__name__} must define _sharded_roots (HSDPStrategy and HSDPFabricStrategy do)")
 
     def _agreement_trainer(self) -> Any:
         """The Trainer whose checkpoint folders and loop lengths every rank must share (None: Fabric)."""

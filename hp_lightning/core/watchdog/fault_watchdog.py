@@ -22,8 +22,6 @@ import torch.distributed as dist
 
 from hp_lightning.core.watchdog.exits import _one_line_if_uncaught, _quiet_signals, _record_for_torchrun, _say
 from hp_lightning.core.watchdog.processes import _connect_store, _describe_stack, _inside_torch, _is_running, _machine_key, _start_ticks, _StoreUnreachable
-
-#: Exit code of a rank the watchdog stops because another rank failed first.
 from hp_lightning.core.watchdog.reports import (
     _GONE,
     FAILED_EXIT_CODE,
