@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # The CPU wheel of torch lies on disk; pinning it keeps pip from pulling a multi-GB CUDA build.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: install test lint test-fast demo bench bench-cluster bench-checkpoint bench-pipeline gpu-check clean
+.PHONY: install test lint test-fast demo bench bench-cluster bench-checkpoint bench-pipeline bench-ft gpu-check clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -48,6 +48,10 @@ bench-checkpoint: $(STAMP)
 # The pipeline bubble (idle fraction per stage) for GPipe and 1F1B at 4 and 8 micro-batches (2 gloo ranks; also in make bench).
 bench-pipeline: $(STAMP)
 	$(PY) -m benchmarks.pipeline_bubble
+
+# Fault-tolerant HSDP on torchft vs plain HSDP 2x2 at 1 Gbit/s, and the kill/restart recovery times.
+bench-ft: $(STAMP)
+	$(PY) -m benchmarks.fault_tolerance
 
 gpu-check: $(STAMP)
 	bash scripts/gpu_check.sh

@@ -6,19 +6,16 @@ without them and an extra, untimed pass per configuration runs with them.
 
 * Step times: :class:`StepMarks` records ``perf_counter`` (after a device synchronize) at the end
   of every optimizer step; step ``i`` lasts from mark ``i - 1`` to mark ``i``.
-* Memory: :class:`MemoryProbe` samples the bytes malloc has handed out (CPU tensors live there),
-  the RSS, or the device allocator's peak, every half millisecond and at every step mark and
-  phase note.
+* Memory: :class:`MemoryProbe` samples the bytes malloc has handed out (CPU tensors live there)
+  and the RSS every half millisecond and at every step mark and phase note
+  (:class:`hp_lightning.core.diagnostics.HeapSampler`), or reads the device allocator's peak.
 * Model state: parameters + gradients + optimizer state actually held by this rank (local shards
   of DTensors), read from the tensors after the last step.
 * Collectives: :class:`hp_lightning.core.diagnostics.CollectiveCounter` around the steps."""
 
 from __future__ import annotations
 
-import ctypes
 import gc
-import os
-import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -28,8 +25,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from hp_lightning.core import devices
-from hp_lightning.core.diagnostics import CollectiveCounter
-
+from hp_lightning.core.diagnostics import CollectiveCounter, HeapSampler
+from hp_lightning.core.diagnostics import release_freed_memory as release_freed_memory  # the workers import it from here
 
 
 @dataclass
@@ -85,109 +82,24 @@ class StepMarks:
 # ---------------------------------------------------------------------------- memory
 
 
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in (
-        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost"
-    )]
-
-
-def _heap_reader() -> Callable[[], int] | None:
-    """glibc's ``mallinfo2``: bytes in use by malloc over all arenas and threads (None elsewhere)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        mallinfo2 = libc.mallinfo2
-    except (OSError, AttributeError):
-        return None
-    mallinfo2.restype = _MallInfo2
-
-    def read() -> int:
-        info = mallinfo2()
-        return int(info.uordblks + info.hblkhd)
-
-    return read
-
-
-def _rss_reader() -> Callable[[], int]:
-    page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-
-    def read() -> int:
-        try:
-            with open("/proc/self/statm", "rb") as f:
-                return int(f.read().split()[1]) * page
-        except (OSError, IndexError, ValueError):
-            return 0
-
-    return read
-
-
-class MemoryProbe:
+class MemoryProbe(HeapSampler):
     """Bytes in use over time on one rank: heap (CPU tensors), RSS, and the device's peak counter.
 
     On the CPU, tensors come from malloc, so the bytes malloc has handed out (glibc's
     ``mallinfo2``, summed over every thread's arena) minus the same figure before the
     configuration was built is what the configuration holds: its tensors plus a small,
-    near-constant share of Python objects. Frees in communication threads count too, which
-    ``torch.profiler``'s per-thread allocator trace misses. A background thread samples heap and
-    RSS every ``interval_s``; :meth:`sample` adds a sample at every step mark and phase note.
-    On CUDA / NPU the caching allocator's peak counter is read instead of the heap.
+    near-constant share of Python objects (:class:`hp_lightning.core.diagnostics.HeapSampler`,
+    shared with the planner's ``--validate``). :meth:`sample` adds a sample at every step mark and
+    phase note. On CUDA / NPU the caching allocator's peak counter is read instead of the heap.
     """
 
     def __init__(self, device: torch.device, interval_s: float = 0.0005) -> None:
+        super().__init__(interval_s)
         self.device = device
-        self.interval_s = interval_s
-        self.read_heap = _heap_reader()
-        self.read_rss = _rss_reader()
-        self.samples: list[tuple[int, int, int]] = []
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self.heap_before = 0
-        self.rss_before = 0
 
     @property
     def on_device(self) -> bool:
         return devices.is_accelerator(self.device.type)
-
-    def sample(self) -> None:
-        heap = self.read_heap() if self.read_heap is not None else 0
-        self.samples.append((time.time_ns(), heap, self.read_rss()))
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.sample()
-            self._stop.wait(self.interval_s)
-
-    def __enter__(self) -> MemoryProbe:
-        release_freed_memory()
-        self.heap_before = self.read_heap() if self.read_heap is not None else 0
-        self.rss_before = self.read_rss()
-        self._thread = threading.Thread(target=self._run, name="memory-probe", daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-
-    def _window(self, start_ns: int, end_ns: int) -> list[tuple[int, int, int]]:
-        return [s for s in self.samples if start_ns <= s[0] <= end_ns]
-
-    def heap_peak(self, start_ns: int, end_ns: int) -> int:
-        """Most heap bytes in use in [start_ns, end_ns], relative to before the configuration."""
-        return max((heap for _, heap, _ in self._window(start_ns, end_ns)), default=self.heap_before) - self.heap_before
-
-    def heap_peak_time(self, start_ns: int, end_ns: int) -> int | None:
-        """When (wall-clock ns) the heap peaked in [start_ns, end_ns]; None without samples."""
-        window = self._window(start_ns, end_ns)
-        return max(window, key=lambda s: s[1])[0] if window else None
-
-    def heap_at(self, when_ns: int) -> int:
-        """Heap bytes in use at the last sample before ``when_ns``, relative to before the configuration."""
-        earlier = [heap for t, heap, _ in self.samples if t <= when_ns]
-        return (earlier[-1] if earlier else self.heap_before) - self.heap_before
-
-    def rss_peak(self, start_ns: int, end_ns: int) -> int:
-        return max((rss for _, _, rss in self._window(start_ns, end_ns)), default=self.rss_before)
 
     def reset_device_peak(self) -> None:
         """Start a new peak window on an accelerator (no-op on the CPU)."""
@@ -197,15 +109,6 @@ class MemoryProbe:
 
     def device_peak(self) -> int | None:
         return devices.max_memory_allocated(self.device)
-
-
-def release_freed_memory() -> None:
-    """Collect garbage and hand freed heap pages back to the OS, so RSS reflects what is live."""
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 # ---------------------------------------------------------------------------- model state

@@ -141,6 +141,47 @@ def run_distributed(
         return results
 
 
+def _script_main(script: str, args: list[str], log_dir: str) -> int:
+    """One rank of :func:`run_script_in_ranks`: ``python script args`` as torchrun would start it, minus the imports."""
+    import runpy
+
+    log = os.open(str(Path(log_dir) / f"rank{os.environ['RANK']}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+    sys.argv = [script, *args]
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as exc:
+        if exc.code not in (None, 0):
+            raise RuntimeError(f"{Path(script).name} exited with {exc.code!r}") from exc
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    return 0
+
+
+def run_script_in_ranks(script: Path, args: list[str], cwd: Path, world: int, timeout: float = 300) -> str:
+    """Run an example script on ``world`` warm ranks, launched as torchrun would (``RANK``, ``WORLD_SIZE``, ...).
+
+    The script body is the user's, unchanged; only the start-up differs from ``python script``
+    under Lightning's launcher (which ``tests/integration/test_launchers.py`` covers): each rank
+    is forked from the session's forkserver with torch and Lightning already imported. Returns
+    rank 0's output (stdout and stderr); a failing rank raises with every rank's output tail.
+    """
+    with tempfile.TemporaryDirectory() as logs:
+        try:
+            run_distributed(_script_main, world, str(script), list(args), logs, timeout=timeout,
+                            env={"_HP_TEST_CWD": str(cwd), "PYTHONUNBUFFERED": "1"})
+        except RuntimeError as exc:
+            tails = "\n".join(f"--- rank {r}:\n{(Path(logs) / f'rank{r}.log').read_text(errors='replace')[-3000:]}"
+                              for r in range(world) if (Path(logs) / f"rank{r}.log").exists())
+            raise AssertionError(f"{script.name} {' '.join(args)} failed: {exc}\n{tails}") from None
+        return (Path(logs) / "rank0.log").read_text(errors="replace")
+
+
 # ---------------------------------------------------------------- models used across tests
 
 

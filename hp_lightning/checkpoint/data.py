@@ -37,7 +37,7 @@ class _StartAt(Sampler):
         return max(len(self.inner) - self.skip, 0)
 
 
-def _loader_starting_at(loader: DataLoader, skip: int) -> DataLoader:
+def loader_starting_at(loader: DataLoader, skip: int) -> DataLoader:
     """The same loader for one epoch, starting ``skip`` batches in (nothing before that is loaded)."""
     common: dict[str, Any] = dict(
         num_workers=loader.num_workers,
@@ -109,7 +109,7 @@ class ResumableLoader:
         skip, self._resume_at = self._resume_at, 0
         self._served = skip
         if skip and isinstance(self.loader, DataLoader):
-            batches: Any = _loader_starting_at(self.loader, skip)
+            batches: Any = loader_starting_at(self.loader, skip)
         else:
             batches = itertools.islice(iter(self.loader), skip, None)  # not a DataLoader: read and drop
         return self._count(batches)

@@ -42,6 +42,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
+from hp_lightning._version import __version__
+
 # The manifest's per-file records and their checks live in .integrity; named here too, beside the layout they guard.
 from hp_lightning.checkpoint.integrity import file_record, shard_record, share_by_size, verify_file, verify_records  # noqa: F401
 
@@ -184,8 +186,6 @@ def check_version(record: Mapping[str, Any], where: Path) -> None:
             f"{str(where)!r} has no valid 'format_version' (got {version!r}); the file was altered or not written by hp_lightning."
         )
     if version > FORMAT_VERSION:
-        from hp_lightning import __version__
-
         raise ValueError(
             f"{str(where)!r} was written in checkpoint format {version} by hp_lightning "
             f"{record.get('hp_lightning_version', '?')}; this hp_lightning ({__version__}) reads formats up "

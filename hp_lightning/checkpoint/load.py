@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -33,22 +32,18 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from hp_lightning.checkpoint import layout
-
-if TYPE_CHECKING:
-    from lightning.pytorch import LightningModule
 from hp_lightning.checkpoint.collective import on_every_rank, on_rank0, rank, warn_rank0, world_size
 from hp_lightning.checkpoint.layout import (
-    DCP_METADATA_FILE,
     FSDP_MODEL_KEY,
     FULL_INFO_KEY,
-    META_FILE,
     MODEL_KEY,
     OPTIMIZER_KEY,
     CheckpointKind,
     CorruptCheckpointError,
 )
-from hp_lightning.checkpoint.unpickle import dcp_load, read_dcp_metadata, torch_load
-from hp_lightning.core import devices
+from hp_lightning.checkpoint.read import dcp_index, directory_message, read_full_file, read_meta, read_sharded
+from hp_lightning.checkpoint.save import save_checkpoint
+from hp_lightning.checkpoint.unpickle import dcp_load
 from hp_lightning.core.state_dict import (
     Shape,
     check_model_keys,
@@ -61,6 +56,13 @@ from hp_lightning.core.state_dict import (
     state_shapes,
     unwrap_optimizer,
 )
+
+if TYPE_CHECKING:
+    from lightning.pytorch import LightningModule
+
+__all__ = [  # the readers stay importable from here, where they used to live
+    "LoadsShardedCheckpoints", "dcp_index", "directory_message", "load_checkpoint", "load_from_checkpoint", "load_weights", "read_full_file",
+]
 
 
 def load_checkpoint(
@@ -142,8 +144,6 @@ def _load_full_into_stage(
     Each stage needs other keys of the file, so a broadcast of everything would send every stage
     the whole model; a temporary DCP directory costs one write and lets each rank read its part.
     """
-    from hp_lightning.checkpoint.save import save_checkpoint
-
     whole: dict[str, Any] = {}
 
     def read() -> Path:
@@ -183,31 +183,6 @@ def _verify_sharded(path: Path, manifest: Mapping[str, Any]) -> None:
     everything = [p for part in listed for p in part]
     if everything:
         raise CorruptCheckpointError(layout.corruption_message(everything, path))
-
-
-def dcp_index(path: Path, *, weights_only: Optional[bool] = None) -> dict[tuple[Any, ...], Shape]:
-    """Every entry DCP stored, as its nested path (``('state_dict', 'net.w')``) -> global shape.
-
-    DCP's index is a pickle: it is read safely unless ``weights_only=False`` (see :mod:`.unpickle`).
-
-    Raises:
-        UnsafeCheckpointError: the index needs a type outside DCP's own, or names a file outside ``path``.
-        CorruptCheckpointError: the index is missing or damaged.
-    """
-    try:
-        metadata = read_dcp_metadata(path, weights_only=weights_only)
-    except (layout.UnsafeCheckpointError, CorruptCheckpointError):
-        raise
-    except Exception as exc:  # noqa: BLE001 - re-raised with the file named
-        raise CorruptCheckpointError(
-            f"{str(path / DCP_METADATA_FILE)!r} cannot be read ({type(exc).__name__}: {exc}); the checkpoint is damaged."
-        ) from None
-    planner_data = metadata.planner_data or {}
-    index: dict[tuple[Any, ...], Shape] = {}
-    for flat_key, entry in metadata.state_dict_metadata.items():
-        nested = tuple(planner_data.get(flat_key, tuple(flat_key.split(".", 1))))
-        index[nested] = tuple(entry.size) if isinstance(entry, TensorStorageMetadata) else None
-    return index
 
 
 def _stored_model(index: Mapping[tuple[Any, ...], Shape]) -> tuple[str, dict[str, Shape]]:
@@ -320,7 +295,7 @@ def _load_sharded(
         warn_rank0(f"{source} is in Lightning's sharded layout, which records no checksums; it is loaded unverified.")
     elif verify:
         _verify_sharded(path, manifest)  # before anything else in the directory is read
-    meta = on_every_rank(lambda: _read_meta(path, weights_only)) if rest else {}
+    meta = on_every_rank(lambda: read_meta(path, weights_only)) if rest else {}
     index = on_every_rank(lambda: dcp_index(path, weights_only=weights_only))
 
     model_key, stored = _stored_model(index)
@@ -395,64 +370,7 @@ def _forget_state(model: nn.Module, optimizer: Any, names: set[str]) -> None:
             optimizer.state.pop(params[name], None)
 
 
-def _read_meta(path: Path, weights_only: Optional[bool]) -> dict[str, Any]:
-    layout.check_contained(path, [META_FILE], what="its trainer state")
-    meta = torch_load(path / META_FILE, weights_only=weights_only)
-    if not isinstance(meta, dict):
-        raise CorruptCheckpointError(f"{str(path / META_FILE)!r} does not hold a dict (got {type(meta).__name__}); the checkpoint is damaged.")
-    return meta
-
-
 # ------------------------------------------------ full file
-
-
-def read_full_file(path: Path, *, weights_only: Optional[bool] = None, verify: bool = True) -> dict[str, Any]:
-    """Read a single-file checkpoint into a dict on this process (tensors memory-mapped, not copied).
-
-    Bare state dicts and ``.safetensors`` files come back as ``{"state_dict": ...}``.
-
-    Args:
-        weights_only: None (default) or True: torch's safe loading, which refuses any type but
-            tensors, primitive containers and registered safe globals; False: unpickle anything,
-            which runs code the file carries: only for files you trust.
-        verify: check the zip CRC-32s first.
-
-    Raises:
-        UnsafeCheckpointError: safe loading refused a type (the file, the type and the opt-in named).
-        CorruptCheckpointError: a truncated or altered file (zip CRC-32 check).
-        ValueError: not a checkpoint, or written by a newer format version.
-    """
-    path = Path(path)
-    if path.is_dir():
-        raise ValueError(directory_message(path, "read_full_file"))
-    if path.suffix == ".safetensors":
-        return {MODEL_KEY: _read_safetensors(path)}
-    if verify and (problem := layout.verify_zip(path)):
-        raise CorruptCheckpointError(layout.corruption_message([problem], path))
-    checkpoint = torch_load(path, weights_only=weights_only)
-    if not isinstance(checkpoint, dict):
-        raise ValueError(f"{str(path)!r} holds a {type(checkpoint).__name__}, not a checkpoint dict or a state dict.")
-    if isinstance(checkpoint.get(FULL_INFO_KEY), Mapping):
-        layout.check_version(checkpoint[FULL_INFO_KEY], path)
-    if MODEL_KEY in checkpoint and isinstance(checkpoint[MODEL_KEY], Mapping):
-        return checkpoint
-    if checkpoint and all(isinstance(v, torch.Tensor) for v in checkpoint.values()):
-        return {MODEL_KEY: checkpoint}  # a bare model.state_dict()
-    raise ValueError(
-        f"{str(path)!r} is neither a Lightning checkpoint (no {MODEL_KEY!r} entry) nor a state dict of tensors; "
-        f"its top-level keys are {sorted(map(str, checkpoint))[:8]}."
-    )
-
-
-def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    try:
-        from safetensors.torch import load_file
-    except ImportError:
-        raise ValueError(f"Reading {str(path)!r} needs the safetensors package: pip install 'hp-lightning[safetensors]'.") from None
-    try:
-        return load_file(str(path), device=devices.CPU)
-    except Exception as exc:  # noqa: BLE001 - re-raised with the file named
-        raise CorruptCheckpointError(f"{str(path)!r} is not a readable safetensors file ({exc}); it is truncated or damaged.") from None
 
 
 def _load_full(
@@ -593,18 +511,6 @@ def load_weights(module: nn.Module, path: Path, *, prefix: str = "", strict: boo
 # ---------------------------------------------------------------- the Lightning way, one CPU process
 
 
-def directory_message(path: Path, caller: str) -> str:
-    """What to do with a sharded checkpoint directory where a single file was expected."""
-    return (
-        f"{caller} got {str(path)!r}, a sharded checkpoint directory (one shard file per rank), not a single "
-        f"file. In one process, load it with the one-line helper "
-        f"`hp_lightning.checkpoint.load.load_from_checkpoint(MyModule, {str(path)!r})`, or convert it once: "
-        f"`python -m hp_lightning.checkpoint consolidate {str(path)!r} model.ckpt --weights-only`, then "
-        f"`MyModule.load_from_checkpoint('model.ckpt')`. (Lightning's own `MyModule.load_from_checkpoint` opens "
-        f"the path as a file and fails with IsADirectoryError on a directory.)"
-    )
-
-
 def load_from_checkpoint(cls: type[LightningModule], checkpoint_path: Any, **kwargs: Any) -> Any:
     """``cls.load_from_checkpoint(checkpoint_path, **kwargs)`` that also takes sharded directories.
 
@@ -629,11 +535,9 @@ def load_from_checkpoint(cls: type[LightningModule], checkpoint_path: Any, **kwa
     Raises:
         FileNotFoundError: nothing at ``checkpoint_path``.
         UnsafeCheckpointError: a pickle safe loading refuses, or a file outside the directory.
-        CorruptCheckpointError, ValueError: as :func:`hp_lightning.checkpoint.convert.read_sharded`.
+        CorruptCheckpointError, ValueError: as :func:`hp_lightning.checkpoint.read.read_sharded`.
     """
     import io
-
-    from hp_lightning.checkpoint.convert import read_sharded
 
     if not isinstance(checkpoint_path, (str, Path)) or not Path(checkpoint_path).is_dir():
         return cls.load_from_checkpoint(checkpoint_path, **kwargs)

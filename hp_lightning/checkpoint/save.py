@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.tensor import DTensor
 
+from hp_lightning._version import __version__
 from hp_lightning.checkpoint import layout
 from hp_lightning.checkpoint.collective import agree, on_rank0, rank, world_size
 from hp_lightning.checkpoint.layout import (
@@ -63,8 +64,6 @@ def mesh_record(state: Mapping[str, Any]) -> dict[str, Any]:
 
 def producer_record() -> dict[str, Any]:
     import lightning
-
-    from hp_lightning import __version__
 
     return {
         "format_version": FORMAT_VERSION,

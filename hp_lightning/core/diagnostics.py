@@ -19,14 +19,22 @@ the loop's own calls between batches included.
 value into Python (``.item()``, ``.tolist()``, ``.cpu()``, ``.numpy()``, ``bool(t)``, ...),
 which on an accelerator is a host-device synchronization, attributed to the line of a chosen
 package (hp_lightning by default) that caused it.
+
+:class:`HeapSampler` measures memory on the CPU, where tensors come from malloc: the bytes glibc's
+malloc has handed out (and the RSS), sampled on a thread and at chosen points. The benchmarks
+and the planner's ``--validate`` measure with it.
 """
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import functools
+import gc
+import os
 import sys
 import threading
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -330,3 +338,139 @@ def _to_host(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     """Whether a ``Tensor.to(...)`` call targets the CPU."""
     targets = [*args[1:], kwargs.get("device")]
     return any((isinstance(t, str) and t.startswith(devices.CPU)) or (isinstance(t, torch.device) and t.type == devices.CPU) for t in targets)
+
+
+# ---------------------------------------------------------------------------- CPU memory
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost"
+    )]
+
+
+def heap_reader() -> Callable[[], int] | None:
+    """A function reading the bytes malloc has handed out, over all arenas and threads; None without glibc.
+
+    glibc's ``mallinfo2``: chunks in use (``uordblks``) plus mmapped ones (``hblkhd``). CPU
+    tensors live there, so do C++ objects (gloo's buffers, autograd nodes) and Python's objects
+    larger than 512 bytes; Python's small objects come from its own mmapped arenas and are not
+    counted. Free memory malloc keeps for reuse is not counted either, so fragmentation does not
+    blur the figure.
+    """
+    try:
+        mallinfo2 = ctypes.CDLL("libc.so.6").mallinfo2
+    except (OSError, AttributeError):
+        return None
+    mallinfo2.restype = _MallInfo2
+
+    def read() -> int:
+        info = mallinfo2()
+        return int(info.uordblks + info.hblkhd)
+
+    return read
+
+
+def _rss_reader() -> Callable[[], int]:
+    page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+    def read() -> int:
+        try:
+            with open("/proc/self/statm", "rb") as f:
+                return int(f.read().split()[1]) * page
+        except (OSError, IndexError, ValueError):
+            return 0
+
+    return read
+
+
+def release_freed_memory() -> None:
+    """Collect garbage and hand freed heap pages back to the OS, so a baseline or RSS reflects what is live."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+class HeapSampler:
+    """Bytes in use on the CPU over time: the malloc heap (:func:`heap_reader`) and the RSS.
+
+    A thread samples both every ``interval_s``; :meth:`sample` adds one now (call it at step
+    boundaries and phase changes, so no boundary falls between two samples). Figures are relative
+    to the heap when the sampler was entered (after a garbage collection and ``malloc_trim``).
+    Sampling from a thread, rather than tracing allocations, also sees frees made in
+    communication threads, which ``torch.profiler``'s per-thread trace misses; the price is that
+    a peak shorter than the interval can be missed. Samples are ``(time.time_ns(), heap, rss)``;
+    ``rss=False`` skips reading ``/proc/self/statm`` (a file read per sample) and records 0.
+
+    Example::
+
+        with HeapSampler() as heap:
+            start = time.time_ns(); train_step(); heap.sample()
+        heap.heap_peak(start, time.time_ns())
+    """
+
+    def __init__(self, interval_s: float = 0.0005, *, rss: bool = True) -> None:
+        self.interval_s = interval_s
+        self.read_heap = heap_reader()
+        self.read_rss = _rss_reader() if rss else (lambda: 0)
+        self.samples: list[tuple[int, int, int]] = []
+        self.heap_before = 0
+        self.rss_before = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def sample(self) -> None:
+        heap = self.read_heap() if self.read_heap is not None else 0
+        self.samples.append((time.time_ns(), heap, self.read_rss()))
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.sample()
+            self._stop.wait(self.interval_s)
+
+    def __enter__(self) -> HeapSampler:
+        release_freed_memory()
+        self.heap_before = self.read_heap() if self.read_heap is not None else 0
+        self.rss_before = self.read_rss()
+        self.resume()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.pause()
+
+    def pause(self) -> None:
+        """Stop the sampling thread (:meth:`sample` still records): outside the windows one reads, it only costs time."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def resume(self) -> None:
+        """Start the sampling thread (again); a no-op while it runs."""
+        if self._thread is None:
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._run, name="heap-sampler", daemon=True)
+            self._thread.start()
+
+    def _window(self, start_ns: int, end_ns: int) -> list[tuple[int, int, int]]:
+        return [s for s in self.samples if start_ns <= s[0] <= end_ns]
+
+    def heap_peak(self, start_ns: int, end_ns: int) -> int:
+        """Most heap bytes in use in [start_ns, end_ns], relative to the heap on entering."""
+        return max((heap for _, heap, _ in self._window(start_ns, end_ns)), default=self.heap_before) - self.heap_before
+
+    def heap_peak_time(self, start_ns: int, end_ns: int) -> int | None:
+        """When (``time.time_ns()``) the heap peaked in [start_ns, end_ns]; None without samples."""
+        window = self._window(start_ns, end_ns)
+        return max(window, key=lambda s: s[1])[0] if window else None
+
+    def heap_at(self, when_ns: int) -> int:
+        """Heap bytes in use at the last sample at or before ``when_ns``, relative to the heap on entering."""
+        earlier = [heap for t, heap, _ in self.samples if t <= when_ns]
+        return (earlier[-1] if earlier else self.heap_before) - self.heap_before
+
+    def rss_peak(self, start_ns: int, end_ns: int) -> int:
+        """Largest RSS in [start_ns, end_ns] (absolute, not relative)."""
+        return max((rss for _, _, rss in self._window(start_ns, end_ns)), default=self.rss_before)

@@ -48,9 +48,11 @@ from hp_lightning.core.mesh import MeshLayout, resolve_layout, validate_mesh_sha
 from hp_lightning.core.parallelize import ShardingPlan
 from hp_lightning.core.units import validate_unit_specs
 from hp_lightning.core.watchdog import check_seconds
+from hp_lightning.ft.config import FaultTolerance
 from hp_lightning.fully_shard import REDUCE_OPS, CPUOffloadPolicy, OffloadPolicy, build_mp_policy, parse_dtype, validate_scaling_factor
 from hp_lightning.parallel.pipeline import SCHEDULES as PIPELINE_SCHEDULES
 from hp_lightning.parallel.pipeline import validate_split_points
+from hp_lightning.parallel.pipeline_schedules import check_schedule
 from hp_lightning.parallel.tensor import validate_tp_plan
 
 STATE_DICT_TYPES = ("sharded", "full")
@@ -227,8 +229,11 @@ class ParallelOptions(_OptionGroup):
         Raises:
             ValueError: sizes that cannot cover the world, naming which to change.
         """
+        mesh_shape = self.mesh_shape
+        if mesh_shape is None and getattr(self, "fault_tolerance", None) is not None:
+            mesh_shape = [world_size]  # a replica group shards over all its ranks; the groups replicate
         return resolve_layout(
-            self.mesh_shape,
+            mesh_shape,
             world_size=world_size,
             num_nodes=num_nodes,
             devices_per_node=devices_per_node,
@@ -452,8 +457,21 @@ class FaultOptions(_OptionGroup):
     walk, and the control all-reduce carries the preemption signal only. (YAML reads a bare
     ``off`` as False: False means ``"off"``, True ``"per_step"``.)"""
 
+    fault_tolerance: Union[FaultTolerance, dict[str, Any], Literal["env"], None] = None
+    """Fault-tolerant HSDP on torchft (``pip install 'hp-lightning[ft]'``, :mod:`hp_lightning.ft`):
+    this job is one *replica group*; it shards over its own ranks (a 1-D mesh), and torchft's
+    Manager averages the gradients over the groups alive at each step, so a dead group costs the
+    others one uncommitted step, not a restart, and a restarted group copies the whole training
+    state from a live one. A dict of :class:`~hp_lightning.ft.FaultTolerance`'s fields
+    (``{"replica_group": 0, "num_replica_groups": 2}``), or ``"env"``: read ``HP_FT_REPLICA_GROUP``,
+    ``HP_FT_NUM_REPLICA_GROUPS`` (and ``HP_FT_MIN_REPLICAS``) when the strategy is built, so one
+    config serves every group (the registered name ``hsdp_ft``). Not yet with TP, EP, PP, a 2-D
+    mesh or ``replicate_params``. Cost: a quorum and a commit vote per optimizer step (see
+    ``docs/fault-tolerance.md``)."""
+
     def _normalize(self, done: Mapping[str, Any]) -> dict[str, Any]:
         return {
+            "fault_tolerance": _check_fault_tolerance(self.fault_tolerance, done),
             "timeout": _check_timeout(self.timeout),
             "train_timeout": None if self.train_timeout is None else _check_timeout(self.train_timeout, "train_timeout"),
             "fault_watchdog": _check_bool(self.fault_watchdog, "fault_watchdog"),
@@ -464,24 +482,69 @@ class FaultOptions(_OptionGroup):
         }
 
 
+def _check_fault_tolerance(value: Any, done: Mapping[str, Any]) -> Optional[FaultTolerance]:
+    """The option resolved (``"env"`` read now), and the layouts torchft's replicate all-reduce cannot serve refused."""
+    config = FaultTolerance.from_value(value)
+    if config is None:
+        return None
+    sizes = {name: done.get(name, 1) for name in ("tensor_parallel_size", "expert_parallel_size", "pipeline_parallel_size")}
+    composed = [f"{name}={size}" for name, size in sizes.items() if size != 1]
+    mesh = done.get("mesh_shape")
+    if mesh is not None and (len(mesh) > 2 or (len(mesh) == 2 and mesh[0] != 1)):
+        composed.append(f"mesh_shape={list(mesh)}")
+    if done.get("replicate_params"):
+        composed.append(f"replicate_params={list(done['replicate_params'])}")
+    if composed:
+        raise ValueError(
+            f"HSDPStrategy(fault_tolerance=...) shards inside each replica group over a 1-D mesh and replicates across "
+            f"groups through torchft; it does not support {', '.join(composed)} yet. Drop those (one replica group per "
+            f"job, mesh_shape=None or [-1]), or train without fault_tolerance."
+        )
+    return config
+
+
 @dataclass(frozen=True, kw_only=True)
 class PipelineOptions(_OptionGroup):
     """How the model is cut into ``pipeline_parallel_size`` stages and how the schedule runs them."""
 
-    pipeline_split_points: Optional[Sequence[str]] = None
-    """Module names where stages 1, 2, ... start (``["net.blocks.2"]``); ``pipeline_parallel_size -
-    1`` of them, in the model's order. A stage keeps its modules under their own names; the others
-    are deleted from a ``ModuleList`` / ``Sequential`` / ``ModuleDict`` and become ``None``
-    elsewhere, so ``forward`` must skip a ``None`` module (torchtitan's convention; see
+    pipeline_split_points: Union[Literal["auto"], Sequence[str], None] = None
+    """Module names where stages 1, 2, ... start (``["net.blocks.2"]``); ``P x V - 1`` of them, in
+    the model's order. ``"auto"`` (also what ``None`` means under a pipeline): cut the model's list
+    of blocks (a decoder's ``layers``, a GPT's ``blocks``) so that the largest stage holds the
+    fewest parameter bytes, embeddings counted on the first stage and the final norm and head on
+    the last; computed at setup from the (meta-device) model, the same on every rank, and shown by
+    ``sharding_report``. A stage keeps its modules under their own names; the others are deleted
+    from a ``ModuleList`` / ``Sequential`` / ``ModuleDict`` and become ``None`` elsewhere, so
+    ``forward`` must skip a ``None`` module (torchtitan's convention; see
     :mod:`hp_lightning.parallel.pipeline`)."""
 
-    pipeline_schedule: Literal["1f1b", "gpipe"] = "1f1b"
-    """torch's ``Schedule1F1B`` (at most ``stages`` micro-batches of activations alive) or
-    ``ScheduleGPipe`` (all micro-batches forward, then all backward)."""
+    pipeline_schedule: Literal["1f1b", "gpipe", "interleaved_1f1b", "looped_bfs", "interleaved_zb", "zbv", "dualpipev"] = "1f1b"
+    """torch's schedule: ``1f1b`` (at most ``stages`` micro-batches of activations alive),
+    ``gpipe`` (all forwards, then all backwards), both one stage per rank; with several stages
+    per rank (``pipeline_stages_per_rank``) ``interleaved_1f1b``, ``looped_bfs``,
+    ``interleaved_zb`` (loop placement: rank ``r`` holds stages ``r, r + P, ...``) and ``zbv``,
+    ``dualpipev`` (exactly 2 per rank, V placement: ``r`` and ``2P - 1 - r``). Interleaving
+    shrinks the bubble about ``V`` times; the zero-bubble ones fill it with weight gradients
+    (see :mod:`hp_lightning.parallel.pipeline_schedules`)."""
+
+    pipeline_stages_per_rank: int = 1
+    """Virtual stages per rank ``V``: the model is cut into ``pipeline_parallel_size x V`` stages
+    (so ``P V - 1`` split points), each its own FSDP root. 1 for ``gpipe`` / ``1f1b``, 2 for
+    ``zbv`` / ``dualpipev``, any for the others. More stages: a smaller bubble, more sends."""
 
     pipeline_microbatches: Optional[int] = None
-    """Micro-batches per batch (``None``: as many as stages); the per-rank batch must divide by it.
-    More shrink the bubble, ``(stages - 1) / (microbatches + stages - 1)`` of each step."""
+    """Micro-batches per batch (``None``: as many as stages, ``P x V``); the per-rank batch must
+    divide by it. More shrink the bubble, ``(stages - 1) / (microbatches + stages - 1)`` of each
+    step for 1F1B."""
+
+    pipeline_keep_gathered: bool = True
+    """Under PP, keep each stage's parameters gathered from the first micro-batch's forward to the
+    step's gradient reduction: one all-gather and one reduce-scatter per unit per step, whatever
+    the micro-batch count (torch's schedules already reduce gradients once, after the last
+    micro-batch). Costs the stage's unsharded parameters for the whole step (about the stage's
+    parameter bytes x (1 - 1/shard size) more than sharded). False: units reshard after each
+    micro-batch's forward as ``reshard_after_forward`` says, and all-gather again for its
+    backward: all-gathers grow with the micro-batch count, peak memory drops to one unit."""
 
     def _normalize(self, done: Mapping[str, Any]) -> dict[str, Any]:
         pp = done.get("pipeline_parallel_size", 1)
@@ -492,10 +555,18 @@ class PipelineOptions(_OptionGroup):
                 f"gradient sync off for every micro-batch and reduce FSDP's gradients themselves, so replicate parameters "
                 f"would never be all-reduced (each rank would train its own copy). Let FSDP shard them under a pipeline."
             )
+        schedule = _check_choice(self.pipeline_schedule, "pipeline_schedule", tuple(PIPELINE_SCHEDULES))
+        per_rank = self.pipeline_stages_per_rank
+        if isinstance(per_rank, bool) or not isinstance(per_rank, int) or per_rank < 1:
+            raise ValueError(f"HSDPStrategy(pipeline_stages_per_rank=...) expects an int >= 1; got {per_rank!r}.")
+        microbatches = _check_microbatches(self.pipeline_microbatches, pp * per_rank if pp > 1 else 1)
+        check_schedule(schedule, pp, per_rank, microbatches)
         return {
-            "pipeline_split_points": validate_split_points(self.pipeline_split_points, pp),
-            "pipeline_schedule": _check_choice(self.pipeline_schedule, "pipeline_schedule", tuple(PIPELINE_SCHEDULES)),
-            "pipeline_microbatches": _check_microbatches(self.pipeline_microbatches, pp),
+            "pipeline_split_points": validate_split_points(self.pipeline_split_points, pp, per_rank),
+            "pipeline_schedule": schedule,
+            "pipeline_stages_per_rank": per_rank,
+            "pipeline_microbatches": microbatches,
+            "pipeline_keep_gathered": _check_bool(self.pipeline_keep_gathered, "pipeline_keep_gathered"),
         }
 
 

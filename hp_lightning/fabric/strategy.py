@@ -16,6 +16,7 @@ from contextlib import AbstractContextManager, ExitStack, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
+import torch
 from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.strategies import ParallelStrategy
@@ -38,6 +39,7 @@ from hp_lightning.fabric import state as fabric_state
 from hp_lightning.fabric.optimizers import ReplacedParameters, rebind_optimizer
 from hp_lightning.fabric.precision import HSDPPrecision, precision_from_fabric
 from hp_lightning.frontends.core import StrategyCore
+from hp_lightning.ft.engine import FaultTolerantHSDP
 from hp_lightning.fully_shard import HSDPModule
 from hp_lightning.fully_shard.divergence import check_before_backward, gradients_stay_local
 
@@ -91,8 +93,50 @@ class HSDPFabricStrategy(StrategyCore, ParallelStrategy):
         self._backward_sync_control = _NoGradientSync(self)
         self._models: list[nn.Module] = []
         self._replaced = ReplacedParameters()
+        self._fault_tolerance: Optional[FaultTolerantHSDP] = None
 
     # ------------------------------------------------------------------ properties
+
+    @property
+    def fault_tolerance(self) -> Optional[FaultTolerantHSDP]:
+        """With the ``fault_tolerance`` option, once model and optimizer are set up: torchft's quorum and commit.
+
+        A step begins by itself at the model's first forward with gradients after the last
+        ``optimizer.step()``; call ``fabric.strategy.fault_tolerance.begin_step()`` yourself
+        before reading the step's data to get its :class:`~hp_lightning.ft.Participation`, and read
+        by it with :class:`~hp_lightning.ft.ParticipantBatches` (the data position then heals too).
+        ``optimizer.step()`` returns whether the step was committed (applied).
+        """
+        return self._fault_tolerance
+
+    def _start_fault_tolerance(self, module: nn.Module, optimizers: list[Optimizer]) -> None:
+        config = self.fault_tolerance_config
+        if config is None:
+            return
+        if self._fault_tolerance is not None or len(optimizers) != 1 or len(self._models) != 1:
+            raise ValueError(
+                f"HSDPStrategy(fault_tolerance=...) under Fabric supports one model and one optimizer (set up once); got "
+                f"{len(self._models)} model(s) and {len(optimizers)} optimizer(s) in this call"
+                f"{' after a previous one' if self._fault_tolerance is not None else ''}."
+            )
+        # The strategy's own fault watchdog (its fault_watchdog option) ends the group on a failure.
+        ft = FaultTolerantHSDP(config, module, optimizers[0], group_watchdog=False)
+        self._fault_tolerance = ft
+
+        def begin_step_at_first_forward(_module: nn.Module, _args: Any) -> None:
+            if not ft.in_step and torch.is_grad_enabled() and _module.training:
+                ft.begin_step()
+
+        module.register_forward_pre_hook(begin_step_at_first_forward)
+
+    @override
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        """The optimizer's step; under ``fault_tolerance`` torchft's commit vote, which steps it only if committed."""
+        if self._fault_tolerance is None:
+            return super().optimizer_step(optimizer, **kwargs)
+        if kwargs:
+            raise TypeError(f"optimizer.step() under fault_tolerance takes no arguments (no closure); got {sorted(kwargs)}.")
+        return self._fault_tolerance.commit()
 
     @property
     def sharded_model(self) -> Optional[ShardedModel]:
@@ -203,6 +247,7 @@ class HSDPFabricStrategy(StrategyCore, ParallelStrategy):
         after = dict(module.named_parameters())
         for index, optimizer in enumerate(optimizers):
             rebind_optimizer(optimizer, names_before, after, index)
+        self._start_fault_tolerance(module, optimizers)
         return module, optimizers, scheduler
 
     @override
@@ -225,6 +270,7 @@ class HSDPFabricStrategy(StrategyCore, ParallelStrategy):
                 f"optimizer = torch.optim.AdamW(model.parameters()); optimizer = fabric.setup_optimizers(optimizer). "
                 f"Or pass both to fabric.setup(model, optimizer), which points the optimizer at the sharded parameters."
             )
+        self._start_fault_tolerance(self._models[-1], [optimizer])
         return optimizer
 
     @override
@@ -318,6 +364,8 @@ class HSDPFabricStrategy(StrategyCore, ParallelStrategy):
                 f"save without it (hp_lightning.checkpoint.load_weights(..., strict=False) loads a subset later)."
             )
         parts = fabric_state.split_state(state, "fabric.save")
+        if self._fault_tolerance is not None and not self._fault_tolerance.writes_checkpoints:
+            return  # under fault tolerance one participating group writes; the others hold the same state
         self.reshard_all()
         target = Path(self.broadcast(str(path)))
         checkpoint = fabric_state.to_checkpoint(parts, full=self.options.state_dict_type == "full")
@@ -403,6 +451,9 @@ class HSDPFabricStrategy(StrategyCore, ParallelStrategy):
     def teardown(self) -> None:
         """Finish a save in flight, stop the fault watchdog and release the environment (call it when the process goes on without Fabric)."""
         self._stop_background()
+        if self._fault_tolerance is not None:
+            self._fault_tolerance.shutdown()
+            self._fault_tolerance = None
         if self._watchdog is not None:
             atexit.unregister(self._leave_at_exit)
         super().teardown()

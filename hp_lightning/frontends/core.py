@@ -48,6 +48,7 @@ from hp_lightning.core.options import HSDPOptions, field_docs, field_types
 from hp_lightning.core.parallelize import ShardedModel, ShardingPlan
 from hp_lightning.core.prepare import prepared
 from hp_lightning.frontends.precision import PrecisionCore
+from hp_lightning.ft.config import FaultTolerance
 from hp_lightning.fully_shard import HSDPModule
 from hp_lightning.fully_shard.divergence import divergence_check
 
@@ -57,6 +58,8 @@ _REGISTERED: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("hsdp", "HSDP over (nodes, devices per node) with FSDP2", {}),
     ("hp_fsdp", "FSDP2 over all ranks (1-D mesh)", {"mesh_shape": [-1]}),
     ("hsdp_cpu_offload", "HSDP with shards, gradients and optimizer state on the host", {"cpu_offload": True}),
+    ("hsdp_ft", "one replica group of fault-tolerant HSDP on torchft (HP_FT_REPLICA_GROUP / HP_FT_NUM_REPLICA_GROUPS)",
+     {"fault_tolerance": "env"}),
 )
 
 
@@ -126,6 +129,11 @@ class StrategyCore:
         return self.options.state_dict_type
 
     @property
+    def fault_tolerance_config(self) -> Optional[FaultTolerance]:
+        """The ``fault_tolerance`` option as resolved at construction (None: off)."""
+        return cast(Optional[FaultTolerance], self.options.fault_tolerance)  # HSDPOptions resolves "env" and dicts
+
+    @property
     def cpu_offload(self) -> bool:
         return self.options.cpu_offload
 
@@ -182,7 +190,17 @@ class StrategyCore:
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        """Every data-parallel rank reads different data; the ranks of one TP group (or pipeline) the same."""
+        """Every data-parallel rank reads different data; the ranks of one TP group (or pipeline) the same.
+
+        Under ``fault_tolerance`` the replica groups split the data like plain HSDP's replicate dim:
+        group ``g``'s rank ``r`` is rank ``g x group size + r`` of every group's ranks (torchft's
+        semantics: while a group is down its share of each global batch is skipped).
+        """
+        config = self.fault_tolerance_config
+        if config is not None:
+            group_size: int = self.world_size  # type: ignore[attr-defined]  # Lightning's ParallelStrategy
+            rank: int = self.global_rank  # type: ignore[attr-defined]  # as above
+            return {"num_replicas": config.num_replica_groups * group_size, "rank": config.replica_group * group_size + rank}
         if self._mesh is None or not self._tp_or_pp:
             return {"num_replicas": self.world_size, "rank": self.global_rank}  # type: ignore[attr-defined]
         return {"num_replicas": self._mesh.dp_size, "rank": self._mesh.dp_rank}

@@ -12,13 +12,23 @@ import dataclasses
 import os
 import socket
 import time
+from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlparse
 
-__all__ = ["FaultTolerance", "LIGHTHOUSE_ENV", "check_lighthouse_reachable", "require_torchft"]
+__all__ = ["FROM_ENV", "FaultTolerance", "GROUP_ENV", "LIGHTHOUSE_ENV", "check_lighthouse_reachable", "require_torchft"]
 
 #: torchft's own environment variable naming the lighthouse (``http://host:port``).
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
+
+#: ``fault_tolerance="env"``: the fields read from the environment of each replica group's job.
+GROUP_ENV = {
+    "replica_group": "HP_FT_REPLICA_GROUP",
+    "num_replica_groups": "HP_FT_NUM_REPLICA_GROUPS",
+    "min_replicas": "HP_FT_MIN_REPLICAS",
+}
+#: The option value that reads :data:`GROUP_ENV` (one config file serves every replica group).
+FROM_ENV = "env"
 
 _EXTRA_HINT = "pip install 'hp-lightning[ft]'"
 
@@ -141,14 +151,49 @@ class FaultTolerance:
         require_torchft()
 
     @classmethod
-    def from_value(cls, value: FaultTolerance | dict[str, Any] | None) -> FaultTolerance | None:
-        """The option as users and YAML give it: an instance, a plain dict of its fields, or None (off).
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> FaultTolerance:
+        """The option from ``HP_FT_REPLICA_GROUP``, ``HP_FT_NUM_REPLICA_GROUPS`` (and optionally
+        ``HP_FT_MIN_REPLICAS``); the lighthouse from ``TORCHFT_LIGHTHOUSE`` when it is used.
+
+        Raises:
+            ValueError: a required variable is missing or not an integer.
+        """
+        environ = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for field, variable in GROUP_ENV.items():
+            raw = environ.get(variable)
+            if raw is None or raw == "":
+                if field == "min_replicas":
+                    continue
+                raise ValueError(
+                    f"fault_tolerance={FROM_ENV!r} reads this job's replica group from the environment, but {variable} is "
+                    f"not set. Export {GROUP_ENV['replica_group']}=<0..N-1> and {GROUP_ENV['num_replica_groups']}=<N> in "
+                    f"each replica group's launch (or give fault_tolerance as a dict of FaultTolerance's fields)."
+                )
+            try:
+                values[field] = int(raw)
+            except ValueError:
+                raise ValueError(f"fault_tolerance={FROM_ENV!r}: {variable}={raw!r} is not an integer.") from None
+        return cls(**values)
+
+    @classmethod
+    def from_value(cls, value: FaultTolerance | dict[str, Any] | str | None) -> FaultTolerance | None:
+        """The option as users and YAML give it: an instance, a plain dict of its fields, ``"env"``
+        (:meth:`from_env`), or None (off).
 
         Raises:
             TypeError: for any other type, or a dict with unknown keys.
+            ValueError: for ``"env"`` without the variables, or any other string.
         """
         if value is None or isinstance(value, FaultTolerance):
             return value
+        if isinstance(value, str):
+            if value != FROM_ENV:
+                raise ValueError(
+                    f"fault_tolerance expects a dict of FaultTolerance's fields, {FROM_ENV!r} (read {sorted(GROUP_ENV.values())}) "
+                    f"or None; got the string {value!r}."
+                )
+            return cls.from_env()
         if isinstance(value, dict):
             known = {f.name for f in dataclasses.fields(cls)}
             unknown = sorted(set(value) - known)
@@ -156,7 +201,7 @@ class FaultTolerance:
                 raise TypeError(f"fault_tolerance got unknown key(s) {unknown}; expected some of {sorted(known)}.")
             return cls(**value)
         raise TypeError(
-            f"fault_tolerance expects a FaultTolerance, a dict of its fields or None; got {type(value).__name__}."
+            f"fault_tolerance expects a FaultTolerance, a dict of its fields, {FROM_ENV!r} or None; got {type(value).__name__}."
         )
 
     def lighthouse_address(self) -> str:

@@ -11,9 +11,17 @@ whole and the averaged gradient is that of the whole batch.
 
 from __future__ import annotations
 
-import torch
+import itertools
+from collections import deque
+from collections.abc import Iterator, Sized
+from typing import Any, Optional
 
-__all__ = ["ParticipantBatches"]
+import torch
+from torch.utils.data import DataLoader
+
+from hp_lightning.checkpoint.data import ResumableLoader, loader_starting_at
+
+__all__ = ["ParticipantBatches", "PositionedLoader"]
 
 
 class ParticipantBatches:
@@ -83,3 +91,122 @@ class ParticipantBatches:
         share = self.global_batch_size // ranks
         start = (participant_rank * group_world_size + group_rank) * share
         return self.global_batch(step)[start : start + share]
+
+
+class PositionedLoader(ResumableLoader):
+    """A training loader that knows which batch of the epoch each step holds, and can move there.
+
+    Lightning's loader fetches a batch before the step's quorum is known (and prefetches the
+    next), so a group that heals at that quorum holds batch 0 while the quorum is at batch ``k``.
+    This wrapper records the in-epoch position of every batch it hands out; the fault-tolerance
+    glue compares the position of the batch in hand with the quorum's data position, and on a
+    mismatch (only right after a heal) re-reads batch ``k`` directly from the dataset
+    (:meth:`batch_at`) and moves the iteration on to continue after it (:meth:`jump`): nothing
+    before ``k`` is loaded. A checkpoint records the position as :class:`ResumableLoader` does,
+    so a full restart resumes mid-epoch too.
+
+    Args:
+        loader: a ``DataLoader`` over a map-style dataset with a batch sampler (``batch_size``
+            set), the same batches in the same order for the same sampler epoch.
+
+    Raises:
+        TypeError: for an iterable-style dataset or a loader without automatic batching.
+    """
+
+    _handed: deque[tuple[int, int]]
+    _jump_to: Optional[int]
+    _upcoming: int
+    _generation: int
+
+    def __init__(self, loader: Any) -> None:
+        if not isinstance(loader, DataLoader) or loader.batch_sampler is None or not isinstance(loader.dataset, Sized):
+            raise TypeError(
+                f"fault_tolerance heals a group's data position by re-reading batches, which needs a torch DataLoader over "
+                f"a map-style dataset with batch_size set; got {type(loader).__name__}"
+                f"{'' if not isinstance(loader, DataLoader) else ' without automatic batching or over an IterableDataset'}. "
+                f"Use DataLoader(dataset, batch_size=...) (Lightning injects the replica-aware sampler)."
+            )
+        super().__init__(loader)
+        object.__setattr__(self, "_handed", deque())
+        object.__setattr__(self, "_jump_to", None)
+        object.__setattr__(self, "_upcoming", 0)
+        object.__setattr__(self, "_generation", -1)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in ("_handed", "_jump_to", "_upcoming", "_generation"):
+            object.__setattr__(self, name, value)
+        else:
+            super().__setattr__(name, value)
+
+    def __iter__(self) -> Iterator[Any]:
+        self._handed = deque()
+        self._jump_to = None
+        start = self._resume_at
+        self._generation += 1
+        return self._positioned(super().__iter__(), start)
+
+    def _positioned(self, batches: Iterator[Any], position: int) -> Iterator[Any]:
+        self._upcoming = position
+        while True:
+            if self._jump_to is not None:
+                position, self._jump_to = self._jump_to, None
+                self._upcoming = position
+                self._generation += 1
+                close = getattr(batches, "close", None)
+                if close is not None:
+                    close()
+                batches = self._count(iter(loader_starting_at(self.loader, position)))
+                self._served = position
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
+            self._handed.append((self._generation, position))
+            position += 1
+            self._upcoming = position
+            yield batch
+
+    @property
+    def pending(self) -> int:
+        """Batches handed out and not yet taken (the loop's prefetched ones)."""
+        return len(self._handed)
+
+    @property
+    def upcoming_generation(self) -> int:
+        """The generation the next batch handed out will carry."""
+        return self._generation if self._jump_to is None else self._generation + 1
+
+    @property
+    def upcoming(self) -> int:
+        """The position the next batch handed out will have (after a pending :meth:`jump`: its target)."""
+        return self._upcoming if self._jump_to is None else self._jump_to
+
+    def take(self) -> tuple[int, int]:
+        """``(generation, position)`` of the oldest batch handed out and not yet taken (the one a step holds now).
+
+        ``position`` is the batch's index in its epoch; ``generation`` counts the iterations and
+        jumps so far, so a caller can tell which sampler epoch the batch was read under.
+        """
+        if not self._handed:
+            raise RuntimeError("PositionedLoader.take(): no batch handed out since the last take (one take per batch).")
+        return self._handed.popleft()
+
+    def batch_at(self, position: int) -> Any:
+        """Batch ``position`` of the current sampler epoch, read from the dataset in this process.
+
+        Raises:
+            IndexError: ``position`` is past the epoch's end.
+        """
+        if not 0 <= position < len(self.loader):
+            raise IndexError(f"PositionedLoader.batch_at({position}): the epoch has {len(self.loader)} batches.")
+        indices = next(itertools.islice(iter(self.loader.batch_sampler), position, None))
+        return self.loader.collate_fn([self.loader.dataset[i] for i in indices])
+
+    def jump(self, position: int) -> int:
+        """Continue the iteration at batch ``position`` (the batches already handed out still come first).
+
+        Returns:
+            The generation the batches from ``position`` on will carry.
+        """
+        self._jump_to = position
+        return self._generation + 1

@@ -187,6 +187,8 @@ class FaultTolerantHSDP:
         self.manager.register_state_dict_fn(STATE_KEY, self.state.load_state_dict, self.state.state_dict)
         self._install_all_reduce_hooks()
         self._in_step = False
+        #: The current (or last) step's quorum; None before the first step.
+        self.participation: Participation | None = None
         self._watchdog: Any = None
         if group_watchdog:
             from hp_lightning.core.watchdog import FaultWatchdog
@@ -212,9 +214,41 @@ class FaultTolerantHSDP:
         self.state.add(name, obj)
 
     @property
+    def in_step(self) -> bool:
+        """Between :meth:`begin_step` and :meth:`commit`."""
+        return self._in_step
+
+    @property
+    def writes_checkpoints(self) -> bool:
+        """Whether this group saves checkpoints: the first participant of the current quorum (group 0 before any).
+
+        Every participant holds the same state, so one writer suffices; the others skip the save
+        (and removals), so groups sharing a folder never write the same files.
+        """
+        if self.participation is None:
+            return self.config.replica_group == 0
+        return self.participation.rank == 0
+
+    @property
     def step(self) -> int:
         """Committed optimizer steps: the quorum's, on every participant."""
         return self.manager.current_step()
+
+    def restore_step(self, step: int) -> None:
+        """Continue torchft's step count at ``step`` (a resume from a checkpoint taken at that step).
+
+        Call before the first :meth:`begin_step`. Groups that restart together from one
+        checkpoint then agree on the step (and a fresh group heals from them).
+
+        Raises:
+            RuntimeError: after the first step.
+            ValueError: for a negative step.
+        """
+        if self.participation is not None:
+            raise RuntimeError("FaultTolerantHSDP.restore_step(...) must come before the first begin_step().")
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"FaultTolerantHSDP.restore_step(step=...) expects an int >= 0; got {step!r}.")
+        self.manager.load_state_dict({"step": step, "batches_committed": self.manager.batches_committed()})
 
     def begin_step(self) -> Participation:
         """Join this step's quorum (healing from a live group if behind) and clear the gradients.
@@ -226,7 +260,8 @@ class FaultTolerantHSDP:
             opt.zero_grad(set_to_none=True)
         self._in_step = True
         rank = self.manager.participating_rank()
-        return Participation(rank=-1 if rank is None else rank, count=self.manager.num_participants(), step=self.step)
+        self.participation = Participation(rank=-1 if rank is None else rank, count=self.manager.num_participants(), step=self.step)
+        return self.participation
 
     def commit(self) -> bool:
         """Vote on this step after backward; step the optimizers only if every participant's rank agrees.

@@ -27,9 +27,11 @@ from typing import Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from typing_extensions import override
 
 from hp_lightning.ft.config import FaultTolerance
+from hp_lightning.ft.data import PositionedLoader
 from hp_lightning.ft.engine import FaultTolerantHSDP, Participation
 
 __all__ = ["CommittingOptimizer", "FaultToleranceCallback", "replica_group_sampler"]
@@ -74,6 +76,10 @@ class CommittingOptimizer(torch.optim.Optimizer):
 
     @override
     def step(self, closure: Any = None) -> Any:
+        if closure is None and not self.ft.in_step:
+            # Not a training step: torch's state-dict API initializing the optimizer's state before
+            # a checkpoint loads into it (zero gradients, lr 0). Nothing to vote on.
+            return self.optimizer.step()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -101,22 +107,85 @@ def _optimizer_step_progress(trainer: Trainer) -> Any:
     return trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.step.total
 
 
-class _GlobalStepState:
-    """``trainer.global_step`` as a stateful object: the returning group continues at the quorum's step."""
+class _LoopProgress:
+    """Lightning's fit-loop counters (epoch, batch index, optimizer and scheduler steps) as one healed object.
+
+    Read and written through the loops' public progress objects (not the loops' own
+    ``load_state_dict``, which would mark them as restarting from a checkpoint).
+    """
 
     def __init__(self, trainer: Trainer) -> None:
         self.trainer = trainer
 
+    def _progress(self) -> dict[str, Any]:
+        epoch_loop = self.trainer.fit_loop.epoch_loop
+        return {
+            "epoch": self.trainer.fit_loop.epoch_progress,
+            "batch": epoch_loop.batch_progress,
+            "scheduler": epoch_loop.scheduler_progress,
+            "optimizer": epoch_loop.automatic_optimization.optim_progress,
+        }
+
     def state_dict(self) -> dict[str, Any]:
-        return {"global_step": self.trainer.global_step}
+        return {name: progress.state_dict() for name, progress in self._progress().items()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        progress = _optimizer_step_progress(self.trainer)
-        progress.ready = progress.completed = int(state["global_step"])
+        for name, progress in self._progress().items():
+            progress.load_state_dict(state[name])
+
+
+class _CallbacksState:
+    """Every other callback's ``state_dict()`` (those that keep one), by ``state_key``: healed with the weights."""
+
+    def __init__(self, trainer: Trainer, own: Callback) -> None:
+        self.trainer = trainer
+        self.own = own
+
+    def _callbacks(self) -> dict[str, Callback]:
+        return {cb.state_key: cb for cb in self.trainer.callbacks if cb is not self.own}  # type: ignore[attr-defined]  # set by Lightning's connector
+
+    def state_dict(self) -> dict[str, Any]:
+        return {key: state for key, cb in self._callbacks().items() if (state := cb.state_dict())}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        callbacks = self._callbacks()
+        missing = sorted(set(state) - set(callbacks))
+        if missing:
+            raise ValueError(
+                f"Healing from a peer replica group: it has callbacks with state that this group lacks: {missing}. Every "
+                f"replica group must run the same callbacks (the same Trainer configuration)."
+            )
+        for key, sd in state.items():
+            callbacks[key].load_state_dict(sd)
+
+
+class _DataPosition:
+    """Which batch of which epoch the current step trains on: the same on every participating group."""
+
+    def __init__(self) -> None:
+        self.epoch = 0
+        self.index = -1  # before the first batch
+
+    def advance(self, current_epoch: int) -> None:
+        """The next batch: the following one in this epoch, or the first of a new epoch."""
+        if current_epoch == self.epoch:
+            self.index += 1
+        else:
+            self.epoch, self.index = current_epoch, 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "index": self.index}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.epoch, self.index = int(state["epoch"]), int(state["index"])
 
 
 class FaultToleranceCallback(Callback):
-    """Joins torchft's quorum every step and keeps the Trainer's counters with the commit.
+    """Joins torchft's quorum every step and keeps the Trainer's counters and data with the commit.
+
+    Added by :class:`~hp_lightning.HSDPStrategy` when its ``fault_tolerance`` option is set (the way
+    to use it); the strategy calls :meth:`before_batch` from ``batch_to_device``, so a returning
+    group heals before any hook sees the batch, and its data moves to the quorum's position.
 
     Args:
         config: the fault-tolerance option (or a dict of its fields).
@@ -130,10 +199,18 @@ class FaultToleranceCallback(Callback):
         self.ft: FaultTolerantHSDP | None = None
         self._optimizer: CommittingOptimizer | None = None
         self._schedulers_before: dict[str, Any] | None = None
+        self._in_step = False
+        self._data = _DataPosition()
+        #: The training loader the strategy wrapped (None: the data position is not healed).
+        self.loader: PositionedLoader | None = None
+        #: The sampler epoch each generation of the loader's batches was read under.
+        self._epoch_of: dict[int, int] = {}
         #: torchft's committed step count when fit ended (the same as ``trainer.global_step``).
         self.final_step: int | None = None
         #: The current step's quorum (set at each batch start): what a module may log or split by.
         self.participation: Participation | None = None
+        #: (epoch, in-epoch batch index) of every training step this group ran, in order.
+        self.positions: list[tuple[int, int]] = []
 
     @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -149,7 +226,12 @@ class FaultToleranceCallback(Callback):
         schedulers = _SchedulersState(trainer)
         self.ft = FaultTolerantHSDP(
             self.config, pl_module, trainer.optimizers[0],
-            extra={"lr_schedulers": schedulers, "global_step": _GlobalStepState(trainer)},
+            extra={
+                "lr_schedulers": schedulers,
+                "loops": _LoopProgress(trainer),
+                "callbacks": _CallbacksState(trainer, self),
+                "data": self._data,
+            },
             # The strategy's own fault watchdog (its fault_watchdog option) ends the group on a failure.
             group_watchdog=False,
         )
@@ -157,22 +239,78 @@ class FaultToleranceCallback(Callback):
         self._optimizer = CommittingOptimizer(trainer.optimizers[0], self.ft)
         trainer.strategy.optimizers = [self._optimizer]
 
+    def before_batch(self, trainer: Trainer, batch: Any) -> Any:
+        """Join this step's quorum (healing if behind) and return the batch the quorum's data position names.
+
+        Called once per training batch before it moves to the device. Normally the batch in hand is
+        that batch; right after a heal it is re-read from the dataset (and the loader continues after it).
+        """
+        assert self.ft is not None
+        held = self._held_position(trainer)
+        if self.ft.participation is None:
+            # The first step of this run: a run resumed from a checkpoint continues its counters there.
+            if trainer.global_step:
+                self.ft.restore_step(trainer.global_step)
+            if held is not None:
+                self._data.epoch, self._data.index = held[0], held[1] - 1
+        self._data.advance(trainer.current_epoch)
+        self.participation = self.ft.begin_step()  # a returning group's counters, data position, weights heal here
+        self._in_step = True
+        self._schedulers_before = self._schedulers.state_dict()
+        position = (self._data.epoch, self._data.index)
+        self.positions.append(position)
+        if held is None or held == position:
+            return batch
+        return self._reread(trainer, position)
+
+    def _held_position(self, trainer: Trainer) -> tuple[int, int] | None:
+        loader = self.loader
+        if loader is None:
+            return None
+        generation, index = loader.take()
+        # A generation not seen yet is a new epoch's iteration, read under the epoch Lightning set.
+        return self._epoch_of.setdefault(generation, trainer.current_epoch), index
+
+    def _reread(self, trainer: Trainer, position: tuple[int, int]) -> Any:
+        loader = self.loader
+        assert loader is not None
+        epoch, index = position
+        sampler = getattr(loader.batch_sampler, "sampler", None)
+        if callable(getattr(sampler, "set_epoch", None)):
+            sampler.set_epoch(epoch)  # type: ignore[union-attr]  # checked just above
+        continue_at = index + 1 + loader.pending
+        if loader.upcoming != continue_at or self._epoch_of.get(loader.upcoming_generation) != epoch:
+            self._epoch_of[loader.jump(continue_at)] = epoch
+        batch = trainer.precision_plugin.convert_input(loader.batch_at(index))
+        datamodule = getattr(trainer, "datamodule", None)  # set by Lightning's data connector, not declared on Trainer
+        if datamodule is not None and is_overridden("on_before_batch_transfer", datamodule):
+            return datamodule.on_before_batch_transfer(batch, 0)
+        return trainer.lightning_module.on_before_batch_transfer(batch, 0)
+
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        assert self.ft is not None
-        self.participation = self.ft.begin_step()
-        self._schedulers_before = self._schedulers.state_dict()
+        if not self._in_step:  # added by hand, without the strategy's option: no data healing
+            assert self.ft is not None
+            self.participation = self.ft.begin_step()
+            self._in_step = True
+            self._schedulers_before = self._schedulers.state_dict()
 
     @property
     def last_committed(self) -> bool | None:
         """Whether the last step was applied (None before the first)."""
         return None if self._optimizer is None else self._optimizer.last_committed
 
+    @property
+    def writes_checkpoints(self) -> bool:
+        """Whether this group saves (see :attr:`FaultTolerantHSDP.writes_checkpoints`); before fit: group 0."""
+        return self.ft.writes_checkpoints if self.ft is not None else self.config.replica_group == 0
+
     @override
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         assert self._optimizer is not None
+        self._in_step = False
         if self._optimizer.last_committed is False:
             # Not applied: Lightning stepped its schedulers and counted the step; take both back.
             assert self._schedulers_before is not None

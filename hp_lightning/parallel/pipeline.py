@@ -1,8 +1,10 @@
 """Pipeline parallelism (PP): each rank builds one stage of the model and runs it with ``torch.distributed.pipelining``.
 
 The model is cut at *split points*, module names in its own hierarchy (``"net.blocks.2"`` starts
-stage 1 at block 2). The cut follows torchtitan's convention, so parameter names never change and
-a checkpoint of a pipelined run is keyed like one of the whole model:
+stage 1 at block 2), given or chosen (``"auto"``, :func:`auto_split_points`: the model's list of
+blocks cut so that the largest stage holds the fewest parameter bytes, embeddings on the first
+stage, final norm and head on the last). The cut follows torchtitan's convention, so parameter
+names never change and a checkpoint of a pipelined run is keyed like one of the whole model:
 
 * the modules the split points cut between (*units*) are the children of every module on the way
   to a split point, in registration order; the split points must be units, in that order;
@@ -16,7 +18,9 @@ a checkpoint of a pipelined run is keyed like one of the whole model:
   callable``). A pass-through placeholder would not: ``self.emb(x) + self.pos(pos)`` on a later
   stage would add positions to the hidden state silently;
 * a unit with nothing in its ``state_dict`` (a loss module, an activation, a rotary-embedding
-  table kept in non-persistent buffers) stays on every stage;
+  table kept in non-persistent buffers) stays on every stage, unless it is an entry of a
+  container: entries run in sequence, so an activation between two blocks of an
+  ``nn.Sequential`` runs on its own stage only (kept everywhere, it would run once per stage);
 * parameters held directly by a module on the way (not by a unit) belong to no single stage and
   are refused;
 * a parameter the model uses under several names on different stages (an LM head tied to the
@@ -37,42 +41,45 @@ from __future__ import annotations
 import difflib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage as _TorchPipelineStage
-from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
 from hp_lightning.core import gradients
 from hp_lightning.core.materialize import DetachedUnit, record_detached_units
+from hp_lightning.parallel.pipeline_schedules import SCHEDULE_SPECS, _held_entries, _HeldEntries, rank_of_stage
+from hp_lightning.parallel.pipeline_schedules import SCHEDULES as SCHEDULES
 
-#: Schedule names (YAML) to torch's schedule classes (one stage per rank).
-SCHEDULES: dict[str, type] = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+#: ``pipeline_split_points`` value that asks for balanced stages (also what ``None`` means under a pipeline).
+AUTO = "auto"
 
 
-def validate_split_points(split_points: Any, stages: int) -> Optional[list[str]]:
-    """Check ``pipeline_split_points`` against ``pipeline_parallel_size`` before any process exists."""
-    if split_points is None:
-        if stages > 1:
-            raise ValueError(
-                f"HSDPStrategy(pipeline_parallel_size={stages}) needs pipeline_split_points: {stages - 1} module name(s) "
-                f"where a stage starts; got None. Example for 2 stages: pipeline_split_points=['net.blocks.2']."
-            )
-        return None
+def validate_split_points(split_points: Any, pp: int, stages_per_rank: int = 1) -> Union[None, str, list[str]]:
+    """Check ``pipeline_split_points`` against ``pipeline_parallel_size x pipeline_stages_per_rank`` stages, before any process exists.
+
+    Returns:
+        None without a pipeline; ``"auto"`` (given, or left out under a pipeline: the points are
+        chosen from the model at setup, :func:`auto_split_points`); else the list of names.
+    """
+    stages = pp * stages_per_rank if pp > 1 else 1
+    sizes = f"pipeline_parallel_size={pp}" + (f", pipeline_stages_per_rank={stages_per_rank}" if stages_per_rank > 1 else "")
+    if split_points is None or split_points == AUTO:
+        return AUTO if stages > 1 else None
     if isinstance(split_points, str) or not isinstance(split_points, Sequence):
         raise TypeError(
-            f"HSDPStrategy(pipeline_split_points=...) expects a list of module names; got "
-            f"{type(split_points).__name__} {split_points!r}. Example: ['net.blocks.2']."
+            f"HSDPStrategy(pipeline_split_points=...) expects 'auto' or a list of module names; got "
+            f"{type(split_points).__name__} {split_points!r}. Example: ['net.blocks.2'], or 'auto' to balance the stages."
         )
     points = list(split_points)
     if any(not isinstance(p, str) or not p for p in points):
         raise TypeError(f"HSDPStrategy(pipeline_split_points=...) items must be non-empty module names; got {points!r}.")
     if len(points) != stages - 1:
         raise ValueError(
-            f"HSDPStrategy(pipeline_parallel_size={stages}) cuts the model {stages - 1} time(s), so it needs "
-            f"{stages - 1} split point(s); got {len(points)}: {points}."
+            f"HSDPStrategy({sizes}) cuts the model into {stages} stages, so it needs "
+            f"{stages - 1} split point(s); got {len(points)}: {points}. Or set pipeline_split_points='auto'."
         )
     if len(set(points)) != len(points):
         raise ValueError(f"HSDPStrategy(pipeline_split_points=...) names a module twice: {points}.")
@@ -235,8 +242,209 @@ def _find_ties(model: nn.Module, units: Sequence[str], bounds: Sequence[int]) ->
     return tuple(ties)
 
 
-def split_stage(model: nn.Module, split_points: Sequence[str], stage_index: int) -> tuple[list[str], list[str]]:
-    """Cut ``model`` in place down to stage ``stage_index``; return (kept units, removed units).
+def stays_on_every_stage(model: nn.Module, unit: str) -> bool:
+    """Whether the cut leaves ``unit`` on every stage: nothing in its ``state_dict``, and not a container's entry.
+
+    A loss module, an attribute activation or rotary tables in non-persistent buffers are used
+    by name and cost nothing, so every stage keeps them. A container's entries run in sequence
+    (``nn.Sequential``, a loop over an ``nn.ModuleList``): an entry belongs to its stage even
+    without state, or a stateless activation between blocks would run once on every stage.
+    """
+    parent_name, _, _ = unit.rpartition(".")
+    return not model.get_submodule(unit).state_dict() and not isinstance(model.get_submodule(parent_name), _CONTAINERS)
+
+
+def units_by_stage(units: Sequence[str], split_points: Sequence[str]) -> list[list[str]]:
+    """Each stage's units (``units`` from :func:`stage_units`, cut at ``split_points``)."""
+    bounds = [0, *(units.index(p) for p in split_points), len(units)]
+    return [list(units[bounds[s] : bounds[s + 1]]) for s in range(len(bounds) - 1)]
+
+
+# ------------------------------------------------------------------ automatic split points
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """One pipeline stage as cut: its units and the bytes of the parameters it holds (whole, before sharding).
+
+    Attributes:
+        index: the stage's index among ``P x V``.
+        units: its units (:func:`stage_units`), in model order.
+        param_bytes: bytes of its parameters, each counted once (a parameter tied across stages
+            counts on every stage holding a copy: each holds it).
+        everywhere: those of its units with nothing in their ``state_dict`` (a loss, an
+            activation, rotary tables): the cut leaves them on every stage.
+    """
+
+    index: int
+    units: tuple[str, ...]
+    param_bytes: int
+    everywhere: tuple[str, ...] = ()
+
+
+def _param_bytes(modules: Sequence[nn.Module]) -> int:
+    """Bytes of the parameters of ``modules``, each counted once (works on the meta device)."""
+    seen: dict[int, int] = {}
+    for module in modules:
+        for param in module.parameters():
+            seen[id(param)] = param.numel() * param.element_size()
+    return sum(seen.values())
+
+
+def stage_plan(model: nn.Module, split_points: Sequence[str]) -> list[StagePlan]:
+    """Each stage's units and parameter bytes for ``split_points`` (call it before the cut: it reads the whole model)."""
+    per_stage = units_by_stage(stage_units(model, split_points), split_points)
+    return [
+        StagePlan(
+            index,
+            tuple(units),
+            _param_bytes([model.get_submodule(u) for u in units]),
+            tuple(u for u in units if stays_on_every_stage(model, u)),
+        )
+        for index, units in enumerate(per_stage)
+    ]
+
+
+def plan_table(plans: Sequence[StagePlan], ranks: Optional[Sequence[int]] = None) -> str:
+    """The stages as a table: index, pipeline rank, parameter bytes (and share of the model), units (those with state)."""
+    total = sum(p.param_bytes for p in plans) or 1
+    lines = [f"Pipeline stages ({len(plans)}): parameter bytes per stage, before sharding"]
+    for plan in plans:
+        units = [u for u in plan.units if u not in plan.everywhere]
+        shown = ", ".join(units if len(units) <= 6 else [*units[:3], "...", *units[-2:]])
+        rank = f" on pipeline rank {ranks[plan.index]}" if ranks is not None else ""
+        lines.append(f"  stage {plan.index}{rank}: {plan.param_bytes:,} bytes ({100 * plan.param_bytes / total:.1f} %), {len(units)} unit(s): {shown}")
+    everywhere = [u for plan in plans for u in plan.everywhere]
+    if everywhere:
+        lines.append(f"  on every stage (nothing in their state_dict): {', '.join(everywhere)}")
+    return "\n".join(lines)
+
+
+def find_block_list(model: nn.Module) -> str:
+    """The name of the model's list of blocks, where automatic split points may cut.
+
+    The candidates are the ``nn.ModuleList`` / ``nn.Sequential`` / ``nn.ModuleDict`` modules whose
+    entries are modules (not containers) holding parameters, that lie inside no block themselves
+    (so a MoE layer's list of experts inside a block is never one); the one holding the most
+    parameter bytes wins (the first in registration order on a tie): a decoder's ``layers``, a
+    GPT's ``blocks``, ``nn.TransformerEncoder``'s ``layers``.
+
+    Raises:
+        ValueError: a model without such a list (naming the fix: explicit split points).
+    """
+    no_split: set[str] = set()
+    for module in model.modules():
+        no_split.update(getattr(module, "_no_split_modules", None) or ())
+    best: Optional[tuple[int, str]] = None
+    for name, module in model.named_modules():
+        if not isinstance(module, _CONTAINERS) or len(module._modules) < 2:
+            continue
+        entries = [child for child in module._modules.values() if child is not None]
+        if any(isinstance(child, _CONTAINERS) for child in entries) or not any(_param_bytes([c]) for c in entries):
+            continue
+        first = f"{name}.{next(iter(module._modules))}" if name else next(iter(module._modules))
+        if _enclosing_block(model, first, no_split) is not None:
+            continue  # a list inside a block (experts, a block's own sub-layers): not where stages start
+        size = _param_bytes(entries)
+        if best is None or size > best[0]:
+            best = (size, name)
+    if best is None:
+        raise ValueError(
+            f"HSDPStrategy(pipeline_split_points='auto') balances stages over the entries of a list of blocks "
+            f"(an nn.ModuleList / nn.Sequential / nn.ModuleDict of modules with parameters); {type(model).__name__} has none. "
+            f"Name the split points yourself: pipeline_split_points=['<module where stage 1 starts>', ...]."
+        )
+    return best[1]
+
+
+def _balanced_bounds(costs: Sequence[int], first: int, last: int, stages: int) -> list[int]:
+    """Where stages 1.. start among ``costs`` (one per block): the smallest largest stage, then the evenest.
+
+    Stage 0 also carries ``first`` (what runs before the blocks), the last stage ``last``; every
+    stage holds at least one block. Exact (dynamic programming over contiguous cuts): first the
+    minimal largest stage ``M``, then, among the cuts whose every stage is at most ``M``, the one
+    with the smallest sum of squared stage costs (ties: the earliest cuts). Deterministic.
+    """
+    n = len(costs)
+    prefix = [0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+
+    def cost(stage: int, i: int, j: int) -> int:
+        return prefix[j] - prefix[i] + (first if stage == 0 else 0) + (last if stage == stages - 1 else 0)
+
+    inf = float("inf")
+    # best_max[s][j]: the smallest largest stage putting blocks [0, j) on stages 0..s.
+    best_max = [[inf] * (n + 1) for _ in range(stages)]
+    for j in range(1, n + 1):
+        best_max[0][j] = cost(0, 0, j)
+    for s in range(1, stages):
+        for j in range(s + 1, n + 1):
+            best_max[s][j] = min(max(best_max[s - 1][i], cost(s, i, j)) for i in range(s, j))
+    limit = best_max[stages - 1][n]
+    squares = [[inf] * (n + 1) for _ in range(stages)]
+    start: list[list[int]] = [[0] * (n + 1) for _ in range(stages)]
+    for j in range(1, n + 1):
+        if cost(0, 0, j) <= limit:
+            squares[0][j] = cost(0, 0, j) ** 2
+    for s in range(1, stages):
+        for j in range(s + 1, n + 1):
+            for i in range(s, j):
+                c = cost(s, i, j)
+                if c <= limit and squares[s - 1][i] + c * c < squares[s][j]:
+                    squares[s][j], start[s][j] = squares[s - 1][i] + c * c, i
+    bounds, j = [], n
+    for s in range(stages - 1, 0, -1):
+        j = start[s][j]
+        bounds.append(j)
+    return bounds[::-1]
+
+
+def auto_split_points(model: nn.Module, num_stages: int) -> list[str]:
+    """Split points that balance ``num_stages`` stages by parameter bytes (``pipeline_split_points='auto'``).
+
+    Stages start at entries of the model's list of blocks (:func:`find_block_list`); what runs
+    before the list (embeddings) counts on the first stage, what runs after it (final norm, head)
+    on the last, and every stage holds at least one block. Parameter bytes are what a stage's
+    memory and all-gathers scale with; a block's compute scales with them too when the blocks are
+    alike (a decoder's layers). Reads sizes only, so it runs on the meta-device model before the
+    cut and gives the same points on every rank.
+
+    Raises:
+        ValueError: a model without a list of blocks, or with fewer blocks than stages (naming
+            the sizes and the fixes), or a cut :func:`stage_units` refuses.
+    """
+    blocks = find_block_list(model)
+    container = model.get_submodule(blocks)
+    keys = list(container._modules)
+    entries = [f"{blocks}.{key}" if blocks else key for key in keys]
+    if len(entries) < num_stages:
+        raise ValueError(
+            f"HSDPStrategy(pipeline_split_points='auto'): {num_stages} stages (pipeline_parallel_size x pipeline_stages_per_rank) "
+            f"need at least one block each, but {blocks or 'the model'!r} holds {len(entries)}. Use fewer stages "
+            f"(a smaller pipeline_parallel_size or pipeline_stages_per_rank), or a model with at least {num_stages} blocks."
+        )
+    if num_stages == 1:
+        return []
+    units = stage_units(model, entries[1:])  # every entry a cut point: also checks nothing sits on the way
+    first_block, last_block = units.index(entries[0]), units.index(entries[-1])
+    before = _param_bytes([model.get_submodule(u) for u in units[:first_block]])
+    after = _param_bytes([model.get_submodule(u) for u in units[last_block + 1 :]])
+    costs = [_param_bytes([model.get_submodule(e)]) for e in entries]
+    points = [entries[i] for i in _balanced_bounds(costs, before, after, num_stages)]
+    stage_units(model, points)
+    return points
+
+
+def resolve_split_points(model: nn.Module, split_points: Union[str, Sequence[str]], num_stages: int) -> list[str]:
+    """The split points to cut at: ``split_points`` as given, or computed for ``"auto"`` (:func:`auto_split_points`)."""
+    if split_points == AUTO:
+        return auto_split_points(model, num_stages)
+    return list(split_points)
+
+
+def split_stage(model: nn.Module, split_points: Sequence[str], stage_index: Union[int, Sequence[int]]) -> tuple[list[str], list[str]]:
+    """Cut ``model`` in place down to stage ``stage_index`` (or to several stages); return (kept units, removed units).
 
     Also records on ``model`` the parameters tied across stages (:func:`tied_parameters`; the
     :class:`PipelineRunner` keeps their copies equal) and, when the model is still on the meta
@@ -246,19 +454,24 @@ def split_stage(model: nn.Module, split_points: Sequence[str], stage_index: int)
     units = stage_units(model, split_points)
     bounds = [0, *(units.index(p) for p in split_points), len(units)]
     model.__dict__[TIES_ATTR] = _find_ties(model, units, bounds)
-    kept = units[bounds[stage_index] : bounds[stage_index + 1]]
+    stages = [stage_index] if isinstance(stage_index, int) else sorted(stage_index)
+    kept = [unit for stage in stages for unit in units[bounds[stage] : bounds[stage + 1]]]
     removed = []
     detached: list[DetachedUnit] = []
+    on_meta = any(t.is_meta for t in [*model.parameters(), *model.buffers()])
     kept_names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False) if any(n.startswith(u + ".") for u in kept)}
     for name in units:
         if name in kept:
             continue
         module = model.get_submodule(name)
-        if not module.state_dict():
-            continue  # nothing a checkpoint holds (a loss, an activation, rotary tables): every stage keeps it
+        if stays_on_every_stage(model, name):
+            continue  # nothing a checkpoint holds (a loss, rotary tables), outside a container: every stage keeps it
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name)
-        if any(t.is_meta for t in [*module.parameters(), *module.buffers()]):
+        tensors = [*module.parameters(), *module.buffers()]
+        # A container entry without tensors (an activation) is recorded too, so that putting the
+        # removed units back for materialization restores the container's whole order.
+        if any(t.is_meta for t in tensors) or (on_meta and not tensors):
             shared = {n: kept_names[id(p)] for n, p in module.named_parameters(remove_duplicate=False) if id(p) in kept_names}
             detached.append(DetachedUnit(parent, attr, module, tuple(parent._modules), shared))
         if isinstance(parent, (nn.ModuleList, nn.Sequential, nn.ModuleDict)):
@@ -270,30 +483,6 @@ def split_stage(model: nn.Module, split_points: Sequence[str], stage_index: int)
         removed.append(name)
     record_detached_units(model, detached)
     return kept, removed
-
-
-class _HeldEntries:
-    """Mixin for a stage's ``ModuleList`` that lost entries: integer indices count the entries it holds.
-
-    ``nn.ModuleList`` looks an integer index up by its key (``self.layers[0]`` is key ``"0"``);
-    after a cut the first held entry may be ``"2"``. Iteration, ``len`` and slices already go by
-    the held entries.
-    """
-
-    def __getitem__(self, index: Any) -> Any:
-        held = list(self._modules.values())  # type: ignore[attr-defined]
-        return nn.ModuleList(held[index]) if isinstance(index, slice) else held[index]
-
-
-class StageModuleList(_HeldEntries, nn.ModuleList):
-    """An ``nn.ModuleList`` holding one pipeline stage's entries under their original keys."""
-
-
-def _held_entries(cls: type) -> type:
-    """``cls`` (``nn.ModuleList`` or a user's subclass) with :class:`_HeldEntries` indexing."""
-    if cls is nn.ModuleList:
-        return StageModuleList  # importable by name, so a cut model still pickles
-    return type(cls.__name__, (_HeldEntries, cls), {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
 
 
 def PipelineStage(
@@ -329,20 +518,26 @@ def PipelineStage(
 
 
 class PipelineRunner:
-    """One rank's stage and schedule; :meth:`step` runs one batch through the pipeline (forward and backward).
+    """One rank's stage(s) and schedule; :meth:`step` runs one batch through the pipeline (forward and backward).
 
     Args:
-        stage_module: this rank's stage, the FSDP root (the schedule drives its gradient sync).
+        stage_module: this rank's stage, an FSDP root (the schedule drives its gradient sync); or,
+            with several stages per rank, one root per stage, in ``stage_index`` order.
+        stage_index: the stage's index (or the stages' indices, increasing) among ``num_stages``.
+        num_stages: stages in the whole pipeline (ranks x stages per rank).
+        schedule: a name of :data:`SCHEDULES`; multi-stage schedules take every stage of the rank.
         loss_fn: ``(output, target) -> loss`` of one micro-batch, on the last stage.
-        loss_scale: the loss each micro-batch's backward uses is ``loss / loss_scale`` (micro-batches
-            times accumulated batches), so gradients sum to those of the mean loss.
+
+    Raises:
+        ValueError: a stage with ``replicate_params``, a stage count the schedule cannot run, or
+            parameters tied across stages with several stages per rank.
     """
 
     def __init__(
         self,
-        stage_module: nn.Module,
+        stage_module: Union[nn.Module, Sequence[nn.Module]],
         *,
-        stage_index: int,
+        stage_index: Union[int, Sequence[int]],
         num_stages: int,
         device: torch.device,
         group: dist.ProcessGroup,
@@ -350,30 +545,55 @@ class PipelineRunner:
         microbatches: int,
         loss_fn: Callable[[Any, Any], torch.Tensor],
     ) -> None:
-        replicated = [name or "(stage root)" for name, m in stage_module.named_modules() if getattr(m, "_hp_replicated", None) is not None]
+        modules = [stage_module] if isinstance(stage_module, nn.Module) else list(stage_module)
+        indices = [stage_index] if isinstance(stage_index, int) else list(stage_index)
+        replicated = [
+            name or "(stage root)" for module in modules for name, m in module.named_modules() if getattr(m, "_hp_replicated", None) is not None
+        ]
         if replicated:
             raise ValueError(
                 f"PipelineRunner needs a stage without replicate_params; got units with replicate_params at {replicated}. "
                 f"torch's pipeline schedules turn gradient sync off for every micro-batch and reduce FSDP's gradients "
                 f"themselves, so those parameters would never be all-reduced. Let fully_shard shard them under a pipeline."
             )
-        self.stage_index, self.num_stages, self.microbatches, self.group = stage_index, num_stages, microbatches, group
+        pp = dist.get_world_size(group)
+        spec = SCHEDULE_SPECS[schedule]
+        per_rank = num_stages // pp
+        if len(modules) != len(indices) or num_stages % pp or len(modules) != per_rank or (not spec.multi and per_rank != 1):
+            raise ValueError(
+                f"PipelineRunner(schedule={schedule!r}): {len(modules)} stage module(s) with indices {indices} do not fit "
+                f"{num_stages} stages on {pp} ranks ({'one stage per rank' if not spec.multi else 'the same count on every rank'})."
+            )
+        if per_rank > 1 and tied_parameters(modules[0]):
+            raise ValueError(
+                f"Pipeline: parameters tied across stages ({[list(t.names) for t in tied_parameters(modules[0])]}) are kept "
+                f"equal only with one stage per rank so far; set pipeline_stages_per_rank=1 or untie them in the model."
+            )
+        self.stage_indices, self.num_stages, self.pp_size = indices, num_stages, pp
+        self.stage_index = indices[0]
+        self.microbatches, self.group, self.schedule_name = microbatches, group, schedule
+        self.last_rank = rank_of_stage(schedule, num_stages - 1, pp, per_rank) if spec.multi else pp - 1
         self.loss_scale = float(microbatches)
         self._loss_fn = loss_fn
         self._predicting = False
-        self.stage = _TorchPipelineStage(stage_module, stage_index, num_stages, device, group=group)
-        self.tied = TiedCopies(stage_module, stage_index=stage_index, num_stages=num_stages, group=group)
+        self.stages = [_TorchPipelineStage(m, i, num_stages, device, group=group) for m, i in zip(modules, indices)]
+        self.stage = self.stages[0]
+        self.stage_modules = modules
+        self.tied = TiedCopies(modules[0], stage_index=indices[0], num_stages=num_stages, group=group)
         # scale_grads=False: the loss is scaled instead, so gradients accumulated over Lightning's
         # accumulate_grad_batches are never divided twice.
-        self.schedule = SCHEDULES[schedule](self.stage, n_microbatches=microbatches, loss_fn=self._scaled_loss, scale_grads=False)
+        target: Any = self.stages if spec.multi else self.stage
+        self.schedule = spec.cls(target, n_microbatches=microbatches, loss_fn=self._scaled_loss, scale_grads=False)
 
     @property
     def is_first(self) -> bool:
-        return self.stage_index == 0
+        """This rank feeds the pipeline (holds stage 0)."""
+        return 0 in self.stage_indices
 
     @property
     def is_last(self) -> bool:
-        return self.stage_index == self.num_stages - 1
+        """This rank computes the loss (holds the last stage)."""
+        return self.num_stages - 1 in self.stage_indices
 
     def _scaled_loss(self, output: Any, target: Any) -> torch.Tensor:
         if self._predicting:  # no target: nothing to compute
@@ -423,12 +643,22 @@ class PipelineRunner:
             output = self._run(self.schedule.eval, inputs, torch.zeros(inputs.shape[0]) if target is None else target, losses)
         finally:
             self._predicting = False
+            self._reshard()  # a forward without backward leaves gathered what it gathered
         loss = self._share_loss(losses) if target is not None else None
         if outputs:
             box = [output if self.is_last else None]
-            dist.broadcast_object_list(box, group=self.group, group_src=self.num_stages - 1)
+            dist.broadcast_object_list(box, group=self.group, group_src=self.last_rank)
             output = box[0]
         return loss, output
+
+    def _reshard(self) -> None:
+        """Free every gathered unit of this rank's stages (kept gathered across micro-batches under ``pipeline_keep_gathered``)."""
+        from torch.distributed.fsdp import FSDPModule
+
+        for module in self.stage_modules:
+            for unit in module.modules():
+                if isinstance(unit, FSDPModule):
+                    unit.reshard()
 
     def _share_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
         """The mean of the micro-batch losses, computed on the last stage and sent to every stage."""
@@ -437,7 +667,7 @@ class PipelineRunner:
             loss = torch.stack([part.detach().float() for part in losses]).mean().to(device) * self.loss_scale
         else:
             loss = torch.zeros((), dtype=torch.float32, device=device)
-        dist.broadcast(loss, group=self.group, group_src=self.num_stages - 1)
+        dist.broadcast(loss, group=self.group, group_src=self.last_rank)
         return loss
 
 

@@ -132,6 +132,23 @@ def simulate_candidate(spec: ModelSpec, candidate: Candidate, cluster: Cluster, 
     return runs
 
 
+def facts_of(spec: ModelSpec, cluster: Cluster, tp_plan: Mapping[str, Any] | None = None) -> ModelFacts:
+    """What the search needs to know of the model (blocks, TP plan, whether it can be cut into stages), built on meta.
+
+    With :func:`~hp_lightning.planner.simulate.strategy_args_for` it gives a candidate's strategy
+    arguments without simulating it.
+
+    Raises:
+        ModelBuildError: the model cannot be built on the meta device, or has no token vocabulary.
+    """
+    module = spec.build()
+    spec.vocab_size(module)  # refuse a model without token ids before any simulation
+    plan_of_tp = dict(tp_plan) if tp_plan else spec.strategy_args.get("tp_plan")
+    hf = "hf_config" in spec.init_args or "class_path" in spec.init_args
+    pipeline_ok = not hf and callable(getattr(module, "pipeline_loss", None))
+    return model_facts(module, plan_of_tp, pipeline_ok=pipeline_ok, max_tp=cluster.devices)
+
+
 def plan(
     model: Any,
     init_args: Mapping[str, Any] | None = None,
@@ -164,13 +181,7 @@ def plan(
     workload = workload or Workload()
     search = search or Search()
     spec = resolve_model(model, init_args, model_class=model_class)
-    module = spec.build()
-    spec.vocab_size(module)  # refuse a model without token ids before any simulation
-    plan_of_tp = dict(tp_plan) if tp_plan else spec.strategy_args.get("tp_plan")
-    hf = "hf_config" in spec.init_args or "class_path" in spec.init_args
-    pipeline_ok = not hf and callable(getattr(module, "pipeline_loss", None))
-    facts = model_facts(module, plan_of_tp, pipeline_ok=pipeline_ok, max_tp=cluster.devices)
-    del module
+    facts = facts_of(spec, cluster, tp_plan)
     if candidates is None:
         candidates, pruned = enumerate_candidates(cluster, facts, search)
     else:

@@ -71,7 +71,7 @@ def parser() -> argparse.ArgumentParser:
     o.add_argument("--yaml", type=Path, help="write the best candidate's trainer/strategy block here")
     o.add_argument("--show", help="print one candidate in full (its table name, e.g. 'HSDP 2x2')")
     o.add_argument("--validate", nargs="?", const="best", help="train the best (or the named) candidate a few steps on CPU ranks and compare")
-    o.add_argument("--steps", type=int, default=3, help="--validate: optimizer steps (the last is measured)")
+    o.add_argument("--steps", type=int, default=2, help="--validate: optimizer steps, at least 2 (the last is measured)")
     o.add_argument("--no-progress", action="store_true")
     return p
 

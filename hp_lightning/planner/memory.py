@@ -13,6 +13,10 @@
   gradients and optimizer state live on the host: the device peak drops by them (an estimate:
   FSDP2 then copies each unit's shards to the device for its all-gather).
 
+The peak is the device's. CPU ranks on gloo also hold the buffers gloo stages collectives
+through (:func:`~hp_lightning.planner.simulate.gloo_staging_bytes`); that peak is
+``RankRun.gloo_peak_bytes``, the one ``--validate`` compares on this machine's CPU.
+
 A candidate *fits* when its peak is at most ``usable`` (90 %) of the device memory: the
 caching allocator's fragmentation and the runtime's own buffers take the rest.
 """

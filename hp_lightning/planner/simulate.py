@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from hp_lightning.core import devices
@@ -122,12 +123,17 @@ class LiveBytes(TorchDispatchMode):
         self.peak = self.now()
 
     def watch_units(self, units: list[nn.Module]) -> list[Any]:
-        """Mark each unit's unsharded parameters resizable when FSDP2 has gathered them (a pre-forward hook)."""
+        """Mark each unit's unsharded parameters resizable when FSDP2 has gathered them (a pre-forward hook).
+
+        Under tensor parallelism an unsharded parameter is itself a DTensor (on the TP mesh) whose
+        local tensor is FSDP2's all-gather output: it is freed by ``resize_`` like a plain one, so
+        DTensors are marked too (a sharded parameter marked along the way keeps its constant size).
+        """
 
         def mark(unit: nn.Module, _args: Any) -> None:
             for module in unit.modules():
                 for param in module._parameters.values():
-                    if param is not None and not isinstance(param, DTensor):
+                    if param is not None:
                         self.track_resizable(param)
 
         return [unit.register_forward_pre_hook(mark) for unit in units]
@@ -169,6 +175,7 @@ class RankRun:
     divergence_slots: int  # parameters the strategy's per-step divergence check compares
     tokens: int  # tokens this rank processes per optimizer step
     stage_io_bytes: tuple[int, int] = (0, 0)  # bytes of one pipeline micro-batch into / out of this stage
+    gloo_peak_bytes: int = 0  # the peak on CPU ranks (gloo), whose collectives stage through temporaries
     notes: list[str] = field(default_factory=list)
 
 
@@ -255,6 +262,10 @@ def simulate_rank(
             sharded = parallelize(module, mesh, plan)
         except (ValueError, TypeError) as exc:
             raise ModelBuildError(f"{candidate.name}: hp_lightning refuses this plan for the model: {exc}") from exc
+        if candidate.pp > 1 and getattr(options, "pipeline_keep_gathered", False):
+            # As the strategy's pipeline steps do: the stage stays gathered from its first micro-batch's
+            # forward to the step's gradient reduction (one all-gather per unit and step).
+            cast(FSDPModule, module).set_reshard_after_forward(False)
         slots = divergence_slots(module, sharded.replicated)
         names = unit_names(module)
         units = []
@@ -292,6 +303,8 @@ def simulate_rank(
         vocab = spec.vocab_size(module)
         dp_batch = workload.micro_batch * (workload.pp_microbatches(candidate.pp) if candidate.pp > 1 else 1)
         counter = CollectiveCounter()
+        gloo_peak = [0]  # the steady step's peak with gloo's staging buffers (see gloo_staging_bytes)
+        counter.listeners.append(lambda call: gloo_peak.__setitem__(0, max(gloo_peak[0], live.now() + gloo_staging_bytes(call))))
         io_bytes = (0, 0)
         output_meta: tuple[tuple[int, ...], torch.dtype] | None = None
         try:
@@ -300,6 +313,7 @@ def simulate_rank(
                     counter.reset()
                     start = live.now()
                     live.reset_peak()
+                    gloo_peak[0] = 0
                 with counter, fake, live:
                     if candidate.pp > 1:
                         optimizer.zero_grad(set_to_none=True)  # the strategy drops a window's gradients before its schedule
@@ -320,13 +334,34 @@ def simulate_rank(
         )
         run = RankRun(
             rank=rank, stage=stage, calls=list(counter.calls), params_bytes=params_bytes, grads_bytes=grads,
-            optimizer_bytes=optimizer_bytes, start_bytes=start, peak_bytes=live.peak, units=units,
+            optimizer_bytes=optimizer_bytes, start_bytes=start, peak_bytes=live.peak,
+            gloo_peak_bytes=max(live.peak, gloo_peak[0]), units=units,
             stage_numel=stage_numel, block_numel=block_numel, divergence_slots=slots,
             tokens=dp_batch * workload.seq_len * workload.accumulation, stage_io_bytes=io_bytes,
         )
         if candidate.pp > 1:
             run.calls.extend(_pipeline_p2p(rank, stage, candidate.pp, cluster.world_size // candidate.pp, workload, io_bytes))
         return run, output_meta
+
+
+def gloo_staging_bytes(call: CollectiveCall) -> int:
+    """Heap gloo allocates, on top of the call's own tensors, while a collective of ``call`` runs on CPU.
+
+    Measured on this build (torch 2.13, gloo, CPU tensors; see ``docs/planning.md``): an
+    all-gather assembles its output in a temporary of the output's size and copies it out; a
+    reduce-scatter copies its whole input and reduces ring chunks of ``input / ranks``; an
+    all-reduce works in chunks of ``tensor / ranks``. None of it comes from the caching allocator
+    on a GPU (NCCL's buffers are its own), so it counts only for a plan validated on CPU ranks.
+    ``call.bytes`` is the larger tensor: the gathered output, the scattered input, the reduced tensor.
+    """
+    ranks = max(len(call.ranks), 1)
+    if call.kind == "all_gather":
+        return call.bytes
+    if call.kind == "reduce_scatter":
+        return call.bytes + call.bytes // ranks
+    if call.kind == "all_reduce":
+        return call.bytes // ranks
+    return 0
 
 
 def divergence_slots(module: nn.Module, replicated: list[str]) -> int:

@@ -4,110 +4,104 @@ Each rank runs the real ``HSDPStrategy`` under the Lightning ``Trainer`` (gloo, 
 planned rank, ``LOCAL_WORLD_SIZE`` = the plan's devices per node, so intra/inter-node groups are
 the plan's), with
 
-* :class:`~hp_lightning.core.diagnostics.CollectiveCounter` around ``fit``, one bucket per batch
-  (``mark`` in ``on_train_batch_start``): the last step's calls are compared with the plan's,
-  per collective kind, byte for byte;
-* the benchmarks' CPU memory method (``benchmarks/measure.py``): glibc ``mallinfo2`` (bytes malloc
-  has handed out, all threads; CPU tensors live there) sampled every 0.5 ms by a thread and at
-  every batch start and end, relative to the heap before the Trainer was built (after a garbage
-  collection and ``malloc_trim``); the peak over the last step is compared with the plan's peak.
-  It also holds what no tensor accounts for (Python objects Lightning creates per step, gloo's
-  buffers), which is the residual reported. On a GPU, ``torch.cuda.max_memory_allocated`` is
-  the measure (``scripts/gpu_check.sh``).
+* :class:`~hp_lightning.core.diagnostics.CollectiveCounter` from the last optimizer step's first
+  batch to the end of ``fit``: its calls are compared with the plan's, per collective kind, byte
+  for byte;
+* the benchmarks' CPU memory method, :class:`~hp_lightning.core.diagnostics.HeapSampler`: the
+  bytes glibc's malloc has handed out (all threads; CPU tensors live there), sampled every 0.5 ms
+  over the last step and at its start and end, above the heap before the model was built.
+
+Both probes cost time (the counter's dispatch mode sees every op), so they watch the last step
+only; the steps before it build the state it starts from.
+
+The plan predicts *tensor* storage (what ``torch.cuda.max_memory_allocated`` counts on a GPU,
+``scripts/gpu_check.sh``). The malloc heap also holds what is not a tensor: the code and caches
+the first ``fit`` of a process imports, Python's and C++'s objects (Lightning's loops, FSDP2's
+state, autograd nodes), gloo's buffers. That part is measured in the same run, at the end of the
+measured step: the heap's growth since the baseline minus the growth of the storage of every
+live CPU tensor (:func:`live_tensor_bytes`; what existed before the baseline is frozen out). It is reported on its own line (``non-tensor heap``)
+and taken off the heap peak; what is compared with the plan is
+
+    tensor peak = heap peak - non-tensor heap
+                = tensors alive at the step's end + how far the heap rose above its end-of-step level,
+
+both measured, against the plan's CPU peak (``RankRun.gloo_peak_bytes``: its tensors plus the
+buffers gloo stages collectives through). Its residual is the non-tensor heap that exists only
+inside the step (autograd nodes, tensor headers, Python temporaries: a few hundred KiB) and
+whatever the fake-tensor simulation gets wrong.
 """
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import os
-import threading
 import time
-from collections.abc import Callable
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal, cast
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from hp_lightning.core import devices
-from hp_lightning.core.diagnostics import CollectiveCall, CollectiveCounter
+from hp_lightning.core.diagnostics import CollectiveCall, CollectiveCounter, HeapSampler
 from hp_lightning.planner.candidates import Cluster, Workload
 from hp_lightning.planner.model import ModelSpec
 
 
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in (
-        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost"
-    )]
+def live_tensor_bytes() -> int:
+    """Bytes of CPU tensor storage alive that Python can reach and the collector tracks, each storage once.
+
+    Walks the garbage collector's objects (every tensor, parameter and DTensor local shard has a
+    Python object while Python can reach it) and sums their storages, keyed by address, so views
+    and FSDP2's parameters sharing one flat buffer count once. Objects frozen by
+    :func:`gc.freeze` are skipped (see :func:`_frozen_gc`). Tensors only C++ holds (autograd's
+    saved tensors while a graph lives) are not seen: call it between steps, when no graph lives.
+    """
+    sizes: dict[int, int] = {}
+    for obj in gc.get_objects():
+        if not issubclass(type(obj), torch.Tensor):  # type(): no __class__ lookups on lazy modules
+            continue
+        tensor = obj._local_tensor if isinstance(obj, DTensor) else obj
+        if tensor.device.type != devices.CPU or tensor.layout != torch.strided:
+            continue
+        storage = tensor.untyped_storage()
+        sizes[storage.data_ptr()] = storage.nbytes()
+    return sum(sizes.values())
 
 
-def heap_reader() -> Callable[[], int] | None:
-    """Bytes malloc has handed out, over all arenas and threads (glibc ``mallinfo2``); None elsewhere."""
+@contextmanager
+def _frozen_gc() -> Iterator[None]:
+    """Freeze every object alive now (:func:`gc.freeze`) for the block; collect the block's garbage after it.
+
+    What exists before the measured run is not its memory: frozen, it is left out of
+    :func:`live_tensor_bytes` (whose count then starts at zero, like the heap's baseline) and out
+    of the collector's passes, which over everything a process importing torch, Lightning and
+    transformers holds take about a second each. The objects stay frozen after the block (they
+    are long-lived; reference counting still frees them), so a second measurement in the same
+    process collects only what the first left: call it in a process that exists to measure.
+    """
+    gc.freeze()
     try:
-        libc = ctypes.CDLL("libc.so.6")
-        mallinfo2 = libc.mallinfo2
-    except (OSError, AttributeError):
-        return None
-    mallinfo2.restype = _MallInfo2
-
-    def read() -> int:
-        info = mallinfo2()
-        return int(info.uordblks + info.hblkhd)
-
-    return read
-
-
-def release_freed_memory() -> None:
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
-class HeapSampler:
-    """Samples the heap every ``interval_s`` on a thread; :meth:`sample` adds one now."""
-
-    def __init__(self, interval_s: float = 0.0005) -> None:
-        self.read = heap_reader()
-        if self.read is None:
-            raise RuntimeError("--validate measures CPU memory with glibc's mallinfo2, which this system lacks (not glibc).")
-        self.samples: list[tuple[float, int]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="planner-heap", daemon=True)
-        self.before = 0
-
-    def sample(self) -> None:
-        assert self.read is not None
-        self.samples.append((time.perf_counter(), self.read()))
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.sample()
-            self._stop.wait(0.0005)
-
-    def start(self) -> None:
-        release_freed_memory()
-        assert self.read is not None
-        self.before = self.read()
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def peak(self, start: float, end: float) -> int:
-        window = [h for t, h in self.samples if start <= t <= end]
-        return max(window, default=self.before) - self.before
+        yield
+    finally:
+        gc.collect()  # the run's own cycles (Trainer, strategy, module), before they are frozen by the next run
 
 
 @dataclass(frozen=True)
 class Measurement:
-    """What one rank measured in its last step."""
+    """What one rank measured in its last step (bytes; memory relative to before the model was built)."""
 
     rank: int
     calls: list[tuple[str, tuple[int, ...], int, str]]  # (kind, ranks, bytes, dtype) of the last step
-    heap_peak: int
+    heap_peak: int  # the malloc heap's peak over the step
+    non_tensor_heap: int  # heap growth minus live tensor storage growth, at the step's end
+
+    @property
+    def tensor_peak(self) -> int:
+        """The heap peak less what no tensor accounts for: the figure the plan's peak predicts."""
+        return self.heap_peak - self.non_tensor_heap
 
 
 def _token_loader(vocab: int, seq_len: int, batch: int, batches: int, seed: int = 0) -> Any:
@@ -120,56 +114,78 @@ def _token_loader(vocab: int, seq_len: int, batch: int, batches: int, seed: int 
     return DataLoader(TensorDataset(x, y), batch_size=batch, shuffle=False, drop_last=True)
 
 
-def measure_rank(spec: ModelSpec, strategy_args: dict[str, Any], cluster: Cluster, workload: Workload, steps: int = 3) -> Measurement:
+def measure_rank(spec: ModelSpec, strategy_args: dict[str, Any], cluster: Cluster, workload: Workload, steps: int = 2) -> Measurement:
     """Train ``steps`` optimizer steps on this rank (inside a launched world) and measure the last one.
+
+    The first step builds the optimizer state and FSDP2's lazy state; from the second on a step
+    starts, like the plan's simulated one, with the previous step's gradients and the optimizer
+    state alive, so two steps suffice.
 
     Must run in every rank of a world of ``cluster.world_size`` processes (``RANK``, ``WORLD_SIZE``,
     ``LOCAL_RANK``, ``MASTER_ADDR``/``PORT`` set), each with one CPU thread.
+
+    Raises:
+        ValueError: fewer than 2 steps (the first is not the steady state).
+        RuntimeError: no glibc ``mallinfo2`` here (the CPU memory method needs it).
     """
     import lightning.pytorch as pl
 
     import hp_lightning
     from hp_lightning.planner.model import _import
 
-    class _Marks(pl.Callback):
-        def __init__(self, counter: CollectiveCounter, sampler: HeapSampler) -> None:
-            self.counter, self.sampler = counter, sampler
-            self.windows: dict[int, list[float]] = {}
+    if steps < 2:
+        raise ValueError(f"--validate needs at least 2 optimizer steps (the first builds the optimizer state and is not measured); got steps={steps}.")
+    sampler = HeapSampler(rss=False)
+    if sampler.read_heap is None:
+        raise RuntimeError("--validate measures CPU memory with glibc's mallinfo2, which this system lacks (not glibc).")
+    last_batch = steps * workload.accumulation - 1
+
+    class _LastStep(pl.Callback):
+        """Counts collectives and samples the heap from the last step's first batch on (probes slow a step down)."""
+
+        def __init__(self) -> None:
+            self.window = [0, 0]
+            self.non_tensor_heap = 0
 
         def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-            self.sampler.sample()
-            self.counter.mark(batch_idx // workload.accumulation)
-            self.windows.setdefault(batch_idx // workload.accumulation, [time.perf_counter(), 0.0])
+            if batch_idx == last_batch - workload.accumulation + 1:
+                sampler.sample()
+                self.window[0] = time.time_ns()
+                sampler.resume()
+                counter.__enter__()  # left after fit: the step's calls up to the end, as a bucket would hold
 
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-            self.sampler.sample()
-            self.windows[batch_idx // workload.accumulation][1] = time.perf_counter()
+            if batch_idx == last_batch:  # after the optimizer step: no autograd graph lives
+                sampler.sample()
+                self.window[1] = time.time_ns()
+                sampler.pause()
+                self.non_tensor_heap = sampler.heap_at(self.window[1]) - live_tensor_bytes()
 
     rank = int(os.environ.get("RANK", "0"))
     pp = strategy_args.get("pipeline_parallel_size", 1)
     batch = workload.micro_batch * (strategy_args.get("pipeline_microbatches") or pp if pp > 1 else 1)
-    sampler = HeapSampler()
     counter = CollectiveCounter()
-    marks = _Marks(counter, sampler)
-    sampler.start()
-    module = _import(spec.class_path)(**dict(spec.init_args))
-    precision = {"32": "32-true", "bf16-mixed": "32-true", "bf16-true": "bf16-true"}[workload.precision]
-    trainer = pl.Trainer(
-        accelerator=devices.CPU, devices=cluster.devices, num_nodes=cluster.nodes, strategy=hp_lightning.HSDPStrategy(**strategy_args),
-        max_steps=steps, accumulate_grad_batches=workload.accumulation, precision=cast(Literal["32-true", "bf16-true"], precision), logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-        limit_val_batches=0, callbacks=[marks],
-    )
-    dp = cluster.world_size // (strategy_args.get("tensor_parallel_size", 1) * pp)
-    vocab = spec.vocab_size(module)
-    loader = _token_loader(vocab, workload.seq_len, batch, steps * workload.accumulation * dp)
-    with counter:
-        trainer.fit(module, loader)
-    sampler.stop()
-    last = steps - 1
-    start, end = marks.windows[last]
-    calls = [(c.kind, c.ranks, c.bytes, str(c.dtype)) for c in counter.buckets().get(last, [])]
-    return Measurement(rank, calls, sampler.peak(start, end))
+    probes = _LastStep()
+    with sampler, _frozen_gc():  # the heap's baseline after a collection; from then on the collector sees only this run
+        sampler.pause()  # until the measured step
+        module = _import(spec.class_path)(**dict(spec.init_args))
+        precision = {"32": "32-true", "bf16-mixed": "32-true", "bf16-true": "bf16-true"}[workload.precision]
+        trainer = pl.Trainer(
+            accelerator=devices.CPU, devices=cluster.devices, num_nodes=cluster.nodes, strategy=hp_lightning.HSDPStrategy(**strategy_args),
+            max_steps=steps, accumulate_grad_batches=workload.accumulation, precision=cast(Literal["32-true", "bf16-true"], precision),
+            logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+            limit_val_batches=0, callbacks=[probes],
+        )
+        dp = cluster.world_size // (strategy_args.get("tensor_parallel_size", 1) * pp)
+        vocab = spec.vocab_size(module)
+        loader = _token_loader(vocab, workload.seq_len, batch, steps * workload.accumulation * dp)
+        try:
+            trainer.fit(module, loader)
+        finally:
+            counter.__exit__(None, None, None)
+        del trainer, module, loader  # garbage for the collection at the block's end
+    calls = [(c.kind, c.ranks, c.bytes, str(c.dtype)) for c in counter.calls]
+    return Measurement(rank, calls, sampler.heap_peak(*probes.window), probes.non_tensor_heap)
 
 
 def compare(predicted: list[CollectiveCall], measured: list[tuple[str, tuple[int, ...], int, str]]) -> dict[str, tuple[int, int]]:
@@ -192,17 +208,19 @@ def _launched_rank(rank: int, world: int, port: int, local_world: int, args: tup
         out.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
 
 
-def run_validation(result: Any, entry: Any, steps: int = 3, timeout: float = 600.0) -> str:
+def run_validation(result: Any, entry: Any, steps: int = 2, timeout: float = 600.0) -> str:
     """Launch the plan's world on this machine's CPU, train ``entry`` and report estimate vs measurement.
 
     Raises:
-        ValueError: a world too large for CPU ranks here (more than 16 processes).
+        ValueError: a world too large for CPU ranks here (more than 16 processes), or fewer than 2 steps.
         RuntimeError: a rank failed.
     """
     import socket
 
     import torch.multiprocessing as mp
 
+    if steps < 2:
+        raise ValueError(f"--validate needs at least 2 optimizer steps (the first builds the optimizer state and is not measured); got --steps {steps}.")
     cluster = result.cluster
     if cluster.world_size > 16:
         raise ValueError(
@@ -239,26 +257,30 @@ def run_validation(result: Any, entry: Any, steps: int = 3, timeout: float = 600
 
 
 def predicted_for_rank(entry: Any, cluster: Cluster, rank: int) -> tuple[list[CollectiveCall], int]:
-    """The plan's calls and peak for ``rank``: its stage's simulated rank, re-addressed to ``rank``'s groups."""
+    """The plan's calls and CPU (gloo) peak for ``rank``: its stage's simulated rank, re-addressed to ``rank``'s groups."""
     from hp_lightning.planner.comms import step_calls
 
     stride = cluster.world_size // entry.candidate.pp
     run = entry.runs[rank // stride] if entry.candidate.pp > 1 else entry.runs[0]
     calls = step_calls(run, entry.candidate, cluster)
-    return calls, run.peak_bytes
+    return calls, run.gloo_peak_bytes  # the ranks run on gloo: its staging buffers are part of their peak
 
 
 def validation_report(entry: Any, cluster: Cluster, measured: list[Measurement]) -> str:
     """Per rank: bytes per collective kind predicted vs counted, and peak memory predicted vs measured."""
-    lines = [f"--validate {entry.candidate.name}: last of the measured steps, per rank"]
+    lines = [
+        f"--validate {entry.candidate.name}: last of the measured steps, per rank; memory in MiB: tensor peak = heap peak "
+        f"(mallinfo2) - non-tensor heap (heap growth - live tensor growth at the step's end)"
+    ]
     for m in measured:
         calls, peak = predicted_for_rank(entry, cluster, m.rank)
         rows = compare(calls, m.calls)
         exact = all(p == q for p, q in rows.values())
         parts = ", ".join(f"{k} {p:,}/{q:,}" for k, (p, q) in rows.items())
-        ratio = m.heap_peak / peak if peak else float("nan")
+        ratio = peak / m.tensor_peak if m.tensor_peak > 0 else float("nan")
         lines.append(
             f"  rank {m.rank}: bytes predicted/counted {parts} -> {'EXACT' if exact else 'DIFFERENT'}; peak predicted "
-            f"{peak / 2**20:.1f} MiB, measured {m.heap_peak / 2**20:.1f} MiB (heap, mallinfo2) = {ratio:.2f} x"
+            f"{peak / 2**20:.1f}, measured {m.tensor_peak / 2**20:.1f} (heap {m.heap_peak / 2**20:.1f} - non-tensor heap "
+            f"{m.non_tensor_heap / 2**20:.1f}): predicted / measured = {ratio:.2f}"
         )
     return "\n".join(lines)

@@ -45,6 +45,8 @@ from hp_lightning.core.parallelize import ShardedModel
 from hp_lightning.core.preemption import Preempted, PreemptionWatch
 from hp_lightning.core.prepare import prepare_model
 from hp_lightning.frontends.core import StrategyCore
+from hp_lightning.ft.data import PositionedLoader
+from hp_lightning.ft.lightning import FaultToleranceCallback
 from hp_lightning.fully_shard import HSDPModule
 from hp_lightning.fully_shard.divergence import divergence_check
 from hp_lightning.strategies.pipeline_steps import DirectSteps, PipelineSteps, split_batch
@@ -77,6 +79,8 @@ class HSDPStrategy(StrategyCore, ParallelStrategy):
     def _init_front_end(self) -> None:
         self._preemption = PreemptionWatch()
         self._sharded: Optional[ShardedModel] = None
+        #: With ``fault_tolerance``: the callback that runs torchft's quorum and commit (from setup on).
+        self._fault_tolerance: Optional[FaultToleranceCallback] = None
         # Chosen once: the step methods run directly, or through the pipeline schedule.
         self._steps = PipelineSteps(self) if self.options.pipeline_parallel_size > 1 else DirectSteps(self)
 
@@ -162,6 +166,7 @@ class HSDPStrategy(StrategyCore, ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             self._add_preemption_stop(trainer)
+            self._add_fault_tolerance(trainer)
             # Lightning's per-batch SIGTERM broadcast (a world collective and a device read each
             # micro-batch) gives way to the once-per-step agreement PreemptionStop acts on.
             replace_sigterm_broadcast(trainer, lambda: self._fold_lightning_sigterm(trainer))
@@ -177,6 +182,36 @@ class HSDPStrategy(StrategyCore, ParallelStrategy):
         self._preemption.signals = (signal.SIGTERM,) if requeue is None else (signal.SIGTERM, requeue)
         if not any(isinstance(cb, PreemptionStop) for cb in trainer.callbacks):  # type: ignore[attr-defined]  # set by Lightning's connector, not declared on Trainer
             trainer.callbacks.append(PreemptionStop(self._agreement, save=self.options.save_on_preemption, requeue_signal=requeue))  # type: ignore[attr-defined]  # as above
+
+    def _add_fault_tolerance(self, trainer: pl.Trainer) -> None:
+        config = self.fault_tolerance_config
+        if config is None:
+            return
+        callbacks = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning's connector, not declared on Trainer
+        if any(isinstance(cb, FaultToleranceCallback) for cb in callbacks):
+            raise ValueError(
+                "HSDPStrategy(fault_tolerance=...) adds its own FaultToleranceCallback; the Trainer has one already. Remove "
+                "it from callbacks=[...] (the option is the way to turn fault tolerance on)."
+            )
+        self._fault_tolerance = FaultToleranceCallback(config)
+        callbacks.append(self._fault_tolerance)
+
+    @property
+    def fault_tolerance(self) -> Optional[FaultToleranceCallback]:
+        """With the ``fault_tolerance`` option, during fit: the quorum's participation, commits, data positions."""
+        return self._fault_tolerance
+
+    def _training(self) -> bool:
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        return trainer is not None and trainer.state.stage == RunningStage.TRAINING
+
+    @override
+    def batch_to_device(self, batch: Any, device: Optional[Any] = None, dataloader_idx: int = 0) -> Any:
+        if self._fault_tolerance is not None and self._training():
+            # The quorum first: a returning group heals here, and its batch becomes the quorum's.
+            assert self.lightning_module is not None
+            batch = self._fault_tolerance.before_batch(self.lightning_module.trainer, batch)
+        return super().batch_to_device(batch, device, dataloader_idx)
 
     def sharding_summary(self) -> ShardingSummary:
         """The per-unit table of what was sharded (a collective: every rank must call it)."""
@@ -326,6 +361,8 @@ class HSDPStrategy(StrategyCore, ParallelStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: PathLike, storage_options: Optional[Any] = None) -> None:
         if storage_options is not None:
             raise TypeError(f"HSDPStrategy.save_checkpoint does not take storage_options; got {storage_options!r}.")
+        if self._fault_tolerance is not None and not self._fault_tolerance.writes_checkpoints:
+            return  # under fault tolerance one participating group writes; the others hold the same state
         path = Path(self.broadcast(str(filepath)))
         if self._mesh is not None:  # a data loader's position is per data-parallel rank (see loader_resume_warning)
             checkpoint = {**checkpoint, hp_checkpoint.DATA_PARALLEL_KEY: self._mesh.dp_size}
@@ -380,8 +417,11 @@ class HSDPStrategy(StrategyCore, ParallelStrategy):
         with its own state (torchdata's ``StatefulDataLoader``, recommended: Lightning checkpoints
         it natively) is never wrapped. Evaluation loaders always start from their beginning.
         """
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        training = trainer is not None and trainer.state.stage == RunningStage.TRAINING
+        training = self._training()
+        if training and self._fault_tolerance is not None:
+            # The data position heals with the weights: the loader must say which batch each step holds.
+            self._fault_tolerance.loader = PositionedLoader(dataloader)
+            return self._fault_tolerance.loader
         if not (training and self.options.resumable_dataloaders and isinstance(dataloader, DataLoader) and has_len(dataloader)):
             return dataloader
         if isinstance(dataloader, Stateful):
@@ -395,6 +435,8 @@ class HSDPStrategy(StrategyCore, ParallelStrategy):
 
     @override
     def remove_checkpoint(self, filepath: PathLike) -> None:
+        if self._fault_tolerance is not None and not self._fault_tolerance.writes_checkpoints:
+            return  # the writing group removes its own (see save_checkpoint)
         if self.is_global_zero:  # held back until the save in flight (if any) is published
             self._async_saves.remove(Path(filepath))
 

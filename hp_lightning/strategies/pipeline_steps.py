@@ -22,12 +22,27 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
+from torch.distributed.fsdp import FSDPModule
 from torch.optim import Optimizer
 
 from hp_lightning import checkpoint as hp_checkpoint
 from hp_lightning.core.accumulation import no_gradient_sync
+from hp_lightning.core.units import auto_units, select_modules
+from hp_lightning.fully_shard import fully_shard
 from hp_lightning.fully_shard.divergence import gradients_stay_local
-from hp_lightning.parallel.pipeline import PipelineRunner, gather_stages_on_rank0, split_stage
+from hp_lightning.parallel.pipeline import (
+    AUTO,
+    PipelineRunner,
+    StagePlan,
+    gather_stages_on_rank0,
+    plan_table,
+    resolve_split_points,
+    split_stage,
+    stage_plan,
+    stays_on_every_stage,
+)
+from hp_lightning.parallel.pipeline_hf import adapt_hf_decoder_stages, find_hf_decoders
+from hp_lightning.parallel.pipeline_schedules import keep_prefetch_inside_stages, rank_of_stage, stage_pieces, stage_view, stages_of_rank
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -90,12 +105,15 @@ class DirectSteps:
 
 
 class PipelineSteps(DirectSteps):
-    """The step methods through torch's pipeline schedule: each rank holds and runs one stage."""
+    """The step methods through torch's pipeline schedule: each rank holds and runs its stage (or, with virtual stages, several)."""
 
     def __init__(self, strategy: HSDPStrategy) -> None:
         super().__init__(strategy)
         self.runner: Optional[PipelineRunner] = None
+        #: Every stage's units and parameter bytes, as cut (the same on every rank); set at setup.
+        self.plan: list[StagePlan] = []
         self.elsewhere = frozenset()
+        self._views: list[torch.nn.Module] = []
         self._grads_aside: list[tuple[torch.nn.Parameter, Optional[Tensor]]] = []
 
     def before_sharding(self, trainer: pl.Trainer) -> None:
@@ -123,18 +141,70 @@ class PipelineSteps(DirectSteps):
             )
         pp_mesh = strategy.parallel_mesh.pp
         assert pp_mesh is not None, "PipelineSteps runs only with pipeline_parallel_size > 1"
-        stage = pp_mesh.get_local_rank()
+        options = strategy.options
+        stages = stages_of_rank(options.pipeline_schedule, pp_mesh.get_local_rank(), pp, options.pipeline_stages_per_rank)
         if module.__dict__.get("_hp_pipeline_stage") is not None:  # cut by an earlier fit/validate/predict
             self.elsewhere = module.__dict__["_hp_pipeline_elsewhere"]
+            self._views = module.__dict__["_hp_pipeline_views"]
+            self.plan = module.__dict__["_hp_pipeline_plan"]
             return
         before = set(module.state_dict(keep_vars=True))
-        split_points = strategy.options.pipeline_split_points
-        assert split_points is not None, "HSDPOptions requires pipeline_split_points when pipeline_parallel_size > 1"
-        kept, removed = split_stage(module, split_points, stage)
+        assert options.pipeline_split_points is not None, "HSDPOptions resolves pipeline_split_points=None to 'auto' under a pipeline"
+        # 'auto' reads parameter sizes only (the meta-device model, before the cut): the same points on every rank.
+        num_stages = pp * options.pipeline_stages_per_rank
+        split_points = resolve_split_points(module, options.pipeline_split_points, num_stages)
+        self.plan = stage_plan(module, split_points)
+        per_stage = [list(plan.units) for plan in self.plan]
+        hf_decoders = find_hf_decoders(module)  # found whole, before the cut
+        kept, removed = split_stage(module, split_points, stages)
         self.elsewhere = frozenset(before - set(module.state_dict(keep_vars=True)))
-        module.__dict__["_hp_pipeline_stage"] = stage
+        # A Hugging Face causal LM runs this stage's part of its own forward (the user's forward unchanged).
+        adapted = adapt_hf_decoder_stages(module, hf_decoders)
+        self._views = self._several_stages(module, per_stage, stages) if len(stages) > 1 else []
+        for view in self._views:
+            adapt_hf_decoder_stages(view, hf_decoders)
+        module.__dict__["_hp_pipeline_stage"] = stages
         module.__dict__["_hp_pipeline_elsewhere"] = self.elsewhere
-        rank_zero_info(f"[hp_lightning] pipeline stage 0 of {pp}: {kept}; the other stages hold {len(removed)} more unit(s)")
+        module.__dict__["_hp_pipeline_views"] = self._views
+        module.__dict__["_hp_pipeline_plan"] = self.plan
+        rank_zero_info(
+            f"[hp_lightning] pipeline split points {split_points}"
+            f"{' (auto: balanced by parameter bytes)' if options.pipeline_split_points == AUTO else ''}; pipeline stage"
+            f"{'s' if len(stages) > 1 else ''} {', '.join(map(str, stages))} of {num_stages} on pipeline rank 0 of {pp}: "
+            f"{kept}; the other ranks hold {len(removed)} more unit(s)"
+            + (f"; Hugging Face stage forward: {adapted}" if hf_decoders else "")
+        )
+        if options.sharding_report:
+            rank_zero_info(self.plan_table())
+
+    def _several_stages(self, module: LightningModule, per_stage: list[list[str]], stages: list[int]) -> list[torch.nn.Module]:
+        """One module per stage of this rank, sharing the LightningModule's units (each becomes its own FSDP root).
+
+        The LightningModule keeps every unit of the rank (the optimizer and the checkpoint see
+        them under their own names); each view holds one stage's. What no recipe unit owns (the
+        embedding, the head) cannot go to the LightningModule's root, which spans the stages: it
+        is sharded here, before the recipe, as one unit per stage.
+        """
+        strategy = self.strategy
+        plan = strategy.sharding_plan()
+        held = [unit for stage in stages for unit in per_stage[stage]]
+        recipe = select_modules(module, plan.shard_modules) if plan.shard_modules else auto_units(module)
+        recipe = [*recipe, *(m for m in module.modules() if isinstance(m, FSDPModule))]
+        views = []
+        for stage in stages:
+            mine = per_stage[stage]
+            pieces = stage_pieces(module, mine, recipe)
+            if pieces:
+                fully_shard(
+                    pieces if len(pieces) > 1 else pieces[0],
+                    mesh=strategy.parallel_mesh.dp,
+                    reshard_after_forward=False,
+                    mp_policy=plan.mp_policy,
+                    offload_policy=plan.offload_policy,
+                    comm_fusion=plan.comm_fusion,
+                )
+            views.append(stage_view(module, [u for u in held if u not in mine and not stays_on_every_stage(module, u)]))
+        return views
 
     def after_sharding(self) -> None:
         strategy = self.strategy
@@ -143,10 +213,23 @@ class PipelineSteps(DirectSteps):
         pp_mesh = mesh.pp
         assert pp_mesh is not None, "PipelineSteps runs only with pipeline_parallel_size > 1"
         assert options.pipeline_microbatches is not None, "HSDPOptions resolves pipeline_microbatches=None to the stage count"
+        pp, per_rank = options.pipeline_parallel_size, options.pipeline_stages_per_rank
+        stages = stages_of_rank(options.pipeline_schedule, pp_mesh.get_local_rank(), pp, per_rank)
+        modules: list[torch.nn.Module] = [strategy.model]
+        if self._views:
+            plan = strategy.sharding_plan()
+            for view in self._views:
+                if not isinstance(view, FSDPModule):
+                    fully_shard(view, mesh=mesh.dp, reshard_after_forward=False, mp_policy=plan.mp_policy, offload_policy=plan.offload_policy)
+            keep_prefetch_inside_stages(self._views)
+            modules = self._views
+        if options.pipeline_keep_gathered:
+            for stage_module in modules:
+                cast(FSDPModule, stage_module).set_reshard_after_forward(False)
         self.runner = PipelineRunner(
-            strategy.model,
-            stage_index=pp_mesh.get_local_rank(),
-            num_stages=options.pipeline_parallel_size,
+            modules if len(modules) > 1 else modules[0],
+            stage_index=stages if len(stages) > 1 else stages[0],
+            num_stages=pp * per_rank,
             device=strategy.root_device,
             group=pp_mesh.get_group(),
             schedule=options.pipeline_schedule,
@@ -231,17 +314,28 @@ class PipelineSteps(DirectSteps):
         state = super().optimizer_state(optimizer, False)
         # Each stage's groups list its own parameters; the checkpoint's list every stage's, in
         # model order, so any mesh (a pipeline of another size, or none) can load it.
-        mine = [list(group["params"]) for group in state["param_groups"]]
-        stages: list[Any] = [None] * self._runner().num_stages
-        dist.all_gather_object(stages, mine, group=self._runner().group)
+        runner = self._runner()
+        stage_of = {name: stage for stage, module in zip(runner.stage_indices, runner.stage_modules) for name, _ in module.named_parameters()}
+        mine = [[(stage_of.get(name, runner.stage_index), name) for name in group["params"]] for group in state["param_groups"]]
+        ranks: list[Any] = [None] * runner.pp_size
+        dist.all_gather_object(ranks, mine, group=runner.group)
         for index, group in enumerate(state["param_groups"]):
-            group["params"] = [name for stage in stages for name in stage[index]]
+            # Stage by stage (a rank may hold several, not adjacent), each stage's names in model order.
+            entries = [entry for rank in ranks for entry in rank[index]]
+            group["params"] = [name for _, name in sorted(entries, key=lambda entry: entry[0])]
         if not full:
             return state
         parts = self._gather_stages(state)
         if not parts:
             return {}
         return {"state": {k: v for part in parts for k, v in part["state"].items()}, "param_groups": state["param_groups"]}
+
+    def plan_table(self) -> str:
+        """Every stage's pipeline rank, parameter bytes (whole, before sharding) and units, as cut at setup."""
+        options = self.strategy.options
+        pp, per_rank = options.pipeline_parallel_size, options.pipeline_stages_per_rank
+        ranks = [rank_of_stage(options.pipeline_schedule, stage, pp, per_rank) for stage in range(pp * per_rank)]
+        return plan_table(self.plan, ranks)
 
     def report_scope(self) -> dict[str, Any]:
         """The report covers this stage: its ranks' min/max, its index in the title."""

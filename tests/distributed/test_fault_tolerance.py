@@ -12,6 +12,7 @@ heal with global_step and the LR scheduler agreeing with torchft's step.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import pickle
@@ -90,64 +91,9 @@ def _hsdp_reference(steps: int) -> dict:
 # ---------------------------------------------------------------- one rank of one replica group
 
 
-def _group_rank_main(group: int, group_rank: int, master_port: int, lighthouse: str, out_dir: str,
-                     max_steps: int | None, min_replicas: int) -> None:
-    """One rank of replica group ``group``: train until ``max_steps`` or the harness's stop file."""
-    result_path = Path(out_dir) / f"result_g{group}_r{group_rank}.pkl"
-    progress_path = Path(out_dir) / f"progress_g{group}_r{group_rank}.jsonl"
-    os.environ.setdefault("RUST_LOG", "warn")
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master_port), RANK=str(group_rank),
-                      WORLD_SIZE=str(GROUP_WORLD), LOCAL_RANK=str(group_rank), OMP_NUM_THREADS="1")
-    torch.set_num_threads(1)
-    try:
-        import torch.distributed as dist
-        from torch.distributed.device_mesh import init_device_mesh
-
-        from hp_lightning.ft import FaultTolerance, FaultTolerantHSDP, ParticipantBatches
-
-        dist.init_process_group("gloo")
-        mesh = init_device_mesh("cpu", (GROUP_WORLD,))
-        model, optimizer = _build(mesh)
-        config = FaultTolerance(replica_group=group, num_replica_groups=2, min_replicas=min_replicas, lighthouse=lighthouse,
-                                quorum_timeout=30.0, timeout=FT_TIMEOUT, connect_timeout=10.0)
-        ft = FaultTolerantHSDP(config, model, optimizer)
-        batches = ParticipantBatches(len(make_dataset()), GLOBAL_BATCH)
-        stop_file = Path(out_dir) / "stop_at"
-        history = []
-        while True:
-            stop_at = max_steps if max_steps is not None else (int(stop_file.read_text()) if stop_file.exists() else None)
-            if stop_at is not None and ft.step >= stop_at:
-                break
-            p = ft.begin_step()
-            idx = batches.indices(p.step, participant_rank=p.rank, participants=p.count, group_rank=group_rank,
-                                  group_world_size=GROUP_WORLD)
-            _loss(model, idx).backward()
-            committed = ft.commit()
-            history.append((p.step, p.count, committed))
-            with open(progress_path, "a") as f:
-                f.write(json.dumps({"step": ft.step, "participants": p.count, "committed": committed, "t": time.time()}) + "\n")
-        out = {"state": _local_state(model, optimizer), "step": ft.step,
-               "batches_committed": ft.manager.batches_committed(), "history": history,
-               "full": full_params(model)}
-        ft.shutdown()
-        dist.barrier()
-        status = ("ok", out)
-    except BaseException as exc:  # noqa: BLE001 - forwarded to the test
-        status = ("error", f"group {group} rank {group_rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
-    with open(result_path, "wb") as f:
-        pickle.dump(status, f)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0 if status[0] == "ok" else 1)
-
-
-def _lightning_group_rank_main(group: int, group_rank: int, master_port: int, lighthouse: str, out_dir: str,
-                               max_steps: int | None, min_replicas: int) -> None:
-    """One rank of a replica group that is a Lightning job: Trainer + HSDPStrategy + FaultToleranceCallback.
-
-    ``max_steps=None``: an LR scheduler too, progress lines for the harness, and stop at the step
-    the harness writes into ``stop_at``.
-    """
+def _run_group_rank(body: Any, group: int, group_rank: int, master_port: int, lighthouse: str, out_dir: str,
+                    max_steps: int | None, min_replicas: int) -> None:
+    """One rank of replica group ``group`` as its own job would start it; ``body``'s result (or error) goes to a file."""
     result_path = Path(out_dir) / f"result_g{group}_r{group_rank}.pkl"
     progress_path = Path(out_dir) / f"progress_g{group}_r{group_rank}.jsonl"
     os.environ.setdefault("RUST_LOG", "warn")
@@ -156,48 +102,7 @@ def _lightning_group_rank_main(group: int, group_rank: int, master_port: int, li
                       OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
     try:
-        from lightning.pytorch import Callback, Trainer, seed_everything
-
-        import hp_lightning
-        from hp_lightning.ft import FaultTolerance
-        from hp_lightning.ft.lightning import FaultToleranceCallback, replica_group_sampler
-        from tests.distributed.test_parity import GLOBAL_BATCH as PARITY_BATCH  # the reference's global batch
-        from tests.helpers import RegressionModule, trainer_kwargs
-
-        class ScheduledModule(RegressionModule):
-            def configure_optimizers(self):
-                optimizer = super().configure_optimizers()
-                scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.97)
-                return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
-
-        class HarnessLink(Callback):
-            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-                ft_cb = next(cb for cb in trainer.callbacks if isinstance(cb, FaultToleranceCallback))
-                with open(progress_path, "a") as f:
-                    f.write(json.dumps({"step": trainer.global_step, "participants": ft_cb.participation.count,
-                                        "committed": ft_cb.last_committed, "t": time.time()}) + "\n")
-                stop_file = Path(out_dir) / "stop_at"
-                if stop_file.exists() and trainer.global_step >= int(stop_file.read_text()):
-                    trainer.should_stop = True
-
-        config = FaultTolerance(replica_group=group, num_replica_groups=2, min_replicas=min_replicas,
-                                lighthouse=lighthouse, quorum_timeout=30.0, timeout=FT_TIMEOUT, connect_timeout=10.0)
-        seed_everything(0)
-        scheduled = max_steps is None
-        model = ScheduledModule() if scheduled else RegressionModule()
-        dataset = make_dataset()
-        sampler = replica_group_sampler(dataset, config, group_rank=group_rank, group_world_size=GROUP_WORLD,
-                                        shuffle=False)
-        data = torch.utils.data.DataLoader(dataset, batch_size=PARITY_BATCH // (2 * GROUP_WORLD), sampler=sampler)
-        callback = FaultToleranceCallback(config)
-        trainer = Trainer(devices=GROUP_WORLD, strategy=hp_lightning.HSDPStrategy(mesh_shape=[GROUP_WORLD]),
-                          max_steps=max_steps or 10_000, callbacks=[callback] + ([HarnessLink()] if scheduled else []),
-                          use_distributed_sampler=False, **trainer_kwargs())
-        trainer.fit(model, data)
-        out = {"full": full_params(model), "global_step": trainer.global_step, "ft_step": callback.final_step,
-               "state": _local_state(model, trainer.optimizers[0]),
-               "lr": [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs]}
-        status = ("ok", out)
+        status = ("ok", body(group, group_rank, lighthouse, out_dir, max_steps, min_replicas, progress_path))
     except BaseException as exc:  # noqa: BLE001 - forwarded to the test
         status = ("error", f"group {group} rank {group_rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
     with open(result_path, "wb") as f:
@@ -205,6 +110,160 @@ def _lightning_group_rank_main(group: int, group_rank: int, master_port: int, li
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0 if status[0] == "ok" else 1)
+
+
+def _engine_rank(group: int, group_rank: int, lighthouse: str, out_dir: str, max_steps: int | None,
+                min_replicas: int, progress_path: Path) -> dict:
+    """One rank of replica group ``group``: train until ``max_steps`` or the harness's stop file."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from hp_lightning.ft import FaultTolerance, FaultTolerantHSDP, ParticipantBatches
+
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (GROUP_WORLD,))
+    model, optimizer = _build(mesh)
+    config = FaultTolerance(replica_group=group, num_replica_groups=2, min_replicas=min_replicas, lighthouse=lighthouse,
+                            quorum_timeout=30.0, timeout=FT_TIMEOUT, connect_timeout=10.0)
+    ft = FaultTolerantHSDP(config, model, optimizer)
+    batches = ParticipantBatches(len(make_dataset()), GLOBAL_BATCH)
+    stop_file = Path(out_dir) / "stop_at"
+    history = []
+    while True:
+        stop_at = max_steps if max_steps is not None else (int(stop_file.read_text()) if stop_file.exists() else None)
+        if stop_at is not None and ft.step >= stop_at:
+            break
+        p = ft.begin_step()
+        idx = batches.indices(p.step, participant_rank=p.rank, participants=p.count, group_rank=group_rank,
+                              group_world_size=GROUP_WORLD)
+        _loss(model, idx).backward()
+        committed = ft.commit()
+        history.append((p.step, p.count, committed))
+        with open(progress_path, "a") as f:
+            f.write(json.dumps({"step": ft.step, "participants": p.count, "committed": committed, "t": time.time()}) + "\n")
+    out = {"state": _local_state(model, optimizer), "step": ft.step,
+           "batches_committed": ft.manager.batches_committed(), "history": history,
+           "full": full_params(model)}
+    ft.shutdown()
+    dist.barrier()
+    return out
+
+
+def _lightning_rank(group: int, group_rank: int, lighthouse: str, out_dir: str, max_steps: int | None,
+                   min_replicas: int, progress_path: Path) -> dict:
+    """One rank of a replica group that is a Lightning job: ``Trainer(strategy=HSDPStrategy(fault_tolerance=...))``.
+
+    Plain ``DataLoader`` (Lightning injects the replica-aware sampler). ``max_steps`` given: a
+    ``ModelCheckpoint`` every 2 steps into the shared ``ckpt`` folder. ``max_steps=None``: an LR
+    scheduler too, progress lines for the harness, and stop at the step the harness writes into
+    ``stop_at``.
+    """
+    from lightning.pytorch import Callback, Trainer, seed_everything
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    import hp_lightning
+    from tests.distributed.test_parity import GLOBAL_BATCH as PARITY_BATCH  # the reference's global batch
+    from tests.helpers import RegressionModule, loader, trainer_kwargs
+
+    class ScheduledModule(RegressionModule):
+        def configure_optimizers(self):
+            optimizer = super().configure_optimizers()
+            scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.97)
+            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    class HarnessLink(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            ft = trainer.strategy.fault_tolerance
+            with open(progress_path, "a") as f:
+                f.write(json.dumps({"step": trainer.global_step, "participants": ft.participation.count,
+                                    "committed": ft.last_committed, "position": ft.positions[-1],
+                                    "epoch": trainer.current_epoch, "batch_idx": batch_idx,
+                                    # the samples this rank trained on (its share of the global batch)
+                                    "x0": batch[0][0, 0].item(), "t": time.time()}) + "\n")
+            stop_file = Path(out_dir) / "stop_at"
+            if stop_file.exists() and trainer.global_step >= int(stop_file.read_text()):
+                trainer.should_stop = True
+
+    config = {"replica_group": group, "num_replica_groups": 2, "min_replicas": min_replicas, "lighthouse": lighthouse,
+              "quorum_timeout": 30.0, "timeout": FT_TIMEOUT, "connect_timeout": 10.0}
+    seed_everything(0)
+    scheduled = max_steps is None
+    model = ScheduledModule() if scheduled else RegressionModule()
+    data = loader(make_dataset(), PARITY_BATCH // (2 * GROUP_WORLD))
+    resume_file = Path(out_dir) / "resume_from"  # a full restart of every group from one checkpoint
+    ckpt_path = resume_file.read_text() if resume_file.exists() else None
+    folder = Path(out_dir) / ("ckpt" if ckpt_path is None else "ckpt_resumed")
+    callbacks = [HarnessLink()] if scheduled else [ModelCheckpoint(dirpath=folder, every_n_train_steps=2, save_top_k=-1)]
+    trainer = Trainer(devices=GROUP_WORLD, strategy=hp_lightning.HSDPStrategy(fault_tolerance=config),
+                      max_steps=max_steps or 10_000, callbacks=callbacks,
+                      **trainer_kwargs(enable_checkpointing=not scheduled))
+    trainer.fit(model, data, ckpt_path=ckpt_path)
+    ft = trainer.strategy.fault_tolerance
+    out = {"full": full_params(model), "global_step": trainer.global_step, "ft_step": ft.final_step,
+           "state": _local_state(model, trainer.optimizers[0]), "positions": ft.positions,
+           "epoch": trainer.current_epoch, "lr": [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs]}
+    return out
+
+
+def _fabric_rank(group: int, group_rank: int, lighthouse: str, out_dir: str, max_steps: int | None,
+                min_replicas: int, progress_path: Path) -> dict:
+    """One rank of a replica group that is a Fabric job: ``HSDPFabricStrategy(fault_tolerance=...)``.
+
+    Each step reads its share by the quorum (``ParticipantBatches``) in two micro-batches, the first
+    under ``fabric.no_backward_sync``; ``optimizer.step()`` is the commit vote. ``max_steps`` given:
+    ``fabric.save`` at the end into the shared folder (the writing group only), then ``fabric.load``.
+    """
+    from lightning.fabric import Fabric
+
+    from hp_lightning.fabric import HSDPFabricStrategy
+    from hp_lightning.ft import ParticipantBatches
+
+    config = {"replica_group": group, "num_replica_groups": 2, "min_replicas": min_replicas, "lighthouse": lighthouse,
+              "quorum_timeout": 30.0, "timeout": FT_TIMEOUT, "connect_timeout": 10.0}
+    fabric = Fabric(accelerator="cpu", devices=GROUP_WORLD, strategy=HSDPFabricStrategy(fault_tolerance=config))
+    fabric.launch()
+    torch.manual_seed(0)
+    model = TinyNet(width=16, depth=2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
+    model, optimizer = fabric.setup(model, optimizer)
+    ft = fabric.strategy.fault_tolerance
+    batches = ParticipantBatches(len(make_dataset()), GLOBAL_BATCH)
+    stop_file = Path(out_dir) / "stop_at"
+    history = []
+    while True:
+        stop_at = max_steps if max_steps is not None else (int(stop_file.read_text()) if stop_file.exists() else None)
+        if stop_at is not None and ft.step >= stop_at:
+            break
+        p = ft.begin_step()
+        idx = batches.indices(p.step, participant_rank=p.rank, participants=p.count, group_rank=group_rank,
+                              group_world_size=GROUP_WORLD)
+        half = len(idx) // 2
+        with fabric.no_backward_sync(model, enabled=True):
+            fabric.backward(_loss(model, idx[:half]) / 2)
+        fabric.backward(_loss(model, idx[half:]) / 2)
+        committed = optimizer.step()
+        history.append((p.step, p.count, committed))
+        with open(progress_path, "a") as f:
+            f.write(json.dumps({"step": ft.step, "participants": p.count, "committed": committed, "t": time.time()}) + "\n")
+    out = {"state": _local_state(model.module, optimizer.optimizer), "step": ft.step, "history": history,
+           "full": full_params(model.module)}
+    if max_steps is not None:
+        path = Path(out_dir) / "fabric.ckpt"
+        fabric.save(path, {"model": model, "optimizer": optimizer, "ft_step": ft.step})
+        deadline = time.monotonic() + 60  # the other group writes it (published whole, or not at all)
+        while not path.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        rest = fabric.load(path, {"model": model, "optimizer": optimizer})
+        out["loaded_step"] = rest["ft_step"]
+        out["after_load"] = _local_state(model.module, optimizer.optimizer)
+    fabric.strategy.teardown()
+    return out
+
+
+#: The harness's process targets: one rank of a group that runs the engine loop, a Trainer, or Fabric.
+_group_rank_main = functools.partial(_run_group_rank, _engine_rank)
+_lightning_group_rank_main = functools.partial(_run_group_rank, _lightning_rank)
+_fabric_group_rank_main = functools.partial(_run_group_rank, _fabric_rank)
 
 
 class _Cluster:
@@ -295,22 +354,35 @@ def _assert_bit_identical(a: Any, b: Any, where: str = "") -> None:
 # ---------------------------------------------------------------- the tests
 
 
-def test_no_fault_equals_plain_hsdp_2x2(tmp_path: Path) -> None:
-    """2 replica groups x 2 ranks under torchft == plain HSDP on a (2, 2) mesh, same data order."""
+@pytest.mark.parametrize("front_end", ["engine", "fabric"])
+def test_no_fault_equals_plain_hsdp_2x2(tmp_path: Path, front_end: str) -> None:
+    """2 replica groups x 2 ranks under torchft == plain HSDP on a (2, 2) mesh, same data order.
+
+    Fabric: two micro-batches per step (the first under no_backward_sync), and ``fabric.save`` /
+    ``fabric.load`` after the last step, written by the first participant only.
+    """
     steps = 4
     reference = run_distributed(_hsdp_reference, 4, steps)[0]["params"]
     # min_replicas=2: no step may run before both groups are up (else the first would train alone).
     cluster = _Cluster(tmp_path, min_replicas=2)
+    target = _group_rank_main if front_end == "engine" else _fabric_group_rank_main
     try:
-        cluster.start_group(0, steps)
-        cluster.start_group(1, steps)
+        cluster.start_group(0, steps, target)
+        cluster.start_group(1, steps, target)
         results = cluster.join_all(timeout=120)
     finally:
         cluster.close()
+    if front_end == "fabric":
+        # One sharded directory, one shard file per rank of one group (the other group skipped the save).
+        assert sorted(p.name for p in (tmp_path / "fabric.ckpt").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
     for (group, rank), out in results.items():
         assert out["step"] == steps, (group, rank, out["history"])
         assert all(count == 2 and committed for _, count, committed in out["history"]), out["history"]
-        assert out["batches_committed"] == 2 * steps
+        if front_end == "engine":
+            assert out["batches_committed"] == 2 * steps
+        else:
+            assert out["loaded_step"] == steps
+            _assert_bit_identical(out["after_load"], out["state"], f"g{group}r{rank} loaded")
         diff = max_rel_diff(out["full"], reference)
         assert diff <= 1e-5, f"group {group} rank {rank}: max relative difference to plain HSDP {diff:.3g}"
         # both groups hold exactly the same shards
@@ -361,9 +433,10 @@ def _kill_and_heal(tmp_path: Path, target: Any) -> tuple[dict, float, float, int
     return results, survivor_resumed - killed_at, healed_first - restarted_at, stop_at
 
 
-def test_sigkill_survivor_keeps_training_and_restarted_group_heals(tmp_path: Path) -> None:
+@pytest.mark.parametrize("front_end", ["engine", "fabric"])
+def test_sigkill_survivor_keeps_training_and_restarted_group_heals(tmp_path: Path, front_end: str) -> None:
     """Kill one rank of group 1 mid-run: group 0 trains on alone; group 1 restarts, heals, ends identical."""
-    results, _, _, stop_at = _kill_and_heal(tmp_path, _group_rank_main)
+    results, _, _, stop_at = _kill_and_heal(tmp_path, _group_rank_main if front_end == "engine" else _fabric_group_rank_main)
     for rank in range(GROUP_WORLD):
         survivor, healed = results[(0, rank)], results[(1, rank)]
         assert survivor["step"] == healed["step"] == stop_at
@@ -372,8 +445,21 @@ def test_sigkill_survivor_keeps_training_and_restarted_group_heals(tmp_path: Pat
         _assert_bit_identical(survivor["full"], healed["full"], f"rank {rank} full")
 
 
-def test_lightning_sigkill_counters_and_schedulers_agree_after_heal(tmp_path: Path) -> None:
-    """The same under Lightning: global_step, LR scheduler and weights agree with torchft after kill + heal."""
+BATCHES_PER_EPOCH = 4  # 64 samples / a global batch of 16 (test_parity's)
+
+
+def _first_sample(group: int, rank: int, epoch: int, index: int) -> float:
+    """x[0] of the first sample of batch ``index`` of ``epoch`` for group ``group``'s rank ``rank``.
+
+    Plain HSDP 2x2's split, by Lightning's injected sampler: ``DistributedSampler(shuffle=True,
+    seed=0)`` as rank ``g x 2 + r`` of 4, i.e. every 4th sample of the epoch's permutation, 4 per batch.
+    """
+    order = torch.randperm(64, generator=torch.Generator().manual_seed(epoch))
+    return make_dataset().tensors[0][order[group * GROUP_WORLD + rank + 4 * 4 * index], 0].item()
+
+
+def test_lightning_sigkill_counters_schedulers_and_data_agree_after_heal(tmp_path: Path) -> None:
+    """The same under Lightning: global_step, loop progress, LR scheduler, data position and weights heal."""
     results, _, _, stop_at = _kill_and_heal(tmp_path, _lightning_group_rank_main)
     for rank in range(GROUP_WORLD):
         survivor, healed = results[(0, rank)], results[(1, rank)]
@@ -383,14 +469,55 @@ def test_lightning_sigkill_counters_and_schedulers_agree_after_heal(tmp_path: Pa
         _assert_bit_identical(survivor["state"], healed["state"], f"rank {rank}")
         _assert_bit_identical(survivor["full"], healed["full"], f"rank {rank} full")
         assert survivor["lr"] == healed["lr"] and survivor["lr"][0]["last_epoch"] == stop_at, (survivor["lr"], healed["lr"])
+        assert survivor["epoch"] == healed["epoch"] >= 2, (survivor["epoch"], healed["epoch"])
+        # The survivor read every batch in order (an uncommitted step's batch is consumed, torchft's semantics).
+        positions = [tuple(p) for p in survivor["positions"]]
+        for before, after in zip(positions, positions[1:]):
+            assert after == ((before[0], before[1] + 1) if before[1] + 1 < BATCHES_PER_EPOCH else (before[0] + 1, 0)), positions
+    progress = {(g, r): _progress_by_step(tmp_path, g, r) for g in (0, 1) for r in range(GROUP_WORLD)}
+    for rank in range(GROUP_WORLD):
+        survivor, restarted = progress[(0, rank)], progress[(1, rank)]
+        together = sorted(set(survivor) & set(restarted))
+        healed_at = min(s for s in restarted if restarted[s]["t"] > max(e["t"] for e in survivor.values() if e["participants"] == 1))
+        assert restarted[healed_at]["position"] != [0, 0], "the restarted group trained batch 0, not the quorum's"
+        assert healed_at in together and len(together) >= 4, (healed_at, together)
+        for step in [s for s in together if s >= healed_at]:
+            a, b = survivor[step], restarted[step]
+            # Same batch of the same epoch, same loop counters; each group its own share of it. (The
+            # healing step's hooks get the batch_idx Lightning computed before the heal: from the next on.)
+            assert (a["position"], a["epoch"]) == (b["position"], b["epoch"]), (step, a, b)
+            assert step == healed_at or a["batch_idx"] == b["batch_idx"], (step, a, b)
+            for group, line in ((0, a), (1, b)):
+                assert line["x0"] == _first_sample(group, rank, *line["position"]), (group, rank, step, line)
 
 
-def test_lightning_trainer_groups_equal_plain_hsdp_and_each_other(tmp_path: Path) -> None:
-    """Two Lightning jobs (one per replica group) under FaultToleranceCallback == Lightning HSDP 2x2."""
-    from tests.distributed.test_parity import fit_worker
+def _progress_by_step(out_dir: Path, group: int, rank: int) -> dict[int, dict]:
+    """The last committed progress line of each global step of one rank (a restarted group's run only)."""
+    lines = [json.loads(x) for x in (out_dir / f"progress_g{group}_r{rank}.jsonl").read_text().splitlines() if x.strip()]
+    return {line["step"]: line for line in lines if line["committed"]}
 
+
+def _plain_hsdp(ckpt: str | None, steps: int) -> dict:
+    """Plain HSDP 2x2 (no fault tolerance) with Lightning's own sampler, from scratch or from ``ckpt``."""
+    from lightning.pytorch import Trainer, seed_everything
+
+    import hp_lightning
+    from tests.distributed.test_parity import GLOBAL_BATCH as PARITY_BATCH
+    from tests.helpers import RegressionModule, loader, trainer_kwargs
+
+    seed_everything(0)
+    model = RegressionModule()
+    strategy = hp_lightning.HSDPStrategy(mesh_shape=[2, 2], resumable_dataloaders=True)
+    trainer = Trainer(devices=4, strategy=strategy, max_steps=steps, **trainer_kwargs())
+    trainer.fit(model, loader(make_dataset(), PARITY_BATCH // 4), ckpt_path=ckpt)
+    return {"params": full_params(model), "global_step": trainer.global_step}
+
+
+def test_lightning_trainer_groups_equal_plain_hsdp_and_checkpoint_resumes_in_plain_hsdp(tmp_path: Path) -> None:
+    """Two Lightning jobs (one per replica group, the strategy's option) == Lightning HSDP 2x2; one group's
+    checkpoint (written by that group only) resumes in plain HSDP 2x2 to the same weights."""
     steps = 4
-    reference = run_distributed(fit_worker, 4, [2, 2], 4, steps)[0]["params"]
+    reference = run_distributed(_plain_hsdp, 4, None, steps)[0]["params"]
     cluster = _Cluster(tmp_path, min_replicas=2)
     try:
         cluster.start_group(0, steps, _lightning_group_rank_main)
@@ -400,6 +527,35 @@ def test_lightning_trainer_groups_equal_plain_hsdp_and_each_other(tmp_path: Path
         cluster.close()
     for (group, rank), out in results.items():
         assert out["global_step"] == out["ft_step"] == steps, (group, rank, out["global_step"], out["ft_step"])
+        assert [tuple(p) for p in out["positions"]] == [(0, i) for i in range(steps)], out["positions"]
         diff = max_rel_diff(out["full"], reference)
         assert diff <= 1e-5, f"group {group} rank {rank}: max relative difference to Lightning HSDP 2x2 {diff:.3g}"
         _assert_bit_identical(out["state"], results[(1 - group, rank)]["state"], f"g{group}r{rank}")
+    # Both groups' ModelCheckpoint share one folder; only the first participant (group 0) wrote: one
+    # shard file per rank of one group, and nothing else in the folder.
+    saved = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+    assert saved == ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt"], saved
+    for name in saved:
+        assert sorted(p.name for p in (tmp_path / "ckpt" / name).glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"], name
+    middle = str(tmp_path / "ckpt" / "epoch=0-step=2.ckpt")
+    resumed = run_distributed(_plain_hsdp, 4, middle, steps)
+    for out in resumed:
+        assert out["global_step"] == steps
+        diff = max_rel_diff(out["params"], reference)
+        assert diff <= 1e-5, f"resumed in plain HSDP 2x2: max relative difference to the uninterrupted run {diff:.3g}"
+    # A full restart: both groups resume under fault tolerance from the step-2 checkpoint, continue
+    # with the same batches (loader position, torchft's step) and end where the first run ended.
+    (tmp_path / "resume_from").write_text(middle)
+    cluster = _Cluster(tmp_path, min_replicas=2)
+    try:
+        cluster.start_group(0, steps, _lightning_group_rank_main)
+        cluster.start_group(1, steps, _lightning_group_rank_main)
+        restarted = cluster.join_all(timeout=180)
+    finally:
+        cluster.close()
+    for (group, rank), out in restarted.items():
+        assert out["global_step"] == out["ft_step"] == steps, (group, rank, out["global_step"], out["ft_step"])
+        assert [tuple(p) for p in out["positions"]] == [(0, 2), (0, 3)], out["positions"]
+        _assert_bit_identical(out["state"], restarted[(1 - group, rank)]["state"], f"restarted g{group}r{rank}")
+        diff = max_rel_diff(out["full"], reference)
+        assert diff <= 1e-5, f"restarted group {group} rank {rank}: max relative difference {diff:.3g}"

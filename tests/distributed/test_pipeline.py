@@ -20,7 +20,7 @@ from lightning.pytorch import Callback, Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from tests.helpers import full_params, max_rel_diff, run_distributed, trainer_kwargs
-from tests.pipeline_models import LossLog, PipelinedModule
+from tests.pipeline_models import LossLog, PipelinedModule, tiny_hf_model
 
 STEPS = 4
 RESUME_SAMPLES = 32  # two global batches per epoch
@@ -84,13 +84,14 @@ def fit(
     samples: int = 128,
     meta: bool = False,
     net: str = "staged",
+    extra_callbacks: tuple[Callback, ...] | list[Callback] = (),
 ) -> dict[str, Any]:
     import hp_lightning
 
     seed_everything(0)
-    model = PipelinedModule(samples=samples, build_in_configure_model=meta, net=net)
+    model = HFLlama(samples=samples) if net == "hf_llama" else PipelinedModule(samples=samples, build_in_configure_model=meta, net=net)
     log, counter = LossLog(), CountOneStep()
-    callbacks: list[Callback] = [log, *([counter] if count else [])]
+    callbacks: list[Callback] = [log, *([counter] if count else []), *extra_callbacks]
     if save_to is not None:
         callbacks.append(ModelCheckpoint(dirpath=save_to, every_n_train_steps=steps, save_top_k=-1, filename="{step}"))
     kwargs = trainer_kwargs(enable_checkpointing=save_to is not None, **{"limit_val_batches": 0, **trainer_options})
@@ -141,6 +142,22 @@ def worker(tmp: str) -> dict[str, Any]:
     return out
 
 
+class HFLlama(PipelinedModule):
+    """A tiny Hugging Face ``LlamaForCausalLM`` in a LightningModule written for one process: its forward is
+    ``self.net(input_ids=x).logits``, no stage forward of its own; built in ``configure_model`` (on the
+    meta device under HSDPStrategy); next-token data, cross-entropy."""
+
+    def __init__(self, samples: int = 128) -> None:
+        super().__init__(samples=samples, build_in_configure_model=True, net="tied")  # "tied": the token data
+
+    def configure_model(self) -> None:
+        if self.net is None:
+            self.net = tiny_hf_model("llama")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(input_ids=x).logits
+
+
 class NoLoss(PipelinedModule):
     pipeline_loss = None  # type: ignore[assignment]
 
@@ -159,10 +176,17 @@ def refused_setups() -> dict[str, str]:
     """What PP cannot run: each refused at setup, the same on every rank, before the stages communicate."""
     import hp_lightning
 
-    cases = {"no_pipeline_loss": (NoLoss, SPLIT), "no_forward": (NoForward, SPLIT), "manual": (Manual, SPLIT), "bad_split": (PipelinedModule, ["net.block.2"])}
+    cases: dict[str, tuple[type, Any, dict[str, Any]]] = {
+        "no_pipeline_loss": (NoLoss, SPLIT, {}),
+        "no_forward": (NoForward, SPLIT, {}),
+        "manual": (Manual, SPLIT, {}),
+        "bad_split": (PipelinedModule, ["net.block.2"], {}),
+        # 2 x 3 = 6 stages, one block each at least, from a model of 4 blocks.
+        "auto_too_few_blocks": (PipelinedModule, "auto", dict(pipeline_schedule="interleaved_1f1b", pipeline_stages_per_rank=3)),
+    }
     out = {}
-    for name, (cls, split) in cases.items():
-        strategy = hp_lightning.HSDPStrategy(mesh_shape=[2], pipeline_parallel_size=2, pipeline_split_points=split, fault_watchdog=False)
+    for name, (cls, split, extra) in cases.items():
+        strategy = hp_lightning.HSDPStrategy(mesh_shape=[2], pipeline_parallel_size=2, pipeline_split_points=split, fault_watchdog=False, **extra)
         trainer = Trainer(devices=4, strategy=strategy, max_steps=1, **trainer_kwargs(limit_val_batches=0))
         try:
             trainer.fit(cls())
@@ -318,6 +342,7 @@ def test_what_a_pipeline_cannot_run_is_refused_at_setup(runs: list[dict[str, Any
         "no_forward": r"ValueError: .*forward\(x\).*NoForward does not define forward",
         "manual": r"ValueError: .*manual optimization cannot; set automatic_optimization=True",
         "bad_split": r"ValueError: Pipeline split points \['net.block.2'\] are not modules.*net.blocks.2",
+        "auto_too_few_blocks": r"ValueError: .*'auto'\): 6 stages .* need at least one block each, but 'net.blocks' holds 4",
     }
     for rank in runs:
         for case, pattern in expected.items():

@@ -1,4 +1,8 @@
-"""The examples: the GPT and its data (in process), sharded init (gloo ranks), and the scripts end to end."""
+"""The examples: the GPT and its data (in process), sharded init (gloo ranks), and the scripts end to end.
+
+The scripts' ranks start as torchrun would start them (warm, :func:`tests.helpers.run_script_in_ranks`);
+``python script`` under Lightning's own launcher is ``tests/integration/test_launchers.py``'s subject.
+"""
 
 from __future__ import annotations
 
@@ -20,8 +24,8 @@ from examples.gpt import (
     encode,
     stdlib_corpus,
 )
-from tests.helpers import full_params, run_distributed
-from tests.integration.test_cli import REPO, run_script
+from tests.helpers import full_params, run_distributed, run_script_in_ranks
+from tests.integration.test_cli import REPO
 
 EXAMPLES = REPO / "examples"
 UNIFORM_LOSS = math.log(VOCAB_SIZE)  # cross-entropy of a model that predicts every character equally
@@ -159,7 +163,7 @@ def test_sample_refuses_a_sharded_directory(tmp_path):
 @pytest.mark.slow
 def test_demo_end_to_end(tmp_path):
     """HSDP 2x2 on 4 processes, sharded save, consolidation, sampling in one process."""
-    proc = run_script(EXAMPLES / "demo.py", ["--steps", "18", "--out", "out", "--max-new-tokens", "40"], cwd=tmp_path)
+    output = run_script_in_ranks(EXAMPLES / "demo.py", ["--steps", "18", "--out", "out", "--max-new-tokens", "40"], tmp_path, 4)
     out = tmp_path / "out"
     sharded = out / "sharded.ckpt"
     assert len(list(sharded.glob("*.distcp"))) == 4
@@ -172,17 +176,17 @@ def test_demo_end_to_end(tmp_path):
     assert full["hyper_parameters"]["n_layer"] == 4
     # The samples were printed, each continuing its prompt.
     for prompt in ("def ", "class ", "import "):
-        assert f"\n{prompt}" in proc.stdout
+        assert f"\n{prompt}" in output
 
 
 @pytest.mark.slow
 def test_resume_on_a_different_mesh(tmp_path):
     """FSDP on 2 ranks to step 8, then HSDP 2x2 on 4 ranks from its sharded checkpoint to step 14."""
     script = EXAMPLES / "resume.py"
-    run_script(script, ["--devices", "2", "--mesh-shape", "2", "--max-steps", "8", "--save-every", "4"], cwd=tmp_path)
+    run_script_in_ranks(script, ["--devices", "2", "--mesh-shape", "2", "--max-steps", "8", "--save-every", "4"], tmp_path, 2)
     last = tmp_path / "runs/resume/checkpoints/last.ckpt"
     assert len(list(last.glob("*.distcp"))) == 2
-    run_script(script, ["--devices", "4", "--mesh-shape", "2", "2", "--max-steps", "14", "--resume", str(last)], cwd=tmp_path)
+    run_script_in_ranks(script, ["--devices", "4", "--mesh-shape", "2", "2", "--max-steps", "14", "--resume", str(last)], tmp_path, 4)
     first = json.loads((tmp_path / "runs/resume/report_first.json").read_text())
     resumed = json.loads((tmp_path / "runs/resume/report_resumed.json").read_text())
     assert (first["start_step"], first["end_step"], first["mesh"]) == (0, 8, [2])
@@ -197,7 +201,7 @@ def test_resume_on_a_different_mesh(tmp_path):
 @pytest.mark.slow
 def test_custom_callback_holds_only_the_last_unit(tmp_path):
     report = tmp_path / "probe.json"
-    run_script(EXAMPLES / "custom_callback.py", ["--max-steps", "4", "--report", str(report)], cwd=tmp_path)
+    run_script_in_ranks(EXAMPLES / "custom_callback.py", ["--max-steps", "4", "--report", str(report)], tmp_path, 2)
     counts = json.loads(report.read_text())
     # 4 blocks; training: only the last stays gathered after forward; validation: none does.
     assert counts["train"] == ["0/4", "0/4", "0/4", "4/4"]

@@ -1,4 +1,8 @@
-"""examples/fabric_train.py as a user runs it: Fabric launches the ranks, trains, saves, resumes, and Lightning loads it."""
+"""examples/fabric_train.py end to end: trains, saves, resumes on another mesh, and Lightning loads it.
+
+The ranks start as torchrun would start them (warm, :func:`tests.helpers.run_script_in_ranks`);
+Fabric's own launcher is exercised by ``tests/faults/test_fabric_faults.py``.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +13,8 @@ import pytest
 import torch
 
 from examples.gpt import VOCAB_SIZE
-from tests.integration.test_cli import REPO, run_script
+from tests.helpers import run_script_in_ranks
+from tests.integration.test_cli import REPO
 
 SCRIPT = REPO / "examples" / "fabric_train.py"
 #: A model and corpus small enough for seconds per run.
@@ -21,7 +26,7 @@ def test_fabric_example_trains_resumes_on_another_mesh_and_loads_in_lightning(tm
     """HSDP (1, 2) for 6 steps, sharded save; FSDP 2 resumes it to step 8, full save; one process samples from it."""
     from examples.sample import load_model, sample
 
-    run_script(SCRIPT, ["--devices", "2", "--steps", "6", "--eval-every", "3", "--out", "first", *TINY], cwd=tmp_path)
+    run_script_in_ranks(SCRIPT, ["--devices", "2", "--steps", "6", "--eval-every", "3", "--out", "first", *TINY], tmp_path, 2)
     first = json.loads((tmp_path / "first" / "fabric_summary.json").read_text())
     sharded = tmp_path / "first" / "fabric.ckpt"
     assert (first["start_step"], first["end_step"], first["mesh"]) == (0, 6, [1, 2])
@@ -32,7 +37,7 @@ def test_fabric_example_trains_resumes_on_another_mesh_and_loads_in_lightning(tm
     assert first["losses"][-1][1] < first["losses"][0][1] - 0.15, first["losses"]
 
     resume = ["--devices", "2", "--mesh-shape", "2", "--steps", "8", "--eval-every", "0", "--state-dict-type", "full"]
-    run_script(SCRIPT, [*resume, "--resume", str(sharded), "--out", "second", *TINY], cwd=tmp_path)
+    run_script_in_ranks(SCRIPT, [*resume, "--resume", str(sharded), "--out", "second", *TINY], tmp_path, 2)
     second = json.loads((tmp_path / "second" / "fabric_summary.json").read_text())
     assert (second["start_step"], second["end_step"], second["mesh"]) == (6, 8, [2])
     # Training continued from the trained model and optimizer, not from a fresh one.

@@ -176,3 +176,94 @@ def test_lighthouse_command_serves_until_terminated() -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+# ------------------------------------------------------------------ the strategy option and the registered name
+
+
+def test_strategy_option_from_a_dict_env_or_registered_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning.pytorch import Trainer
+
+    import hp_lightning
+    from hp_lightning.fabric import HSDPFabricStrategy
+
+    for cls in (hp_lightning.HSDPStrategy, HSDPFabricStrategy):
+        strategy = cls(fault_tolerance={"replica_group": 1, "num_replica_groups": 3})
+        assert strategy.fault_tolerance_config == FaultTolerance(replica_group=1, num_replica_groups=3)
+        # A replica group shards over its own ranks: the default mesh is 1-D, not (nodes, devices).
+        assert strategy.options.layout(world_size=4, num_nodes=2, devices_per_node=2).dp == (4,)
+    monkeypatch.setenv("HP_FT_REPLICA_GROUP", "1")
+    monkeypatch.setenv("HP_FT_NUM_REPLICA_GROUPS", "2")
+    monkeypatch.setenv("HP_FT_MIN_REPLICAS", "2")
+    trainer = Trainer(strategy="hsdp_ft", accelerator="cpu", devices=1, logger=False)
+    assert trainer.strategy.fault_tolerance_config == FaultTolerance(replica_group=1, num_replica_groups=2, min_replicas=2)
+    monkeypatch.delenv("HP_FT_REPLICA_GROUP")
+    with pytest.raises(ValueError, match="HP_FT_REPLICA_GROUP"):
+        hp_lightning.HSDPStrategy(fault_tolerance="env")
+    monkeypatch.setenv("HP_FT_REPLICA_GROUP", "one")
+    with pytest.raises(ValueError, match="not an integer"):
+        hp_lightning.HSDPStrategy(fault_tolerance="env")
+    with pytest.raises(ValueError, match="got the string 'yes'"):
+        hp_lightning.HSDPStrategy(fault_tolerance="yes")
+    with pytest.raises(TypeError, match="unknown key"):
+        hp_lightning.HSDPStrategy(fault_tolerance={"replica_group": 0, "num_replica_groups": 2, "groups": 2})
+
+
+@pytest.mark.parametrize(
+    "kwargs, named",
+    [
+        ({"tensor_parallel_size": 2}, "tensor_parallel_size=2"),
+        ({"pipeline_parallel_size": 2, "pipeline_split_points": ["blocks.1"]}, "pipeline_parallel_size=2"),
+        ({"expert_parallel_size": 2}, "expert_parallel_size=2"),
+        ({"mesh_shape": [2, 2]}, r"mesh_shape=\[2, 2\]"),
+        ({"replicate_params": ["*.bias"]}, "replicate_params"),
+    ],
+)
+def test_strategy_option_refuses_what_torchft_cannot_serve(kwargs, named) -> None:
+    import hp_lightning
+
+    with pytest.raises(ValueError, match=f"fault_tolerance.*{named}"):
+        hp_lightning.HSDPStrategy(fault_tolerance={"replica_group": 0, "num_replica_groups": 2}, **kwargs)
+    hp_lightning.HSDPStrategy(fault_tolerance={"replica_group": 0, "num_replica_groups": 2}, mesh_shape=[1, 4])  # (1, n) is 1-D
+
+
+def test_yaml_sets_the_option(tmp_path) -> None:
+    from lightning.pytorch.cli import LightningCLI
+
+    from tests.helpers import RegressionModule
+
+    config = tmp_path / "ft.yaml"
+    config.write_text(
+        "trainer:\n  accelerator: cpu\n  devices: 1\n  logger: false\n"
+        "  strategy:\n    class_path: hp_lightning.HSDPStrategy\n    init_args:\n"
+        "      fault_tolerance: {replica_group: 1, num_replica_groups: 2, min_replicas: 1, lighthouse: 'http://127.0.0.1:29510'}\n"
+    )
+    cli = LightningCLI(RegressionModule, run=False, args=["--config", str(config)], save_config_callback=None)
+    assert cli.trainer.strategy.fault_tolerance_config == FaultTolerance(
+        replica_group=1, num_replica_groups=2, lighthouse="http://127.0.0.1:29510"
+    )
+
+
+def test_positioned_loader_re_reads_and_jumps_like_a_healed_group() -> None:
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from hp_lightning.ft.data import PositionedLoader
+
+    data = TensorDataset(torch.arange(20.0))
+    loader = PositionedLoader(DataLoader(data, batch_size=2))
+    it = iter(loader)
+    first, prefetched = next(it), next(it)  # the loop holds one batch and has fetched the next
+    assert loader.take() == (0, 0) and loader.pending == 1 and loader.upcoming == 2
+    # Healed to batch 6: read it now; the prefetched batch 1 still comes next, then the iteration continues at 8.
+    assert torch.equal(loader.batch_at(6)[0], torch.tensor([12.0, 13.0]))
+    generation = loader.jump(6 + 1 + loader.pending)
+    assert loader.upcoming == 8 and loader.upcoming_generation == generation == 1
+    rest = list(it)
+    assert [b[0].tolist() for b in rest] == [[16.0, 17.0], [18.0, 19.0]]
+    assert [loader.take() for _ in range(3)] == [(0, 1), (1, 8), (1, 9)]
+    assert torch.equal(first[0], torch.tensor([0.0, 1.0])) and torch.equal(prefetched[0], torch.tensor([2.0, 3.0]))
+    assert loader.state_dict() == {"batches_served": 10, "batches_per_epoch": 10}
+    with pytest.raises(TypeError, match="map-style dataset with batch_size"):
+        PositionedLoader(DataLoader(data, batch_size=None))
+    with pytest.raises(IndexError):
+        loader.batch_at(10)

@@ -202,3 +202,35 @@ def test_cli_dispatch(capsys):
                  "--precision", "32", "--no-offload", "--no-ac", "--keep-gathered", "never", "--no-progress"]) == 0
     out = capsys.readouterr().out
     assert "FSDP 2" in out and "class_path: hp_lightning.HSDPStrategy" in out
+
+
+def test_cpu_memory_method_separates_tensors_from_the_heap():
+    """--validate's measure: the heap sampler sees a tensor's bytes, the census counts only this run's tensors."""
+    import gc
+    import time
+
+    from hp_lightning.core.diagnostics import HeapSampler
+    from hp_lightning.planner.validate import _frozen_gc, live_tensor_bytes, measure_rank, run_validation
+
+    size = 4 * 2**20
+    try:
+        with HeapSampler() as heap, _frozen_gc():
+            assert live_tensor_bytes() == 0  # what existed before is frozen out of the census
+            start = time.time_ns()
+            block = torch.ones(size // 4)
+            view = block[: size // 8]  # a view shares the storage: counted once
+            heap.sample()
+            held = heap.heap_at(time.time_ns())
+            tensors = live_tensor_bytes()
+            del block, view
+            heap.sample()
+            peak, after = heap.heap_peak(start, time.time_ns()), heap.heap_at(time.time_ns())
+    finally:
+        gc.unfreeze()  # _frozen_gc leaves the objects before it frozen (a measuring process's state); not this test session's
+    assert tensors == size
+    assert size <= held < size + 2**20 and size <= peak < size + 2**20  # malloc's headers and Python's objects: well under 1 MiB
+    assert after < 2**20
+    with pytest.raises(ValueError, match="at least 2 optimizer steps"):
+        measure_rank(resolve_model(GPT, SMALL), {}, Cluster(nodes=1, devices=1), TINY, steps=1)
+    with pytest.raises(ValueError, match="at least 2 optimizer steps"):
+        run_validation(None, None, steps=1)

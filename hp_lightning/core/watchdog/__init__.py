@@ -10,13 +10,17 @@ failed rank has printed its traceback, print one line and exit. Ranks that end w
 are found by their local peers (a dead pid) or by their heartbeat. ``docs/faults.md`` lists the
 cases, and which of them torch, torchrun and Lightning's launcher already cover (none of these).
 
-The package by job: :mod:`.fault_watchdog` (the watchdog thread and its decisions),
-:mod:`.reports` (what a failure is and how it is worded), :mod:`.processes` (pids, the store,
-stacks), :mod:`.exits` (how a rank leaves and what it prints).
+The package by job: :mod:`.fault_watchdog` (:class:`FaultWatchdog`, the coordinator),
+:mod:`.polling` (the watchdog thread and what each poll looks at), :mod:`.failure_board` (the
+report protocol on the store), :mod:`.liveness` (dead pids, silent heartbeats, a stuck main
+thread), :mod:`.causes` (what an error on this rank means), :mod:`.departure` (when and how a
+rank leaves), :mod:`.reports` (what a failure is and how it is worded), :mod:`.processes` (pids,
+the store connection, stacks), :mod:`.exits` (how a rank leaves and what it prints).
 """
 
 from hp_lightning.core.watchdog.exits import _one_line_if_uncaught, _quiet_signals, _record_for_torchrun, _say, print_once_per_job  # noqa: F401
-from hp_lightning.core.watchdog.fault_watchdog import _FINE_POLL, FaultWatchdog, _generation  # noqa: F401
+from hp_lightning.core.watchdog.failure_board import _FINE_POLL  # noqa: F401
+from hp_lightning.core.watchdog.fault_watchdog import FaultWatchdog, _generation  # noqa: F401
 from hp_lightning.core.watchdog.processes import (  # noqa: F401
     _TORCH_DIR,
     _connect_store,

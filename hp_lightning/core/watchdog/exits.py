@@ -10,7 +10,6 @@ import threading
 import time
 from typing import Any
 
-#: Exit code of a rank the watchdog stops because another rank failed first.
 from hp_lightning.core.watchdog.reports import _PREFIX, _first_line
 
 

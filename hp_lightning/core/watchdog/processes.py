@@ -12,8 +12,6 @@ from typing import Any, Optional
 import torch.distributed as dist
 
 from hp_lightning.core._torch_private import default_store
-
-#: Exit code of a rank the watchdog stops because another rank failed first.
 from hp_lightning.core.watchdog.reports import _ProcessInfo
 
 

@@ -11,9 +11,6 @@ from typing import Any
 import torch.distributed as dist
 
 #: Exit code of a rank the watchdog stops because another rank failed first.
-
-
-#: Exit code of a rank the watchdog stops because another rank failed first.
 PEER_FAILED_EXIT_CODE = 3
 
 

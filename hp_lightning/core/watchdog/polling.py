@@ -1,0 +1,97 @@
+"""The watchdog thread: once a poll, a heartbeat, a look at the posted failure and at the peers, and a decision.
+
+One daemon thread per rank, on a store connection of its own, so it keeps polling while the main
+thread waits in a collective (or is the thing that hangs). It never touches the process group.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from hp_lightning.core.watchdog.departure import Departure
+from hp_lightning.core.watchdog.exits import _say
+from hp_lightning.core.watchdog.failure_board import FailureBoard
+from hp_lightning.core.watchdog.liveness import MainThreadMonitor, PeerLiveness
+from hp_lightning.core.watchdog.processes import _StoreUnreachable
+
+
+class Poller:
+    """Runs the polls of one watchdog session on its own thread until ``stopping`` is set or a poll ends it.
+
+    Args:
+        board: the store protocol.
+        peers: liveness of the other ranks.
+        main_thread: whether this rank's main thread still moves.
+        departure: the exit decisions a poll leads to.
+        poll_interval: seconds between polls.
+        stopping: set to end the polls.
+    """
+
+    def __init__(
+        self,
+        board: FailureBoard,
+        peers: PeerLiveness,
+        main_thread: MainThreadMonitor,
+        departure: Departure,
+        *,
+        poll_interval: float,
+        stopping: threading.Event,
+    ) -> None:
+        self._board, self._peers, self._main_thread, self._departure = board, peers, main_thread, departure
+        self.rank = board.rank
+        self._poll_interval = poll_interval
+        self._stopping = stopping
+        self._thread = threading.Thread(target=self._run, name="hp_lightning-fault-watchdog", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def join(self, timeout: float) -> None:
+        """Wait up to ``timeout`` s for the thread to end (a no-op when called from the thread itself)."""
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=timeout)
+
+    def _run(self) -> None:
+        while not self._stopping.wait(self._poll_interval):
+            try:
+                self._tick()
+            except _StoreUnreachable as unreachable:
+                if unreachable.timed_out and self._departure.failed_at is None:
+                    ended = self._peers.end_frozen_store_host()
+                    self._departure.exit_peer_failed(
+                        f"the job's store at {self._board.address()} stopped answering for "
+                        f"{self._board.deadline:g} s: the process hosting it (rank 0's launcher or torchrun's agent) "
+                        f"is frozen or its host is down{ended}"
+                    )
+                # Refused or dropped: the store's process has ended, at a normal finish too. Only the
+                # main thread, when it fails, can tell which (see CauseFinder.report); stop polling.
+                self._board.lost = True
+                if self._departure.failed_at is None:
+                    return
+            except Exception as unexpected:  # noqa: BLE001 - a watchdog bug must never end training
+                _say(f"rank {self.rank}: fault watchdog stopped after an internal error: {unexpected!r}")
+                return
+
+    def _tick(self) -> None:
+        """One poll, in order: this rank's own failure first, then its main thread, the posted failure, the peers."""
+        if self._departure.failed_at is not None:
+            self._departure.end_if_lingering()
+            return
+        stuck = self._main_thread.stuck()
+        if stuck is not None:
+            self._departure.fail_stuck(stuck, self._main_thread.seconds_still())
+        known = self._board.known
+        if known is not None and known.rank != self.rank:
+            self._departure.stop_for(known)  # known already (the main thread may be waiting): no more store calls
+        if self._peers.store_host_gone() is not None:
+            # At a normal finish too: only the main thread, if it fails, can tell (see CauseFinder.report).
+            raise _StoreUnreachable(RuntimeError("the store's process has ended"))
+        self._board.beat()
+        posted = self._board.read()
+        if posted is not None and posted.rank != self.rank:
+            self._departure.stop_for(posted)
+            return
+        self._peers.learn_local_peers()
+        lost = self._peers.find_dead_local_peer() or self._peers.find_silent_neighbour()
+        if lost is not None:
+            self._departure.stop_for(self._board.post(lost))

@@ -1,0 +1,244 @@
+"""torch's pipeline schedules by name, how many stages each rank holds under them, and where.
+
+Every schedule torch 2.13 ships is reachable by a YAML name. Two families:
+
+* one stage per rank (``gpipe``, ``1f1b``): the bubble is ``(P - 1) / (M + P - 1)`` of a step at
+  ``P`` ranks and ``M`` micro-batches;
+* several stages per rank (*virtual stages*, ``pipeline_stages_per_rank`` = ``V``): the model is
+  cut into ``P x V`` stages and each rank runs ``V`` of them, so the pipeline fills ``V`` times
+  faster: the bubble of ``interleaved_1f1b`` is about ``(P - 1) / (V M + P - 1)``; the
+  zero-bubble ones (``interleaved_zb``, ``zbv``, ``dualpipev``) also split each backward into
+  its input and weight parts and fill the remaining idle slots with weight gradients. Cost: ``V``
+  times more activation sends, and more micro-batches in flight (activation memory).
+
+Placement: *loop* (``interleaved_1f1b``, ``looped_bfs``, ``interleaved_zb``): rank ``r`` holds
+stages ``r, r + P, r + 2P, ...``; *V* (``zbv``, ``dualpipev``, exactly two stages per rank): rank
+``r`` holds stages ``r`` and ``2P - 1 - r``, so the first and the last stage are on rank 0 and
+the turn of the V costs no send. torch's :func:`generate_stage_to_rank_mapping` is the rule.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from torch import nn
+from torch.distributed.pipelining import (
+    Schedule1F1B,
+    ScheduleDualPipeV,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleLoopedBFS,
+    ScheduleZBVZeroBubble,
+)
+from torch.distributed.pipelining.schedules import generate_stage_to_rank_mapping
+
+
+@dataclass(frozen=True)
+class ScheduleSpec:
+    """What a schedule needs: torch's class, whether it takes a list of stages, their placement.
+
+    Attributes:
+        cls: torch's schedule class.
+        multi: the class takes a list of this rank's stages (``PipelineScheduleMulti``).
+        style: ``"loop"`` or ``"v"`` (see the module docstring).
+        stages_per_rank: the ``pipeline_stages_per_rank`` values it runs with (None: any >= 1).
+    """
+
+    cls: type
+    multi: bool
+    style: str = "loop"
+    stages_per_rank: Optional[tuple[int, ...]] = None
+
+
+#: Schedule names (YAML) to what torch runs.
+SCHEDULE_SPECS: dict[str, ScheduleSpec] = {
+    "gpipe": ScheduleSpec(ScheduleGPipe, multi=False, stages_per_rank=(1,)),
+    "1f1b": ScheduleSpec(Schedule1F1B, multi=False, stages_per_rank=(1,)),
+    "interleaved_1f1b": ScheduleSpec(ScheduleInterleaved1F1B, multi=True),
+    "looped_bfs": ScheduleSpec(ScheduleLoopedBFS, multi=True),
+    "interleaved_zb": ScheduleSpec(ScheduleInterleavedZeroBubble, multi=True),
+    "zbv": ScheduleSpec(ScheduleZBVZeroBubble, multi=True, style="v", stages_per_rank=(2,)),
+    "dualpipev": ScheduleSpec(ScheduleDualPipeV, multi=True, style="v", stages_per_rank=(2,)),
+}
+
+#: Schedule names to torch's classes.
+SCHEDULES: dict[str, type] = {name: spec.cls for name, spec in SCHEDULE_SPECS.items()}
+
+
+def check_schedule(schedule: str, pp: int, stages_per_rank: int, microbatches: int) -> None:
+    """Refuse a schedule that cannot run with these sizes (before any process group exists).
+
+    Raises:
+        ValueError: a stage count per rank the schedule does not take, or a micro-batch count
+            it cannot split into rounds (naming the sizes and a fix).
+    """
+    if pp <= 1:
+        return
+    spec = SCHEDULE_SPECS[schedule]
+    where = f"HSDPStrategy(pipeline_schedule={schedule!r}, pipeline_stages_per_rank={stages_per_rank})"
+    if spec.stages_per_rank is not None and stages_per_rank not in spec.stages_per_rank:
+        if spec.multi:
+            fix = f"set pipeline_stages_per_rank={spec.stages_per_rank[0]} (and {pp * spec.stages_per_rank[0] - 1} split points, or 'auto')"
+        else:
+            fix = "use interleaved_1f1b, looped_bfs or interleaved_zb for several stages per rank, or set pipeline_stages_per_rank=1"
+        raise ValueError(f"{where}: {schedule} runs exactly {spec.stages_per_rank[0]} stage(s) per rank; got {stages_per_rank}. Fix: {fix}.")
+    stages = pp * stages_per_rank
+    if schedule == "1f1b" and microbatches < pp:
+        raise ValueError(f"{where}: 1f1b needs at least as many micro-batches as stages ({pp}); got pipeline_microbatches={microbatches}.")
+    if schedule in ("interleaved_1f1b", "interleaved_zb"):
+        rounds = max(1, microbatches // pp)
+        if microbatches % rounds:
+            raise ValueError(
+                f"{where}: {schedule} runs the micro-batches in rounds of {pp} (one per rank), so pipeline_microbatches "
+                f"must be a multiple of max(1, microbatches // {pp}) = {rounds}; got {microbatches}. Use a multiple of {pp}."
+            )
+    if schedule == "dualpipev" and microbatches < stages:
+        raise ValueError(f"{where}: dualpipev needs at least as many micro-batches as stages ({stages}); got pipeline_microbatches={microbatches}.")
+
+
+def stages_of_rank(schedule: str, pp_rank: int, pp: int, stages_per_rank: int) -> list[int]:
+    """The stage indices ``pp_rank`` holds under ``schedule``, in increasing order."""
+    style = SCHEDULE_SPECS[schedule].style
+    mapping = generate_stage_to_rank_mapping(pp, pp * stages_per_rank, style=style)
+    return sorted(stage for stage, rank in mapping.items() if rank == pp_rank)
+
+
+def rank_of_stage(schedule: str, stage: int, pp: int, stages_per_rank: int) -> int:
+    """The pipeline rank that holds ``stage``."""
+    style = SCHEDULE_SPECS[schedule].style
+    return generate_stage_to_rank_mapping(pp, pp * stages_per_rank, style=style)[stage]
+
+
+# ------------------------------------------------------------------ several stages on one rank
+
+_CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+#: What ``nn.Module.__init__`` creates on an instance: a view gets its own copies, so hooks and
+#: children registered on it later never reach the module it was copied from.
+_MODULE_INTERNALS = frozenset(nn.Module().__dict__)
+
+
+def _shallow_copy(module: nn.Module) -> nn.Module:
+    """``module`` with the same attributes and its own copies of nn.Module's bookkeeping (hooks, children)."""
+    clone = copy.copy(module)
+    for key in _MODULE_INTERNALS:
+        value = module.__dict__.get(key)
+        if isinstance(value, (dict, set)):
+            clone.__dict__[key] = copy.copy(value)
+    return clone
+
+
+def stage_view(model: nn.Module, drop: Sequence[str]) -> nn.Module:
+    """A tree sharing ``model``'s modules, without the units named in ``drop`` (another stage's).
+
+    The modules on the way to a dropped unit are shallow copies (their own children dicts);
+    every unit, parameter and buffer is the same object as in ``model``. So each of a rank's
+    stages runs the LightningModule's own ``forward`` on its units only, under the original
+    names, while the LightningModule keeps all of the rank's parameters for the optimizer and the
+    checkpoint. A dropped entry of a container is deleted; any other dropped unit becomes None.
+    """
+
+    dropped = set(drop)
+    on_the_way = {""} | {name.rsplit(".", i)[0] for name in dropped for i in range(1, name.count(".") + 1)}
+
+    def copy_path(module: nn.Module, prefix: str) -> nn.Module:
+        clone = _shallow_copy(module)
+        children: dict[str, Optional[nn.Module]] = {}
+        for name, child in module._modules.items():
+            full = f"{prefix}{name}"
+            if full in dropped:
+                if not isinstance(module, _CONTAINERS):
+                    children[name] = None
+            elif full in on_the_way and child is not None:
+                children[name] = copy_path(child, f"{full}.")
+            else:
+                children[name] = child
+        clone.__dict__["_modules"] = children
+        if isinstance(clone, nn.ModuleList) and len(children) != len(module._modules) and not isinstance(clone, StageModuleList):
+            clone.__class__ = _held_entries(type(clone))
+        return clone
+
+    return copy_path(model, "")
+
+
+def stage_pieces(model: nn.Module, units: Sequence[str], recipe_units: Sequence[nn.Module]) -> list[nn.Module]:
+    """The modules of a stage's ``units`` holding parameters that no recipe unit will own.
+
+    On a rank with several stages the root cannot own them (it spans stages): they become one
+    FSDP unit per stage instead (an embedding, a head and its norm, gathered together).
+
+    Raises:
+        ValueError: a recipe unit that spans a cut (it would belong to two stages), or a module
+            with parameters of its own around recipe units (nothing could own them per stage).
+    """
+    recipe = {id(m) for m in recipe_units}
+    on_the_way = {name.rsplit(".", i)[0] for name in units for i in range(1, name.count(".") + 1)}
+    spanning = [name for name in on_the_way if id(model.get_submodule(name)) in recipe]
+    if spanning:
+        raise ValueError(
+            f"HSDPStrategy(pipeline_stages_per_rank > 1): the sharding units {sorted(spanning)} span a pipeline cut, so they would "
+            f"belong to two stages. Choose shard_modules inside the stages' units (e.g. the blocks), or leave shard_modules unset."
+        )
+
+    def pieces(name: str, module: nn.Module) -> list[nn.Module]:
+        if id(module) in recipe:
+            return []
+        if not any(id(m) in recipe for m in module.modules() if m is not module):
+            return [module] if any(True for _ in module.parameters()) else []
+        own = [n for n, _ in module.named_parameters(recurse=False)]
+        if own:
+            raise ValueError(
+                f"HSDPStrategy(pipeline_stages_per_rank > 1): {[f'{name}.{n}' for n in own]} belong to {name!r} itself, around its "
+                f"sharding units, so no FSDP unit of one stage could own them. Move them into a submodule, or use one stage per rank."
+            )
+        return [p for child_name, child in module.named_children() for p in pieces(f"{name}.{child_name}", child)]
+
+    return [p for unit in units for p in pieces(unit, model.get_submodule(unit))]
+
+
+def keep_prefetch_inside_stages(stage_modules: Sequence[nn.Module]) -> None:
+    """Drop prefetches from one stage's units to another's (the recipe wired them in the rank's module order).
+
+    Each stage is its own FSDP root, gathered when the schedule runs it: a unit of stage 0 must
+    not all-gather a unit of stage 2 whose root is not running.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    from hp_lightning.core._torch_private import prefetch_targets
+
+    stage_of = {id(m): s for s, root in enumerate(stage_modules) for m in root.modules() if isinstance(m, FSDPModule) and m is not root}
+    for unit_id, stage in list(stage_of.items()):
+        unit = next(m for m in stage_modules[stage].modules() if id(m) == unit_id)
+        for direction in ("forward", "backward"):
+            targets = prefetch_targets(unit, direction)
+            inside = [t for t in targets if stage_of.get(id(t)) == stage]
+            if len(inside) != len(targets):
+                setter = unit.set_modules_to_forward_prefetch if direction == "forward" else unit.set_modules_to_backward_prefetch
+                setter(inside)  # type: ignore[operator]
+
+
+class _HeldEntries:
+    """Mixin for a stage's ``ModuleList`` that lost entries: integer indices count the entries it holds.
+
+    ``nn.ModuleList`` looks an integer index up by its key (``self.layers[0]`` is key ``"0"``);
+    after a cut the first held entry may be ``"2"``. Iteration, ``len`` and slices already go by
+    the held entries.
+    """
+
+    def __getitem__(self, index: Any) -> Any:
+        held = list(self._modules.values())  # type: ignore[attr-defined]
+        return nn.ModuleList(held[index]) if isinstance(index, slice) else held[index]
+
+
+class StageModuleList(_HeldEntries, nn.ModuleList):
+    """An ``nn.ModuleList`` holding one pipeline stage's entries under their original keys."""
+
+
+def _held_entries(cls: type) -> type:
+    """``cls`` (``nn.ModuleList`` or a user's subclass) with :class:`_HeldEntries` indexing."""
+    if cls is nn.ModuleList:
+        return StageModuleList  # importable by name, so a cut model still pickles
+    return type(cls.__name__, (_HeldEntries, cls), {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
