@@ -461,6 +461,15 @@ class HeapSampler:
         """Most heap bytes in use in [start_ns, end_ns], relative to the heap on entering."""
         return max((heap for _, heap, _ in self._window(start_ns, end_ns)), default=self.heap_before) - self.heap_before
 
+    def largest_gap_ms(self, start_ns: int, end_ns: int) -> float:
+        """The longest time between two samples in [start_ns, end_ns]: how long a peak could hide.
+
+        On a loaded machine the sampling thread is not scheduled every ``interval_s``; a peak
+        measured with a large gap may be an underestimate, and a reader can tell.
+        """
+        times = [t for t, _, _ in self._window(start_ns, end_ns)]
+        return max((b - a for a, b in zip(times, times[1:])), default=end_ns - start_ns) / 1e6
+
     def heap_peak_time(self, start_ns: int, end_ns: int) -> int | None:
         """When (``time.time_ns()``) the heap peaked in [start_ns, end_ns]; None without samples."""
         window = self._window(start_ns, end_ns)

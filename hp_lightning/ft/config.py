@@ -106,6 +106,10 @@ class FaultTolerance:
             start identical. Turn off only when every group initializes identically (same seed):
             it saves one state transfer.
         manager_port: port of this group's manager server (group rank 0), 0 = any free port.
+        hostname: the address group rank 0 advertises to the lighthouse and the other groups;
+            None: ``socket.gethostname()`` (torchft's default), which must then resolve to an
+            address the other groups reach. (torchft's healing server always advertises
+            ``socket.gethostname()``: keep host names resolvable across nodes.)
     """
 
     replica_group: int
@@ -117,6 +121,7 @@ class FaultTolerance:
     connect_timeout: float = 10.0
     init_sync: bool = True
     manager_port: int = 0
+    hostname: str | None = None
 
     def __post_init__(self) -> None:
         owner = "FaultTolerance"
@@ -148,6 +153,8 @@ class FaultTolerance:
         _require_int(owner, "manager_port", self.manager_port, 0)
         if self.manager_port > 65535:
             raise ValueError(f"{owner}(manager_port=...) expects a port in [0, 65535]; got {self.manager_port}.")
+        if self.hostname is not None and (not isinstance(self.hostname, str) or not self.hostname):
+            raise TypeError(f"{owner}(hostname=...) expects a non-empty host name or address, or None; got {self.hostname!r}.")
         require_torchft()
 
     @classmethod

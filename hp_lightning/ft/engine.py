@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import socket
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import Any
@@ -183,6 +184,7 @@ class FaultTolerantHSDP:
             replica_id=config.replica_id(),
             port=config.manager_port,
             init_sync=config.init_sync,
+            hostname=config.hostname or socket.gethostname(),
         )
         self.manager.register_state_dict_fn(STATE_KEY, self.state.load_state_dict, self.state.state_dict)
         self._install_all_reduce_hooks()

@@ -97,6 +97,7 @@ class Measurement:
     calls: list[tuple[str, tuple[int, ...], int, str]]  # (kind, ranks, bytes, dtype) of the last step
     heap_peak: int  # the malloc heap's peak over the step
     non_tensor_heap: int  # heap growth minus live tensor storage growth, at the step's end
+    sampling_gap_ms: float = 0.0  # the longest time between two heap samples in the step (a peak may hide in it)
 
     @property
     def tensor_peak(self) -> int:
@@ -185,7 +186,7 @@ def measure_rank(spec: ModelSpec, strategy_args: dict[str, Any], cluster: Cluste
             counter.__exit__(None, None, None)
         del trainer, module, loader  # garbage for the collection at the block's end
     calls = [(c.kind, c.ranks, c.bytes, str(c.dtype)) for c in counter.calls]
-    return Measurement(rank, calls, sampler.heap_peak(*probes.window), probes.non_tensor_heap)
+    return Measurement(rank, calls, sampler.heap_peak(*probes.window), probes.non_tensor_heap, sampler.largest_gap_ms(*probes.window))
 
 
 def compare(predicted: list[CollectiveCall], measured: list[tuple[str, tuple[int, ...], int, str]]) -> dict[str, tuple[int, int]]:

@@ -79,6 +79,21 @@ def test_planner_predicts_bytes_exactly_and_memory():
         ranks = pool.submit(run_distributed, _measure_all, 4, launched, local_world_size=2)
         planned = [_plan(*case) for case in cases]
         measured = ranks.result()
+    outside = _compare(cases, planned, launched, measured)
+    if outside and all(gap > SAMPLING_GAP_MS for _, gap in outside):
+        # Every miss had the heap sampler starved for longer than a peak lasts (a loaded machine):
+        # measure once more; a miss with the sampler keeping up fails at once.
+        print(f"sampler starved (gaps {[round(g, 1) for _, g in outside]} ms): measuring again")
+        outside = _compare(cases, planned, launched, run_distributed(_measure_all, 4, launched, local_world_size=2))
+    assert not outside, "\n".join(line for line, _ in outside)
+
+
+#: Longest time between two heap samples (ms) under which a missed peak is the plan's fault, not the sampler's.
+SAMPLING_GAP_MS = 5.0
+
+
+def _compare(cases, planned, launched, measured) -> list[tuple[str, float]]:
+    """Bytes must match exactly (asserted here); memory outside the band is returned with the sampling gap."""
     report, outside = [], []
     for i, ((label, *_), (result, entry)) in enumerate(zip(cases, planned)):
         assert result.strategy_args(entry) == launched[i][1], label  # what was trained is what was planned
@@ -92,9 +107,10 @@ def test_planner_predicts_bytes_exactly_and_memory():
             ratio = peak / m.tensor_peak
             report.append(
                 f"{label} rank {m.rank}: peak predicted {peak / 2**20:.2f} MiB, measured {m.tensor_peak / 2**20:.2f} MiB "
-                f"(heap {m.heap_peak / 2**20:.2f} - non-tensor {m.non_tensor_heap / 2**20:.2f}) = {ratio:.3f}"
+                f"(heap {m.heap_peak / 2**20:.2f} - non-tensor {m.non_tensor_heap / 2**20:.2f}) = {ratio:.3f}, "
+                f"largest sampling gap {m.sampling_gap_ms:.1f} ms"
             )
             if abs(ratio - 1) > TOLERANCE:
-                outside.append(report[-1])
+                outside.append((report[-1], m.sampling_gap_ms))
     print("\n".join(report))
-    assert not outside, "\n".join(outside)
+    return outside

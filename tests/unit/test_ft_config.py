@@ -59,6 +59,7 @@ def test_defaults_and_dict_form() -> None:
         ({"replica_group": 0, "num_replica_groups": 2, "timeout": "60"}, TypeError, r"timeout=.*seconds"),
         ({"replica_group": 0, "num_replica_groups": 2, "init_sync": 1}, TypeError, r"init_sync=.*bool"),
         ({"replica_group": 0, "num_replica_groups": 2, "manager_port": 70000}, ValueError, r"manager_port=.*65535"),
+        ({"replica_group": 0, "num_replica_groups": 2, "hostname": ""}, TypeError, r"hostname=.*non-empty.*got ''"),
     ],
 )
 def test_bad_settings_are_refused_with_the_option_named(kwargs, error, pattern) -> None:
