@@ -13,7 +13,6 @@ import csv
 import inspect
 import math
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,7 @@ from lightning.pytorch.callbacks import Callback
 
 import hp_lightning.callbacks
 from hp_lightning import HSDPStrategy
+from tests.helpers import run_script_in_ranks
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "examples" / "configs"
@@ -36,17 +36,6 @@ TINY = [
     "--data.batch_size=4", "--data.val_windows=16", "--trainer.limit_val_batches=1",
     "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false", "--trainer.log_every_n_steps=1",
 ]
-
-
-def run_script(script: Path, args: list[str], cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
-    """Run an example script as a user would (``python examples/x.py ...``); fail with its output on error."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run(
-        [sys.executable, str(script), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
-    )
-    if proc.returncode != 0:
-        raise AssertionError(f"{script.name} {' '.join(args)} exited with {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
-    return proc
 
 
 def load_config(name: str) -> dict[str, Any]:
@@ -272,7 +261,7 @@ def test_config_trains(tmp_path, name):
 def test_strategy_name_on_the_command_line(tmp_path):
     args = ["fit", "--trainer.strategy=hsdp", "--trainer.accelerator=cpu", "--trainer.devices=2",
             "--trainer.max_steps=2", "--trainer.val_check_interval=2", "--trainer.default_root_dir=run", *TINY]
-    run_script(TRAIN, args, cwd=tmp_path)
+    run_script_in_ranks(TRAIN, args, tmp_path, 2)  # the CLI is the subject; Lightning's launcher is test_launchers'
     saved = yaml.safe_load(next(tmp_path.rglob("config.yaml")).read_text())
     assert saved["trainer"]["strategy"] == "hsdp"
     directory, meta = checkpoint_meta(tmp_path / "run")
