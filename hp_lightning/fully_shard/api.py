@@ -489,7 +489,7 @@ def fully_shard(
     # Sharding by hand inside a recorded meta-device build (configure_model): remember which
     # recorded tensors these parameters are, before FSDP replaces them, so setup can initialize them.
     from hp_lightning.core.materialize import link_construction
-    from hp_lightning.parallel.expert import expert_parallel_size, find_expert_modules
+    from hp_lightning.parallel.expert import find_expert_modules
 
     for m in modules:
         link_construction(m)
@@ -519,16 +519,24 @@ def fully_shard(
     )
     sync = ReplicatedParamSync(replicated, mesh, bucketed=comm_fusion) if replicated else None
     for m in modules:
-        unit = _extend_with_controls(m)
-        unit._hp_mesh = mesh
-        unit._hp_replicated = sync
-        unit._hp_reduce_op = "avg"
-        unit._hp_scaling_factor = None
-        unit._hp_extra_divisor = expert_parallel_size(unit)
-        if unit._hp_extra_divisor != 1:
-            unit._hp_apply_reduction()
+        _attach_controls(m, mesh, sync)
         sync = None  # the unit's sync lives on its first module; the others share the FSDP state
     return module
+
+
+def _attach_controls(module: nn.Module, mesh: DeviceMesh, replicated: ReplicatedParamSync | None) -> HSDPModule:
+    """Make a sharded ``module`` an :class:`HSDPModule` with the controls at their defaults ("avg", no scaling)."""
+    from hp_lightning.parallel.expert import expert_parallel_size
+
+    unit = _extend_with_controls(module)
+    unit._hp_mesh = mesh
+    unit._hp_replicated = replicated
+    unit._hp_reduce_op = "avg"
+    unit._hp_scaling_factor = None
+    unit._hp_extra_divisor = expert_parallel_size(unit)  # an expert unit's gradients also average over EP
+    if unit._hp_extra_divisor != 1:
+        unit._hp_apply_reduction()
+    return unit
 
 
 def adopt_sharded(module: nn.Module) -> HSDPModule:
@@ -548,17 +556,7 @@ def adopt_sharded(module: nn.Module) -> HSDPModule:
     mesh = next((p.device_mesh for p in module.parameters() if isinstance(p, DTensor)), None)
     if mesh is None:
         raise ValueError(f"adopt_sharded: {type(module).__name__} is sharded but holds no sharded parameter to read its mesh from.")
-    unit = _extend_with_controls(module)
-    unit._hp_mesh = mesh
-    unit._hp_replicated = None
-    unit._hp_reduce_op = "avg"
-    unit._hp_scaling_factor = None
-    from hp_lightning.parallel.expert import expert_parallel_size
-
-    unit._hp_extra_divisor = expert_parallel_size(unit)
-    if unit._hp_extra_divisor != 1:
-        unit._hp_apply_reduction()
-    return unit
+    return _attach_controls(module, mesh, None)
 
 
 def hsdp_modules(module: nn.Module) -> list[HSDPModule]:

@@ -91,6 +91,27 @@ def _hsdp_reference(steps: int) -> dict:
 # ---------------------------------------------------------------- one rank of one replica group
 
 
+def _train_until_stopped(ft: Any, step: Any, group_rank: int, out_dir: str, max_steps: int | None,
+                         progress_path: Path) -> list[tuple[int, int, bool]]:
+    """Steps until ``max_steps`` or the harness's ``stop_at`` file: quorum, this rank's share by participants, ``step(idx)``."""
+    from hp_lightning.ft import ParticipantBatches
+
+    batches = ParticipantBatches(len(make_dataset()), GLOBAL_BATCH)
+    stop_file = Path(out_dir) / "stop_at"
+    history = []
+    while True:
+        stop_at = max_steps if max_steps is not None else (int(stop_file.read_text()) if stop_file.exists() else None)
+        if stop_at is not None and ft.step >= stop_at:
+            return history
+        p = ft.begin_step()
+        idx = batches.indices(p.step, participant_rank=p.rank, participants=p.count, group_rank=group_rank,
+                              group_world_size=GROUP_WORLD)
+        committed = step(idx)
+        history.append((p.step, p.count, committed))
+        with open(progress_path, "a") as f:
+            f.write(json.dumps({"step": ft.step, "participants": p.count, "committed": committed, "t": time.time()}) + "\n")
+
+
 def _run_group_rank(body: Any, group: int, group_rank: int, master_port: int, lighthouse: str, out_dir: str,
                     max_steps: int | None, min_replicas: int) -> None:
     """One rank of replica group ``group`` as its own job would start it; ``body``'s result (or error) goes to a file."""
@@ -118,7 +139,7 @@ def _engine_rank(group: int, group_rank: int, lighthouse: str, out_dir: str, max
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from hp_lightning.ft import FaultTolerance, FaultTolerantHSDP, ParticipantBatches
+    from hp_lightning.ft import FaultTolerance, FaultTolerantHSDP
 
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (GROUP_WORLD,))
@@ -126,21 +147,12 @@ def _engine_rank(group: int, group_rank: int, lighthouse: str, out_dir: str, max
     config = FaultTolerance(replica_group=group, num_replica_groups=2, min_replicas=min_replicas, lighthouse=lighthouse,
                             quorum_timeout=30.0, timeout=FT_TIMEOUT, connect_timeout=10.0)
     ft = FaultTolerantHSDP(config, model, optimizer)
-    batches = ParticipantBatches(len(make_dataset()), GLOBAL_BATCH)
-    stop_file = Path(out_dir) / "stop_at"
-    history = []
-    while True:
-        stop_at = max_steps if max_steps is not None else (int(stop_file.read_text()) if stop_file.exists() else None)
-        if stop_at is not None and ft.step >= stop_at:
-            break
-        p = ft.begin_step()
-        idx = batches.indices(p.step, participant_rank=p.rank, participants=p.count, group_rank=group_rank,
-                              group_world_size=GROUP_WORLD)
+
+    def step(idx: list[int]) -> bool:
         _loss(model, idx).backward()
-        committed = ft.commit()
-        history.append((p.step, p.count, committed))
-        with open(progress_path, "a") as f:
-            f.write(json.dumps({"step": ft.step, "participants": p.count, "committed": committed, "t": time.time()}) + "\n")
+        return ft.commit()
+
+    history = _train_until_stopped(ft, step, group_rank, out_dir, max_steps, progress_path)
     out = {"state": _local_state(model, optimizer), "step": ft.step,
            "batches_committed": ft.manager.batches_committed(), "history": history,
            "full": full_params(model)}
@@ -216,7 +228,6 @@ def _fabric_rank(group: int, group_rank: int, lighthouse: str, out_dir: str, max
     from lightning.fabric import Fabric
 
     from hp_lightning.fabric import HSDPFabricStrategy
-    from hp_lightning.ft import ParticipantBatches
 
     config = {"replica_group": group, "num_replica_groups": 2, "min_replicas": min_replicas, "lighthouse": lighthouse,
               "quorum_timeout": 30.0, "timeout": FT_TIMEOUT, "connect_timeout": 10.0}
@@ -227,24 +238,15 @@ def _fabric_rank(group: int, group_rank: int, lighthouse: str, out_dir: str, max
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
     model, optimizer = fabric.setup(model, optimizer)
     ft = fabric.strategy.fault_tolerance
-    batches = ParticipantBatches(len(make_dataset()), GLOBAL_BATCH)
-    stop_file = Path(out_dir) / "stop_at"
-    history = []
-    while True:
-        stop_at = max_steps if max_steps is not None else (int(stop_file.read_text()) if stop_file.exists() else None)
-        if stop_at is not None and ft.step >= stop_at:
-            break
-        p = ft.begin_step()
-        idx = batches.indices(p.step, participant_rank=p.rank, participants=p.count, group_rank=group_rank,
-                              group_world_size=GROUP_WORLD)
+
+    def step(idx: list[int]) -> bool:
         half = len(idx) // 2
         with fabric.no_backward_sync(model, enabled=True):
             fabric.backward(_loss(model, idx[:half]) / 2)
         fabric.backward(_loss(model, idx[half:]) / 2)
-        committed = optimizer.step()
-        history.append((p.step, p.count, committed))
-        with open(progress_path, "a") as f:
-            f.write(json.dumps({"step": ft.step, "participants": p.count, "committed": committed, "t": time.time()}) + "\n")
+        return optimizer.step()
+
+    history = _train_until_stopped(ft, step, group_rank, out_dir, max_steps, progress_path)
     out = {"state": _local_state(model.module, optimizer.optimizer), "step": ft.step, "history": history,
            "full": full_params(model.module)}
     if max_steps is not None:
