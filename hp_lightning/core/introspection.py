@@ -90,14 +90,55 @@ class UnitReport:
     trainable: int
 
 
+@dataclass(frozen=True)
+class StageReport:
+    """One pipeline stage as cut at setup: the same on every rank, whichever stage the rank holds.
+
+    Bytes are the whole stage's parameters before sharding (each stage's ranks hold
+    ``1 / shard size`` of them): what balancing the stages compares. The per-unit table next to it
+    covers only the units of the reporting rank's own stage, sharded.
+
+    Attributes:
+        index: the stage's index among ``P x V``.
+        pipeline_rank: the pipeline rank that runs it (loop or V placement with virtual stages).
+        param_bytes: bytes of its parameters, each counted once.
+        units: its units that hold state, in model order.
+        everywhere: its units with nothing in their ``state_dict`` (a loss, rotary tables), which the
+            cut leaves on every stage.
+    """
+
+    index: int
+    pipeline_rank: Optional[int]
+    param_bytes: int
+    units: tuple[str, ...]
+    everywhere: tuple[str, ...] = ()
+
+
+def stage_table(stages: Sequence[StageReport]) -> str:
+    """The stages as lines: index, pipeline rank, parameter bytes (and share of the model), units (up to 6 named)."""
+    total = sum(s.param_bytes for s in stages) or 1
+    lines = [f"Pipeline stages ({len(stages)}): parameter bytes per stage, before sharding"]
+    for stage in stages:
+        units = list(stage.units)
+        shown = ", ".join(units if len(units) <= 6 else [*units[:3], "...", *units[-2:]])
+        rank = f" on pipeline rank {stage.pipeline_rank}" if stage.pipeline_rank is not None else ""
+        lines.append(f"  stage {stage.index}{rank}: {stage.param_bytes:,} bytes ({100 * stage.param_bytes / total:.1f} %), {len(units)} unit(s): {shown}")
+    everywhere = [u for stage in stages for u in stage.everywhere]
+    if everywhere:
+        lines.append(f"  on every stage (nothing in their state_dict): {', '.join(everywhere)}")
+    return "\n".join(lines)
+
+
 @dataclass
 class ShardingSummary:
-    """The whole report: mesh, units, parameters outside the units, warnings."""
+    """The whole report: mesh, units, parameters outside the units, warnings; under PP, every stage's plan."""
 
     mesh: str
     units: list[UnitReport]
     unsharded_params: dict[str, int] = field(default_factory=dict)  # name -> bytes (replicate / ignored)
     warnings: list[str] = field(default_factory=list)
+    #: Under a pipeline: every stage's units and bytes, as cut (empty without one).
+    stages: list[StageReport] = field(default_factory=list)
 
     @property
     def local_bytes(self) -> int:
@@ -128,6 +169,8 @@ class ShardingSummary:
             total = sum(self.unsharded_params.values())
             out.append(f"not sharded (replicate / ignored): {len(self.unsharded_params)} tensors, {total:,} bytes on every rank")
         out.append(f"total on this rank: {self.local_bytes:,} bytes of parameters")
+        if self.stages:
+            out.append(stage_table(self.stages))
         out.extend(f"warning: {w}" for w in self.warnings)
         return "\n".join(out)
 
@@ -151,6 +194,7 @@ def summarize(
     device: torch.device,
     group: Any = None,
     stage: Optional[tuple[int, int]] = None,
+    stages: Sequence[StageReport] = (),
 ) -> ShardingSummary:
     """The per-unit report of a sharded model. A collective: every rank must call it.
 
@@ -161,7 +205,8 @@ def summarize(
         unsharded_names: replicate / ignored parameter names (listed apart, with their bytes).
         device: where the one all-reduce of byte counts runs.
         group: the ranks holding the same units (None: all; a pipeline stage's ranks under PP).
-        stage: (index, number of stages) under PP, named in the report's title.
+        stage: (pipeline rank, pipeline size) under PP, named in the report's title.
+        stages: under PP, every stage's plan (:class:`StageReport`), listed after the units.
     """
     names = unit_names(root)
     partial: list[dict[str, Any]] = []
@@ -225,7 +270,7 @@ def summarize(
             "patterns from them to shard the model."
         )
     where = describe(mesh) if stage is None else f"pipeline stage {stage[0]} of {stage[1]}; {describe(mesh)}"
-    return ShardingSummary(mesh=where, units=rows, unsharded_params=unsharded, warnings=warnings)
+    return ShardingSummary(mesh=where, units=rows, unsharded_params=unsharded, warnings=warnings, stages=list(stages))
 
 
 def live_gradient_bytes(model: nn.Module) -> int:

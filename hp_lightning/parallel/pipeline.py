@@ -49,6 +49,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage as _TorchPipelineStage
 
 from hp_lightning.core import gradients
+from hp_lightning.core.introspection import StageReport, stage_table
 from hp_lightning.core.materialize import DetachedUnit, record_detached_units
 from hp_lightning.parallel.pipeline_schedules import SCHEDULE_SPECS, _held_entries, _HeldEntries, rank_of_stage
 from hp_lightning.parallel.pipeline_schedules import SCHEDULES as SCHEDULES
@@ -305,19 +306,23 @@ def stage_plan(model: nn.Module, split_points: Sequence[str]) -> list[StagePlan]
     ]
 
 
+def stage_reports(plans: Sequence[StagePlan], ranks: Optional[Sequence[int]] = None) -> list[StageReport]:
+    """The plans as the sharding report carries them (:class:`~hp_lightning.core.introspection.StageReport`)."""
+    return [
+        StageReport(
+            index=plan.index,
+            pipeline_rank=ranks[plan.index] if ranks is not None else None,
+            param_bytes=plan.param_bytes,
+            units=tuple(u for u in plan.units if u not in plan.everywhere),
+            everywhere=plan.everywhere,
+        )
+        for plan in plans
+    ]
+
+
 def plan_table(plans: Sequence[StagePlan], ranks: Optional[Sequence[int]] = None) -> str:
     """The stages as a table: index, pipeline rank, parameter bytes (and share of the model), units (those with state)."""
-    total = sum(p.param_bytes for p in plans) or 1
-    lines = [f"Pipeline stages ({len(plans)}): parameter bytes per stage, before sharding"]
-    for plan in plans:
-        units = [u for u in plan.units if u not in plan.everywhere]
-        shown = ", ".join(units if len(units) <= 6 else [*units[:3], "...", *units[-2:]])
-        rank = f" on pipeline rank {ranks[plan.index]}" if ranks is not None else ""
-        lines.append(f"  stage {plan.index}{rank}: {plan.param_bytes:,} bytes ({100 * plan.param_bytes / total:.1f} %), {len(units)} unit(s): {shown}")
-    everywhere = [u for plan in plans for u in plan.everywhere]
-    if everywhere:
-        lines.append(f"  on every stage (nothing in their state_dict): {', '.join(everywhere)}")
-    return "\n".join(lines)
+    return stage_table(stage_reports(plans, ranks))
 
 
 def find_block_list(model: nn.Module) -> str:

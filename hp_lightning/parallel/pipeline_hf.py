@@ -21,6 +21,13 @@ LightningModule's ``forward`` (``self.net(input_ids=x).logits``) stays as it is 
 
 Limits: the input is the token ids alone (no padding ``attention_mask``, no ``position_ids``,
 no KV cache); a Mixtral's router auxiliary loss is not summed across stages.
+
+Any other Hugging Face model the split points cut (a GPT-2 ``GPT2LMHeadModel``, whose forward
+always runs ``wte`` and ``ln_f``; a ``*ForCausalLM`` whose pieces are not in forward order) would
+fail only at the first step, with ``'NoneType' object is not callable``.
+:func:`refuse_hf_models_the_adapter_cannot_run` refuses it at setup instead, from the model's
+structure and the split points alone (the same on every rank), unless the LightningModule says
+its forward is stage-aware (:data:`STAGE_FORWARD_ATTR`).
 """
 
 from __future__ import annotations
@@ -33,6 +40,11 @@ from torch import nn
 #: What :func:`find_hf_decoders` requires of a ``*ForCausalLM`` (its head) and of its decoder.
 _HEAD_PIECES = ("model", "lm_head")
 _DECODER_PIECES = ("embed_tokens", "layers", "norm")
+#: The LightningModule attribute that opts out of :func:`refuse_hf_models_the_adapter_cannot_run`:
+#: ``pipeline_stage_forward = True`` says its ``forward`` runs one stage itself (skips the pieces a
+#: stage lacks, takes hidden states on a later stage), so it never calls a cut HF model's own
+#: forward. A marker, not a guess: whether a forward calls the HF model cannot be seen before it runs.
+STAGE_FORWARD_ATTR = "pipeline_stage_forward"
 #: Marks a decoder whose stage input is routed to ``inputs_embeds`` (so a second setup does not add a second hook).
 _ROUTED_ATTR = "_hp_stage_input_routed"
 
@@ -61,6 +73,75 @@ def find_hf_decoders(model: nn.Module) -> list[str]:
             if all(pieces.get(p) is not None for p in _DECODER_PIECES) and isinstance(pieces["layers"], nn.ModuleList) and in_forward_order:
                 found.append(name)
     return found
+
+
+def _is_hf_model(module: nn.Module) -> bool:
+    """A ``transformers`` ``PreTrainedModel`` (read from the class hierarchy: ``transformers`` need not be installed)."""
+    return any(cls.__name__ == "PreTrainedModel" and cls.__module__.startswith("transformers.") for cls in type(module).__mro__)
+
+
+def _why_not_adapted(module: nn.Module) -> str:
+    """What :func:`find_hf_decoders` misses in an HF model: the class name, or the pieces missing / out of forward order."""
+    cls = type(module).__name__
+    if not cls.endswith("ForCausalLM"):
+        return f"it is not a *ForCausalLM (its children: {list(module._modules)})"
+    children = module._modules
+    missing = [p for p in _HEAD_PIECES if children.get(p) is None]
+    decoder = children.get("model")
+    if decoder is not None:
+        pieces = decoder._modules
+        missing += [f"model.{p}" for p in _DECODER_PIECES if pieces.get(p) is None]
+        if pieces.get("layers") is not None and not isinstance(pieces["layers"], nn.ModuleList):
+            missing.append(f"model.layers as an nn.ModuleList (it is a {type(pieces['layers']).__name__})")
+    if missing:
+        return f"it lacks {', '.join(missing)}"
+    order = [f"model.{key}" for key in decoder._modules if key in _DECODER_PIECES] if decoder is not None else []
+    head_order = [key for key in children if key in _HEAD_PIECES]
+    return f"its pieces are registered in the order {order} / {head_order}, not the forward's"
+
+
+def refuse_hf_models_the_adapter_cannot_run(model: nn.Module, split_points: list[str], where: str) -> None:
+    """Refuse, at setup, a Hugging Face model the split points cut whose forward the stage adapter cannot run.
+
+    Call it before the cut, with the resolved split points: it reads only the model's structure and
+    the names, so every rank decides alike, before any stage communicates. Checked: every
+    outermost ``transformers`` model that :func:`find_hf_decoders` does not recognise and that a
+    split point falls strictly inside (one whole on a stage runs its own forward there, so it is
+    fine). Skipped when the LightningModule sets ``pipeline_stage_forward = True``
+    (:data:`STAGE_FORWARD_ATTR`).
+
+    Args:
+        model: the LightningModule, whole (before the cut; the meta device is fine).
+        split_points: the module names where stages 1, 2, ... start.
+        where: the option's owner, for the message (``"HSDPStrategy(pipeline_parallel_size=2)"``).
+
+    Raises:
+        ValueError: naming the model's class and place, the split point inside it, what the
+            adapter needs and the two fixes.
+    """
+    if getattr(model, STAGE_FORWARD_ATTR, False) is True:
+        return
+    adapted = find_hf_decoders(model)
+    outer: list[str] = []
+    for name, module in model.named_modules():
+        if not name or not _is_hf_model(module) or any(name == o or name.startswith(f"{o}.") for o in outer):
+            continue
+        outer.append(name)
+        if name in adapted:
+            continue
+        inside = [point for point in split_points if point.startswith(f"{name}.")]
+        if not inside:
+            continue
+        raise ValueError(
+            f"{where}: split point {inside[0]!r} cuts the Hugging Face {type(module).__name__} at {name!r}, whose own forward "
+            f"always runs every piece, so a stage lacking one would fail at its first step ('NoneType' object is not callable). "
+            f"The pipeline runs a cut Hugging Face model only for a *ForCausalLM with model.embed_tokens, model.layers (an "
+            f"nn.ModuleList), model.norm and lm_head, registered in that (forward) order; {_why_not_adapted(module)}. Fix: write a "
+            f"stage-aware forward on {type(model).__name__} (run the pieces this stage holds, skip those that are None, take "
+            f"hidden states on later stages, e.g. iterate the model's block list yourself) and set "
+            f"`{STAGE_FORWARD_ATTR} = True` on it; or keep the model whole on one stage (split points outside {name!r}); or "
+            f"use a model with the structure above."
+        )
 
 
 class StageOutput(nn.Module):

@@ -39,9 +39,10 @@ from hp_lightning.parallel.pipeline import (
     resolve_split_points,
     split_stage,
     stage_plan,
+    stage_reports,
     stays_on_every_stage,
 )
-from hp_lightning.parallel.pipeline_hf import adapt_hf_decoder_stages, find_hf_decoders
+from hp_lightning.parallel.pipeline_hf import adapt_hf_decoder_stages, find_hf_decoders, refuse_hf_models_the_adapter_cannot_run
 from hp_lightning.parallel.pipeline_schedules import keep_prefetch_inside_stages, rank_of_stage, stage_pieces, stage_view, stages_of_rank
 
 if TYPE_CHECKING:
@@ -153,7 +154,9 @@ class PipelineSteps(DirectSteps):
         # 'auto' reads parameter sizes only (the meta-device model, before the cut): the same points on every rank.
         num_stages = pp * options.pipeline_stages_per_rank
         split_points = resolve_split_points(module, options.pipeline_split_points, num_stages)
-        self.plan = stage_plan(module, split_points)
+        self.plan = stage_plan(module, split_points)  # refuses split points that are not modules
+        # A cut HF model the stage forward cannot run fails here, on every rank alike, not at the first step.
+        refuse_hf_models_the_adapter_cannot_run(module, split_points, where)
         per_stage = [list(plan.units) for plan in self.plan]
         hf_decoders = find_hf_decoders(module)  # found whole, before the cut
         kept, removed = split_stage(module, split_points, stages)
@@ -330,19 +333,23 @@ class PipelineSteps(DirectSteps):
             return {}
         return {"state": {k: v for part in parts for k, v in part["state"].items()}, "param_groups": state["param_groups"]}
 
-    def plan_table(self) -> str:
-        """Every stage's pipeline rank, parameter bytes (whole, before sharding) and units, as cut at setup."""
+    def _stage_ranks(self) -> list[int]:
+        """The pipeline rank of each stage (loop or V placement with virtual stages)."""
         options = self.strategy.options
         pp, per_rank = options.pipeline_parallel_size, options.pipeline_stages_per_rank
-        ranks = [rank_of_stage(options.pipeline_schedule, stage, pp, per_rank) for stage in range(pp * per_rank)]
-        return plan_table(self.plan, ranks)
+        return [rank_of_stage(options.pipeline_schedule, stage, pp, per_rank) for stage in range(pp * per_rank)]
+
+    def plan_table(self) -> str:
+        """Every stage's pipeline rank, parameter bytes (whole, before sharding) and units, as cut at setup."""
+        return plan_table(self.plan, self._stage_ranks())
 
     def report_scope(self) -> dict[str, Any]:
-        """The report covers this stage: its ranks' min/max, its index in the title."""
+        """The report covers this stage's units (its ranks' min/max, its index in the title) and lists every stage's plan."""
         mesh = self.strategy.parallel_mesh
         pp_mesh = mesh.pp
         assert pp_mesh is not None, "PipelineSteps runs only with pipeline_parallel_size > 1"
-        return {"group": mesh.dp_group, "stage": (pp_mesh.get_local_rank(), mesh.layout.pp)}
+        stages = stage_reports(self.plan, self._stage_ranks())
+        return {"group": mesh.dp_group, "stage": (pp_mesh.get_local_rank(), mesh.layout.pp), "stages": stages}
 
 
 def split_batch(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:

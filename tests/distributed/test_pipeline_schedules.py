@@ -6,10 +6,12 @@ looped and zero-bubble ones; loop placement, or V placement for zbv / dualpipev)
 cut where ``pipeline_split_points="auto"`` says. On 4 ranks
 (PP 2 x FSDP 2): 1f1b, interleaved_1f1b and zbv against one process; the collectives of one step
 counted at 2, 4 and 8 micro-batches (each unit all-gathers and reduce-scatters once per step by
-default, M times per step's backward with ``pipeline_keep_gathered=False``); and a zbv checkpoint
+default, M times per step's backward with ``pipeline_keep_gathered=False``), with the sharding
+report's plan of every stage (units, bytes, pipeline rank) on every rank; and a zbv checkpoint
 (4 stages) resumed by 1f1b (2 stages), whose checkpoint resumes as plain FSDP over 4 ranks; and a
 tiny Hugging Face ``LlamaForCausalLM`` (its LightningModule's forward written for one process) under
-1f1b and zbv with automatic split points, against one process.
+1f1b and zbv, and a tiny ``Qwen2ForCausalLM`` under 1f1b, with automatic split points, built on the
+meta device, against one process.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ RESUME_SAMPLES = 32  # two global batches per epoch: each save is at an epoch's 
 AUTO_ON_2_RANKS = ("1f1b", "zbv")
 #: A tiny HF Llama under PP 2 x FSDP 2: one stage per rank, and two with V placement (rank 0 holds the embeddings and the head).
 HF_SCHEDULES = {"1f1b": 1, "zbv": 2}
+#: A tiny HF Qwen2 (biased q/k/v, one KV head) under PP 2 x FSDP 2: one schedule is enough for what differs from Llama.
+QWEN2_SCHEDULES = {"1f1b": 1}
 
 
 def options(schedule: str, per_rank: int, auto: bool = False, **extra: Any) -> dict[str, Any]:
@@ -67,7 +71,13 @@ def counted(mesh: list[int], schedule: str, per_rank: int, microbatches: int, ke
     strategy = dict(options(schedule, per_rank, mesh_shape=mesh, pipeline_keep_gathered=keep), pipeline_microbatches=microbatches)
     run = fit(4, strategy, {}, count=True, steps=2, extra_callbacks=[Units()])
     calls = run["collectives"]
-    return {"all_gather": len(calls.get("all_gather", [])), "reduce_scatter": len(calls.get("reduce_scatter", [])), "units": captured["units"]}
+    return {
+        "all_gather": len(calls.get("all_gather", [])),
+        "reduce_scatter": len(calls.get("reduce_scatter", [])),
+        "units": captured["units"],
+        "report": run["report"],
+        "stages": run["stages"],
+    }
 
 
 def worker_2() -> dict[str, Any]:
@@ -93,6 +103,8 @@ def worker_4(tmp: str) -> dict[str, Any]:
     # A Hugging Face LlamaForCausalLM, its LightningModule's forward unchanged, cut where "auto" says, built on the meta device.
     for name, v in HF_SCHEDULES.items():
         out[f"hf_llama_{name}"] = fit(4, options(name, v, auto=True, mesh_shape=[2]), {}, steps=STEPS, net="hf_llama")
+    for name, v in QWEN2_SCHEDULES.items():
+        out[f"hf_qwen2_{name}"] = fit(4, options(name, v, auto=True, mesh_shape=[2]), {}, steps=STEPS, net="hf_qwen2")
     out["counts"] = {f"{name}_m{m}": counted([2], name, v, m) for name, v in SCHEDULES_4_RANKS.items() for m in (2, 4, 8)}
     out["counts_regather"] = {f"1f1b_m{m}": counted([2], "1f1b", 1, m, keep=False) for m in (2, 4)}
     # zbv (4 stages, 2 per rank) -> 1f1b (2 stages) -> plain FSDP over 4 ranks: one run continued.
@@ -119,6 +131,7 @@ def reference() -> dict[str, Any]:
         "train": fit(1, None, {}, steps=STEPS),
         "resume6": fit(1, None, {}, steps=6, samples=RESUME_SAMPLES),
         "hf_llama": fit(1, None, {}, steps=STEPS, net="hf_llama"),
+        "hf_qwen2": fit(1, None, {}, steps=STEPS, net="hf_qwen2"),
     }
 
 
@@ -176,15 +189,47 @@ def test_a_hugging_face_llama_under_pp2_x_fsdp2_matches_one_process(runs_4: list
     assert not any(n.startswith(("net.model.embed_tokens", "net.lm_head")) for n in runs_4[2]["hf_llama_zbv"]["params"])
 
 
+def test_a_hugging_face_qwen2_under_pp2_x_fsdp2_matches_one_process(runs_4: list[dict[str, Any]], reference: dict[str, Any]) -> None:
+    diffs = {name: check_parity(runs_4, f"hf_qwen2_{name}", reference["hf_qwen2"]) for name in QWEN2_SCHEDULES}
+    print(f"HF Qwen2ForCausalLM, PP 2 x FSDP 2, auto split points, max relative parameter difference after {STEPS} AdamW steps: {diffs}")
+    assert all(d <= 1e-5 for d in diffs.values()), diffs
+    # 1f1b: stage 0 (ranks 0, 1) holds the embeddings, stage 1 (ranks 2, 3) the final norm and the head; q/k/v biases travel with their layers.
+    first, last = set(runs_4[0]["hf_qwen2_1f1b"]["params"]), set(runs_4[2]["hf_qwen2_1f1b"]["params"])
+    assert "net.model.embed_tokens.weight" in first and not any(n.startswith("net.lm_head") or n.startswith("net.model.norm") for n in first)
+    assert {"net.lm_head.weight", "net.model.norm.weight"} <= last and "net.model.embed_tokens.weight" not in last
+    assert any(n.endswith("self_attn.q_proj.bias") for n in first) and any(n.endswith("self_attn.q_proj.bias") for n in last)
+
+
 def test_fsdp_inside_a_stage_communicates_once_per_step(runs_4: list[dict[str, Any]]) -> None:
     for rank, run in enumerate(runs_4):
         for key, count in run["counts"].items():
             # One all-gather and one reduce-scatter per unit per step, at M = 2, 4 and 8 alike.
             assert count["all_gather"] == count["units"] and count["reduce_scatter"] == count["units"], (rank, key, count)
-        print(f"rank {rank}: {run['counts']}; without keep_gathered: {run['counts_regather']}")
+        numbers = {key: {k: count[k] for k in ("all_gather", "reduce_scatter", "units")} for key, count in run["counts"].items()}
+        regather = {key: {k: count[k] for k in ("all_gather", "reduce_scatter", "units")} for key, count in run["counts_regather"].items()}
+        print(f"rank {rank}: {numbers}; without keep_gathered: {regather}")
         m2, m4 = run["counts_regather"]["1f1b_m2"], run["counts_regather"]["1f1b_m4"]
         # Trading memory back: every micro-batch's backward gathers its units again; reductions stay once per step.
         assert m4["all_gather"] > m2["all_gather"] > m2["units"] and m2["reduce_scatter"] == m4["reduce_scatter"] == m2["units"], (m2, m4)
+
+
+def test_the_sharding_report_carries_every_stage_plan(runs_4: list[dict[str, Any]]) -> None:
+    from tests.pipeline_models import StagedNet
+
+    whole_bytes = sum(p.numel() * p.element_size() for p in StagedNet().parameters())
+    for rank, run in enumerate(runs_4):
+        count = run["counts"]["zbv_m4"]  # 4 stages, V placement: rank 0 runs stages 0 and 3, rank 1 stages 1 and 2
+        stages = count["stages"]
+        assert stages == runs_4[0]["counts"]["zbv_m4"]["stages"], "every rank reports the same plan"
+        assert [s.index for s in stages] == [0, 1, 2, 3] and [s.pipeline_rank for s in stages] == [0, 1, 1, 0], stages
+        assert [s.units for s in stages] == [("net.inp", "net.blocks.0"), ("net.blocks.1",), ("net.blocks.2",), ("net.blocks.3", "net.head")]
+        assert stages[1].param_bytes == stages[2].param_bytes == 4_416 and sum(s.param_bytes for s in stages) == whole_bytes  # Block(16): 1,104 fp32
+        report = count["report"]
+        assert report.startswith(f"Sharding report (pipeline stage {rank // 2} of 2; "), report
+        assert "Pipeline stages (4): parameter bytes per stage, before sharding" in report, report
+        assert re.search(r"^  stage 3 on pipeline rank 0: [\d,]+ bytes \([\d.]+ %\), 2 unit\(s\): net.blocks.3, net.head$", report, re.M), report
+        assert "  stage 1 on pipeline rank 1: 4,416 bytes" in report, report
+    print(runs_4[0]["counts"]["zbv_m4"]["report"])
 
 
 def test_checkpoints_resume_across_schedules_stage_counts_and_plain_fsdp(runs_4: list[dict[str, Any]], reference: dict[str, Any]) -> None:

@@ -92,12 +92,18 @@ def fit(
     return out
 
 
-def hf_stage_on_meta(kind: str) -> dict[str, torch.Tensor]:
+class HFStageForward(HFOnMeta):
+    """HFOnMeta declaring its forward stage-aware (it is never run: these runs only set up), so a cut GPT-2 is allowed."""
+
+    pipeline_stage_forward = True
+
+
+def hf_stage_on_meta(kind: str, declared: bool = True) -> dict[str, torch.Tensor]:
     """A tiny HF model built in configure_model on the meta device, set up under PP 2 x FSDP 2: this stage's parameters."""
     import hp_lightning
 
     seed_everything(0)
-    model = HFOnMeta(kind)
+    model = HFStageForward(kind) if declared else HFOnMeta(kind)
     strategy = hp_lightning.HSDPStrategy(mesh_shape=[2], pipeline_parallel_size=2, pipeline_split_points=[HF_SPLIT[kind]])
     trainer = Trainer(devices=4, strategy=strategy, max_steps=0, **trainer_kwargs())
     trainer.fit(model)
@@ -106,6 +112,11 @@ def hf_stage_on_meta(kind: str) -> dict[str, torch.Tensor]:
 
 def worker(tmp: str) -> dict[str, Any]:
     out: dict[str, Any] = {f"hf_{kind}": hf_stage_on_meta(kind) for kind in HF_SPLIT}
+    try:  # without the declaration, a cut GPT-2 (its forward always runs wte and ln_f) is refused at setup
+        hf_stage_on_meta("gpt2", declared=False)
+        out["gpt2_undeclared"] = "no error"
+    except ValueError as exc:
+        out["gpt2_undeclared"] = str(exc)
     for name, c in CASES.items():
         out[name] = fit(4, c["strategy"], c["trainer"], meta=c.get("meta", False), count=name == "init_fsdp2_1f1b_m2")
     root, pp = Path(tmp), dict(mesh_shape=[2], pipeline_microbatches=2)
@@ -183,6 +194,13 @@ def test_full_checkpoint_loads_the_tied_model_into_one_process(runs: list[dict[s
     assert model.net.head.weight is model.net.tok.weight
     loaded = {name: p.detach() for name, p in model.named_parameters()}
     assert sorted(loaded) == sorted(trained) and max_rel_diff(loaded, trained) == 0.0
+
+
+def test_a_cut_gpt2_without_a_stage_forward_is_refused_at_setup_on_every_rank(runs: list[dict[str, Any]]) -> None:
+    for rank, run in enumerate(runs):
+        message = run["gpt2_undeclared"]
+        assert message.startswith("HSDPStrategy(pipeline_parallel_size=2): split point 'model.transformer.h.2' cuts the Hugging Face GPT2LMHeadModel"), (rank, message)
+        assert "set `pipeline_stage_forward = True` on it" in message, message
 
 
 @pytest.mark.parametrize("kind", list(HF_SPLIT))

@@ -347,3 +347,44 @@ def test_only_hugging_face_causal_lms_with_a_decoder_in_forward_order_are_adapte
     embed = pieces.pop("embed_tokens")
     pieces["embed_tokens"] = embed  # registered after the norm: registration order is no longer the forward's
     assert find_hf_decoders(model) == []
+
+
+def test_a_cut_hugging_face_model_the_stage_forward_cannot_run_is_refused_before_the_cut() -> None:
+    from hp_lightning.parallel.pipeline_hf import refuse_hf_models_the_adapter_cannot_run
+
+    transformers = pytest.importorskip("transformers")
+    where = "HSDPStrategy(pipeline_parallel_size=2)"
+
+    class GPT2Holder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            config = transformers.GPT2Config(n_layer=4, n_embd=16, n_head=2, vocab_size=32, n_positions=16)
+            self.model = transformers.GPT2LMHeadModel(config)
+
+    # GPT-2: not a *ForCausalLM; its forward always runs wte / wpe / ln_f. Refused, naming the class, the cut and both fixes.
+    with pytest.raises(ValueError) as caught:
+        refuse_hf_models_the_adapter_cannot_run(GPT2Holder(), ["model.transformer.h.2"], where)
+    message = str(caught.value)
+    assert message.startswith(f"{where}: split point 'model.transformer.h.2' cuts the Hugging Face GPT2LMHeadModel at 'model'"), message
+    assert "model.embed_tokens, model.layers (an nn.ModuleList), model.norm and lm_head" in message
+    assert "it is not a *ForCausalLM (its children: ['transformer', 'lm_head'])" in message
+    assert "set `pipeline_stage_forward = True`" in message and "GPT2Holder" in message
+    # Kept whole on one stage (the cut is outside it), or a stage-aware forward declared: nothing to refuse.
+    refuse_hf_models_the_adapter_cannot_run(GPT2Holder(), ["model"], where)
+    opted_out = GPT2Holder()
+    opted_out.pipeline_stage_forward = True  # type: ignore[assignment]
+    refuse_hf_models_the_adapter_cannot_run(opted_out, ["model.transformer.h.2"], where)
+
+    # A Llama the adapter runs passes; the same Llama with its embeddings registered after the norm does not.
+    llama = HFWrapper()
+    refuse_hf_models_the_adapter_cannot_run(llama, ["net.model.layers.2"], where)
+    pieces = llama.net._modules["model"]._modules
+    pieces["embed_tokens"] = pieces.pop("embed_tokens")
+    with pytest.raises(ValueError, match=r"LlamaForCausalLM at 'net'.*registered in the order \['model.layers', 'model.norm', 'model.embed_tokens'\]"):
+        refuse_hf_models_the_adapter_cannot_run(llama, ["net.model.layers.2"], where)
+    # A *ForCausalLM lacking a piece says which.
+    del llama.net._modules["model"]._modules["norm"]
+    with pytest.raises(ValueError, match=r"it lacks model\.norm"):
+        refuse_hf_models_the_adapter_cannot_run(llama, ["net.model.layers.2"], where)
+    # Our own models are not Hugging Face's: left to their own forward.
+    refuse_hf_models_the_adapter_cannot_run(PipelinedModule(), ["net.blocks.2"], where)
