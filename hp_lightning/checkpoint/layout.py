@@ -32,6 +32,8 @@ from __future__ import annotations
 import ctypes
 import enum
 import errno
+import functools
+import gc
 import json
 import os
 import shutil
@@ -40,7 +42,7 @@ import uuid
 import zipfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path, PurePosixPath, PureWindowsPath
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 from hp_lightning._version import __version__
 
@@ -402,6 +404,33 @@ def staging_path(path: Path, token: str) -> Path:
 
 def new_token() -> str:
     return uuid.uuid4().hex[:12]
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def cyclic_gc_paused(fn: _F) -> _F:
+    """Run ``fn`` with Python's cyclic garbage collector paused (reference counting still frees everything).
+
+    A checkpoint's save or load allocates tens of thousands of short-lived objects (unpickled
+    metadata, plans, per-tensor records), which trigger the collector's full (oldest-generation)
+    passes; each walks every object the process holds (the model, Lightning, the framework),
+    0.3 s measured in the checkpoint benchmark's process, landing at random in a 0.2 s resume.
+    Pausing it for the call (torchtitan pauses it for the whole training loop) takes that pause
+    out; it resumes, as it was, when ``fn`` returns or raises.
+    """
+
+    @functools.wraps(fn)
+    def paused(*args: Any, **kwargs: Any) -> Any:
+        was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if was_enabled:
+                gc.enable()
+
+    return paused  # type: ignore[return-value]
 
 
 def fsync_dir(path: Path) -> None:

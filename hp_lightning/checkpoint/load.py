@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from hp_lightning.checkpoint import layout
 from hp_lightning.checkpoint.collective import on_every_rank, on_rank0, rank, warn_rank0, world_size
+from hp_lightning.checkpoint.integrity import ReadCheck
 from hp_lightning.checkpoint.layout import (
     FSDP_MODEL_KEY,
     FULL_INFO_KEY,
@@ -43,7 +44,7 @@ from hp_lightning.checkpoint.layout import (
 )
 from hp_lightning.checkpoint.read import dcp_index, directory_message, read_full_file, read_meta, read_sharded
 from hp_lightning.checkpoint.save import save_checkpoint
-from hp_lightning.checkpoint.unpickle import dcp_load
+from hp_lightning.checkpoint.unpickle import dcp_load, read_dcp_metadata
 from hp_lightning.core.state_dict import (
     Shape,
     check_model_keys,
@@ -65,6 +66,7 @@ __all__ = [  # the readers stay importable from here, where they used to live
 ]
 
 
+@layout.cyclic_gc_paused
 def load_checkpoint(
     path: Path,
     model: nn.Module,
@@ -91,11 +93,12 @@ def load_checkpoint(
             ``torch.serialization.add_safe_globals``; anything else is refused with
             :class:`UnsafeCheckpointError`. False: unpickle anything, which runs code the file
             carries: only for files you trust.
-        verify: check what the save recorded before reading anything else: the manifest, the
-            sizes, and every byte against the CRC-32s (and the SHA-256, when saved with
-            ``checksums=True``) recorded at save: one read of every file, shared by the ranks,
-            so a flipped, truncated or swapped shard is named before any tensor moves; single
-            files: their zip CRC-32s.
+        verify: check every byte this load uses against what the save recorded: the manifest,
+            the sizes and the bytes outside the tensors before anything else is read (the ranks
+            share the files), each tensor against its CRC-32 as DCP reads it, before it is copied
+            into the model (one read of every byte: a damaged tensor fails the load on every rank,
+            with the tensors before it loaded); with a SHA-256 recorded (``checksums=True``) every
+            byte is read before any tensor moves. Single files: their zip CRC-32s.
         elsewhere: model keys other ranks load (a pipeline's other stages): neither missing here
             nor unexpected. A single file is first written once as a temporary sharded directory
             next to it, so each stage reads only its part.
@@ -168,21 +171,21 @@ def _load_full_into_stage(
 # ------------------------------------------------ sharded
 
 
-def _verify_sharded(path: Path, manifest: Mapping[str, Any]) -> None:
-    """Each rank checks its share of the recorded files (about equal bytes; every byte against its CRC-32,
-    and SHA-256 when recorded); any problem raises on every rank, naming the files."""
+def _verify_sharded(path: Path, manifest: Mapping[str, Any], *, ranges_on_read: bool) -> None:
+    """This rank's share of the recorded files (about equal bytes) against the manifest: sizes, every byte
+    against its CRC-32 (only the bytes outside the tensor ranges with ``ranges_on_read``: the reader checks
+    those as it loads them), and SHA-256 when recorded.
+
+    Raises:
+        CorruptCheckpointError: naming the files; the caller shares it with every rank.
+    """
     try:
         mine = layout.share_by_size(manifest["files"], world_size())[rank()]
-        problems = layout.verify_records(path, manifest["files"], mine)
-    except OSError as exc:  # e.g. unreadable: still reach the collective below
+        problems = layout.verify_records(path, manifest["files"], mine, ranges_on_read=ranges_on_read)
+    except OSError as exc:
         problems = [f"{str(path)!r} cannot be read on rank {rank()}: {exc}"]
-    listed: list[Any] = [problems]
-    if dist.is_initialized():
-        listed = [None] * world_size()
-        dist.all_gather_object(listed, problems)
-    everything = [p for part in listed for p in part]
-    if everything:
-        raise CorruptCheckpointError(layout.corruption_message(everything, path))
+    if problems:
+        raise CorruptCheckpointError(layout.corruption_message(problems, path))
 
 
 def _stored_model(index: Mapping[tuple[Any, ...], Shape]) -> tuple[str, dict[str, Shape]]:
@@ -290,31 +293,40 @@ def _load_sharded(
     """
     source = repr(str(path))
 
-    manifest = on_every_rank(lambda: layout.read_manifest(path)) if kind is CheckpointKind.HP_SHARDED else None
+    def read_and_verify() -> Optional[dict[str, Any]]:
+        manifest = layout.read_manifest(path) if kind is CheckpointKind.HP_SHARDED else None
+        if manifest is not None and verify:
+            _verify_sharded(path, manifest, ranges_on_read=True)  # before anything else in the directory is read
+        return manifest
+
+    manifest = on_every_rank(read_and_verify)  # one agreement: the first rank's problem is raised on every rank
     if manifest is None:
         warn_rank0(f"{source} is in Lightning's sharded layout, which records no checksums; it is loaded unverified.")
-    elif verify:
-        _verify_sharded(path, manifest)  # before anything else in the directory is read
-    meta = on_every_rank(lambda: read_meta(path, weights_only)) if rest else {}
-    index = on_every_rank(lambda: dcp_index(path, weights_only=weights_only))
+    check = ReadCheck(path, manifest["files"]) if manifest is not None and verify else None
 
-    model_key, stored = _stored_model(index)
-    stored = {k[len(prefix) :]: shape for k, shape in stored.items() if k.startswith(prefix) and k[len(prefix) :] not in elsewhere}
-    expected = model_shapes(model)
-    missing, unexpected = on_every_rank(lambda: check_model_keys(expected, stored, strict=strict, source=source))
+    def plan() -> tuple[Any, ...]:
+        """Everything checked before DCP moves a tensor, without a collective (so it can share one agreement)."""
+        meta = read_meta(path, weights_only) if rest else {}
+        metadata = read_dcp_metadata(path, weights_only=weights_only)
+        index = dcp_index(path, weights_only=weights_only, metadata=metadata)
+        model_key, stored = _stored_model(index)
+        stored = {k[len(prefix) :]: shape for k, shape in stored.items() if k.startswith(prefix) and k[len(prefix) :] not in elsewhere}
+        sharded_model = get_model_state_dict(model)  # what DCP loads into (in place), and the shapes to compare
+        missing, unexpected = check_model_keys(state_shapes(sharded_model), stored, strict=strict, source=source)
+        restoring = _plan_optimizers(model, optimizers, _count_optimizers(index), strict=strict, source=source)
+        request: dict[str, Any] = {model_key: {prefix + k: v for k, v in sharded_model.items() if k in stored}}
+        plans = []
+        for i, optimizer in enumerate(restoring):
+            plans.append(_optimizer_request(model, optimizer, index, i, set(missing), source, elsewhere))
+            request[f"optimizer_{i}"] = plans[-1][0]
+        return meta, metadata, model_key, missing, unexpected, restoring, request, plans
+
+    # Every pickle (meta.pt, DCP's index) is read, and every key and shape compared, before any tensor
+    # moves; one agreement shares the outcome (the first rank's refusal is raised on every rank).
+    meta, metadata, model_key, missing, unexpected, restoring, request, plans = on_every_rank(plan)
     _report_skipped(missing, unexpected, source)
 
-    restoring = on_every_rank(lambda: _plan_optimizers(model, optimizers, _count_optimizers(index), strict=strict, source=source))
-    sharded_model = get_model_state_dict(model)
-    request: dict[str, Any] = {model_key: {prefix + k: v for k, v in sharded_model.items() if k in stored}}
-    plans = []
-    for i, optimizer in enumerate(restoring):
-        plans.append(
-            on_every_rank(lambda i=i, optimizer=optimizer: _optimizer_request(model, optimizer, index, i, set(missing), source, elsewhere))
-        )
-        request[f"optimizer_{i}"] = plans[-1][0]
-
-    dcp_load(request, path, weights_only=weights_only, no_dist=not dist.is_initialized(), allow_partial_load=True)
+    dcp_load(request, path, weights_only=weights_only, no_dist=not dist.is_initialized(), allow_partial_load=True, check=check, metadata=metadata)
     loaded_model = {k[len(prefix) :]: v for k, v in request[model_key].items()}
     set_model_state_dict(model, loaded_model, options=StateDictOptions(strict=False))
     for optimizer, (loaded, names, by_position, skipped) in zip(restoring, plans):

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from hp_lightning.checkpoint import layout
 from hp_lightning.checkpoint.layout import (
@@ -102,17 +102,19 @@ def directory_message(path: Path, caller: str) -> str:
 # ------------------------------------------------ sharded directories
 
 
-def dcp_index(path: Path, *, weights_only: Optional[bool] = None) -> dict[tuple[Any, ...], Shape]:
+def dcp_index(path: Path, *, weights_only: Optional[bool] = None, metadata: Optional[Metadata] = None) -> dict[tuple[Any, ...], Shape]:
     """Every entry DCP stored, as its nested path (``('state_dict', 'net.w')``) -> global shape.
 
-    DCP's index is a pickle: it is read safely unless ``weights_only=False`` (see :mod:`.unpickle`).
+    DCP's index is a pickle: it is read safely unless ``weights_only=False`` (see :mod:`.unpickle`);
+    pass ``metadata`` already read by :func:`read_dcp_metadata` to read it once.
 
     Raises:
         UnsafeCheckpointError: the index needs a type outside DCP's own, or names a file outside ``path``.
         CorruptCheckpointError: the index is missing or damaged.
     """
     try:
-        metadata = read_dcp_metadata(path, weights_only=weights_only)
+        if metadata is None:
+            metadata = read_dcp_metadata(path, weights_only=weights_only)
     except (layout.UnsafeCheckpointError, CorruptCheckpointError):
         raise
     except Exception as exc:  # noqa: BLE001 - re-raised with the file named

@@ -86,6 +86,7 @@ def prepare_target(path: Path, *, overwrite: bool = True, what: str = "Cannot sa
     return layout.staging_path(path, layout.new_token())
 
 
+@layout.cyclic_gc_paused
 def save_checkpoint(checkpoint: dict[str, Any], path: Path, *, sharded: bool, checksums: bool = False) -> None:
     """Write Lightning's ``checkpoint`` dict to ``path`` from every rank; the save appears whole or not at all.
 
@@ -274,6 +275,7 @@ class AsyncSaves:
     def in_flight(self) -> bool:
         return self._future is not None
 
+    @layout.cyclic_gc_paused
     def save(self, checkpoint: dict[str, Any], path: Path, *, checksums: bool = False) -> None:
         """Start a sharded save of Lightning's ``checkpoint`` dict; every rank calls it.
 

@@ -29,16 +29,17 @@ import pickle
 import re
 from collections.abc import Sequence
 from pathlib import Path
-from typing import IO, Any, Optional, Union
+from typing import IO, Any, Optional, Union, cast
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader
-from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
 from hp_lightning.checkpoint import layout
+from hp_lightning.checkpoint.integrity import FileWindow, ReadCheck
 from hp_lightning.checkpoint.layout import DCP_METADATA_FILE, CorruptCheckpointError, UnsafeCheckpointError
 from hp_lightning.core import devices
 
@@ -217,14 +218,73 @@ def read_dcp_metadata(path: Path, *, weights_only: Optional[bool] = None, rank: 
 
 
 class SafeReader(FileSystemReader):
-    """torch's ``FileSystemReader`` whose index is read by :func:`read_dcp_metadata` (safe, contained)."""
+    """torch's ``FileSystemReader`` whose index is read by :func:`read_dcp_metadata` (safe, contained).
 
-    def __init__(self, path: Union[str, os.PathLike], *, weights_only: Optional[bool] = None) -> None:
+    Given a :class:`~hp_lightning.checkpoint.integrity.ReadCheck` (a resume of an hp_lightning
+    sharded checkpoint), each tensor is checked against the manifest's CRC-32s between DCP's
+    ``torch.load`` of its item and the copy into the model: the bytes are verified as they are
+    read, in the same pass. Otherwise torch's reading, unchanged.
+    """
+
+    def __init__(
+        self,
+        path: Union[str, os.PathLike],
+        *,
+        weights_only: Optional[bool] = None,
+        check: Optional[ReadCheck] = None,
+        metadata: Optional[dcp_metadata.Metadata] = None,
+    ) -> None:
         super().__init__(path)
         self.weights_only = weights_only
+        self.check = check
+        self._metadata = metadata  # the index already read (safely) by the caller: not unpickled twice
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future:
+        check = self.check
+        if check is None:
+            return super().read_data(plan, planner)
+        per_file: dict[str, list[ReadItem]] = {}
+        for item in plan.items:
+            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        root = Path(self.path)
+        for name, items in per_file.items():
+            items.sort(key=lambda item: self.storage_data[item.storage_index].offset)  # one forward sweep through the file
+            with open(root / name, "rb") as stream:
+                for item in items:
+                    info = self.storage_data[item.storage_index]
+                    view = self.transforms.transform_load_stream(item, info.transform_descriptors or (), cast(IO[bytes], FileWindow(stream, info.offset, info.length)))
+                    if item.type == LoadItemType.BYTE_IO:
+                        data = io.BytesIO(view.read(-1))
+                        self._refuse(check.problem(name, info.offset, info.length, None))
+                        planner.load_bytes(item, data)
+                        continue
+                    source = view if view.seekable() else io.BytesIO(view.read(-1))
+                    loaded = torch.load(source, map_location=devices.CPU, weights_only=True)
+                    self._refuse(check.problem(name, info.offset, info.length, loaded))
+                    for dim, (start, size) in enumerate(zip(item.storage_offsets, item.lengths)):
+                        if start != 0 or size != loaded.size(dim):
+                            loaded = loaded.narrow(dim, start, size)
+                    target = planner.resolve_tensor(item).detach()
+                    if target.size() != loaded.size():
+                        raise CorruptCheckpointError(
+                            f"Entry {item.dest_index.fqn!r} of {str(root)!r}: the checkpoint holds shape {tuple(loaded.size())} "
+                            f"where its index says {tuple(target.size())}; the checkpoint is damaged."
+                        )
+                    target.copy_(loaded)
+                    planner.commit_tensor(item, target)
+        done: torch.futures.Future = torch.futures.Future()
+        done.set_result(None)
+        return done
+
+    def _refuse(self, problem: Optional[str]) -> None:
+        if problem is not None:
+            raise CorruptCheckpointError(layout.corruption_message([problem], Path(self.path)))
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
-        metadata = read_dcp_metadata(Path(self.path), weights_only=self.weights_only, rank=kwargs.get("rank"))
+        if self._metadata is not None and kwargs.get("rank") is None:
+            metadata = self._metadata
+        else:
+            metadata = read_dcp_metadata(Path(self.path), weights_only=self.weights_only, rank=kwargs.get("rank"))
         assert metadata.storage_meta is not None  # read_dcp_metadata always fills it in
         metadata.storage_meta.load_id = self.load_id
         return metadata
@@ -272,16 +332,30 @@ def _put(root: Any, route: Sequence[Any], value: Any) -> None:
     node[last] = value
 
 
-def dcp_load(state: dict[str, Any], path: Path, *, weights_only: Optional[bool], no_dist: bool, allow_partial_load: bool = False) -> None:
+def dcp_load(
+    state: dict[str, Any],
+    path: Path,
+    *,
+    weights_only: Optional[bool],
+    no_dist: bool,
+    allow_partial_load: bool = False,
+    check: Optional[ReadCheck] = None,
+    metadata: Optional[dcp_metadata.Metadata] = None,
+) -> None:
     """``dcp.load(state, ...)`` from directory ``path`` with :class:`SafeReader` and :class:`SafeLoadPlanner`.
 
     DCP gathers every rank's failure and raises the same ``CheckpointException`` everywhere; a
     refusal inside it comes back out as the :class:`UnsafeCheckpointError` it was, on every rank.
 
+    Args:
+        check: verify each tensor against the manifest's CRC-32s as it is read (:class:`SafeReader`).
+        metadata: DCP's index, when the caller already read it with :func:`read_dcp_metadata`.
+
     Raises:
         UnsafeCheckpointError: a non-tensor entry or the index needs more than safe loading allows.
+        CorruptCheckpointError: with ``check``, a tensor's bytes differ from those recorded at save.
     """
-    reader = SafeReader(str(path), weights_only=weights_only)
+    reader = SafeReader(str(path), weights_only=weights_only, check=check, metadata=metadata)
     planner = SafeLoadPlanner(path, weights_only=weights_only, allow_partial_load=allow_partial_load)
     try:
         dcp.load(state, checkpoint_id=str(path), storage_reader=reader, planner=planner, no_dist=no_dist)

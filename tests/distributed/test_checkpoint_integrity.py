@@ -1,9 +1,12 @@
 """Integrity by default and full disks, on 2 real gloo ranks, in one launch.
 
 * A sharded checkpoint saved with the defaults (no ``checksums``), then damaged on disk: a flipped
-  byte in rank 1's shard, rank 1's shard replaced by rank 0's file of the same size (of a
-  weights-only save, where both ranks' files have the same size), a truncated shard. Every rank refuses each with ``CorruptCheckpointError`` naming the file; the intact one
-  loads exactly.
+  byte in a tensor of rank 1's shard (caught as DCP reads it), one in a zip header of rank 1's
+  shard (caught before DCP starts), one in the last tensor of rank 0's shard (caught by rank 0
+  as it reads it, raised on rank 1 too), rank 1's shard replaced by rank 0's file of the same size
+  (of a weights-only save, where both ranks' files have the same size), a truncated shard. Every
+  rank refuses each with the same ``CorruptCheckpointError`` naming the file; the intact one loads
+  exactly.
 * A real full disk: rank 0 mounts a tmpfs that holds one checkpoint and not two, and the ranks
   save over it, synchronously and with ``AsyncSaves``. Every rank raises the same ``OSError``
   (ENOSPC) naming the checkpoint and the free space; the async one also says which save it was.
@@ -22,10 +25,13 @@ from typing import Any, Callable
 import pytest
 import torch
 
+from hp_lightning.checkpoint.layout import MANIFEST_FILE
 from tests.helpers import RegressionModule, full_params, run_distributed
 
 SHARDS = ("__0_0.distcp", "__1_0.distcp")
-DAMAGE = ("flipped", "swapped", "truncated")
+DAMAGE = ("flipped", "header", "rank0_tail", "swapped", "truncated")
+#: The shard each damage case alters.
+DAMAGED_SHARD = {"flipped": SHARDS[1], "header": SHARDS[1], "rank0_tail": SHARDS[0], "swapped": SHARDS[1], "truncated": SHARDS[1]}
 
 
 def _sharded_model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -93,9 +99,18 @@ def integrity_worker(tmp: str, mount: str) -> dict[str, Any]:
     if dist.get_rank() == 0:
         for case in DAMAGE:
             shutil.copytree(root / ("weights" if case == "swapped" else "good"), root / case)
-        data = bytearray((root / "flipped" / SHARDS[1]).read_bytes())
-        data[len(data) // 2] ^= 0x01
-        (root / "flipped" / SHARDS[1]).write_bytes(bytes(data))
+        import json
+
+        ranges = json.loads((root / "good" / MANIFEST_FILE).read_text())["files"]
+        # (case, shard, byte to flip, whether a tensor range the reader checks holds it)
+        flips = [("flipped", SHARDS[1], None), ("header", SHARDS[1], 30), ("rank0_tail", SHARDS[0], -1)]
+        for case, shard, where in flips:
+            data = bytearray((root / case / shard).read_bytes())
+            spans = ranges[shard]["crc32_ranges"]
+            at = len(data) // 2 if where is None else where if where >= 0 else spans[-1][0] + spans[-1][1] // 2
+            data[at] ^= 0x01
+            (root / case / shard).write_bytes(bytes(data))
+            out[f"{case}:in_range"] = any(o <= at < o + n for o, n, _ in spans)
         out["same_size"] = (root / "weights" / SHARDS[0]).stat().st_size == (root / "weights" / SHARDS[1]).stat().st_size
         shutil.copy(root / "weights" / SHARDS[0], root / "swapped" / SHARDS[1])  # rank 0's shard in rank 1's place
         (root / "truncated" / SHARDS[1]).write_bytes((root / "good" / SHARDS[1]).read_bytes()[:1000])
@@ -149,10 +164,13 @@ def test_a_damaged_shard_is_refused_by_default_naming_the_file_on_every_rank(res
     per_rank, _ = results
     assert per_rank[0]["same_size"], "the swap must be of a same-size file"
     expected = "is truncated" if case == "truncated" else "was altered or replaced after the save"
+    if case in ("flipped", "rank0_tail", "header"):  # which check meets it: the reader's (in a tensor) or the one before DCP
+        assert per_rank[0][f"{case}:in_range"] == (case != "header"), case
+    assert len({out[case][1] for out in per_rank}) == 1, [out[case][1] for out in per_rank]  # word for word on every rank
     for rank, out in enumerate(per_rank):
         raised, message, _ = out[case]
         assert raised == "CorruptCheckpointError", f"rank {rank}: {case}: {raised}: {message}"
-        assert f"{SHARDS[1]}' {expected}" in message and f"{case}/" in message, f"rank {rank}: {message}"
+        assert f"{DAMAGED_SHARD[case]}' {expected}" in message and f"{case}/" in message, f"rank {rank}: {message}"
 
 
 def test_the_intact_checkpoint_loads_exactly(results: tuple[list[dict[str, Any]], Path]) -> None:
