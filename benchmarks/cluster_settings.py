@@ -19,10 +19,10 @@ from typing import Any
 
 from benchmarks.cluster_net import LinkSpeed
 from benchmarks.settings import (
+    BLOCKS_PLAN,
     DDP,
     DEFER_ALL_REDUCE,
     HP,
-    BLOCKS_PLAN,
     MPS,
     RAW,
     Configuration,
@@ -31,7 +31,7 @@ from benchmarks.settings import (
 
 #: Target thresholds of issue 18 (printed as PASS/FAIL, never asserted).
 MIN_HSDP_SPEEDUP_OVER_FSDP = 1.3
-MAX_STEP_RATIO_TO_RAW = 1.03
+MAX_STEP_RATIO_TO_RAW = 1.01  # issue 27: hp_lightning within 1 % of the raw FSDP2 loop
 MAX_PEAK_RATIO_TO_BOUND = 1.10
 #: The speed the HSDP-versus-FSDP target is judged at.
 TARGET_SPEED = "1G"
@@ -95,6 +95,7 @@ class ClusterSettings:
             Configuration(HP, hsdp),
             Configuration(RAW, hsdp, 4, DEFER_ALL_REDUCE),
             Configuration(HP, hsdp, 4, DEFER_ALL_REDUCE),
+            Configuration(HP, hsdp, 4, DEFER_ALL_REDUCE, divergence_check="off"),  # what the safety check costs
             Configuration(MPS, w),
             Configuration(DDP, w),
         ]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from benchmarks.report import MiB, STATE_BYTES_PER_PARAM, formula_bytes
+from benchmarks.report import STATE_BYTES_PER_PARAM, MiB, formula_bytes
 from benchmarks.settings import DDP, FAMILY_LABELS, HP, MAX_STEP_RATIO_TO_RAW, RAW
 
 

@@ -77,6 +77,8 @@ class Configuration:
             :data:`DEFER_ALL_REDUCE`); hp_lightning sets it with ``GradientAccumulationSync``, the
             raw loop with ``set_requires_gradient_sync`` / ``set_requires_all_reduce``.
         plan: :data:`AUTO_PLAN` (hp_lightning's choice), :data:`BLOCKS_PLAN` or :data:`LLM_PLAN` (raw loop only).
+        divergence_check: hp_lightning's ``divergence_check`` option (``"per_step"``, its default, or
+            ``"off"``): what the safety check costs is the ratio of the two.
     """
 
     family: str
@@ -84,6 +86,7 @@ class Configuration:
     accumulate: int = 1
     accumulation_mode: str = SKIP
     plan: str = AUTO_PLAN
+    divergence_check: str = "per_step"
 
     @property
     def world_size(self) -> int:
@@ -105,6 +108,8 @@ class Configuration:
     @property
     def name(self) -> str:
         extra = "".join(f", {v}" for v, default in ((self.accumulation_mode, SKIP), (self.plan, AUTO_PLAN)) if v != default)
+        if self.divergence_check != "per_step":
+            extra += f", divergence_check={self.divergence_check}"
         return f"{self.family}[{self.sharding}, k={self.accumulate}{extra}]"
 
     def reference(self) -> Configuration:

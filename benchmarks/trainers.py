@@ -238,7 +238,7 @@ class MarkSteps(Callback):
 def lightning_strategy(config: Configuration) -> Any:
     """The strategy object of a Lightning configuration."""
     if config.family == HP:
-        return HSDPStrategy(mesh_shape=list(config.mesh_shape))
+        return HSDPStrategy(mesh_shape=list(config.mesh_shape), divergence_check=config.divergence_check)
     if config.family == MPS:
         return ModelParallelStrategy(data_parallel_size=config.world_size, tensor_parallel_size=1)
     if config.family == DDP:
