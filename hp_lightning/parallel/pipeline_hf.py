@@ -128,6 +128,15 @@ def refuse_hf_models_the_adapter_cannot_run(model: nn.Module, split_points: list
             continue
         outer.append(name)
         if name in adapted:
+            head = f"{name}.lm_head"
+            if head in split_points:  # the head alone on a stage: HF's forward would call the decoder that stage lacks
+                raise ValueError(
+                    f"{where}: split point {head!r} puts the head of the Hugging Face {type(module).__name__} at {name!r} "
+                    f"on a stage of its own, but its forward runs the decoder ({name}.model) before the head, and that "
+                    f"stage would hold none of it. Split at {name + '.model.norm'!r} instead (the last stage then runs the "
+                    f"final norm and the head), or at a layer ({name + '.model.layers.<i>'!r}), or use "
+                    f"pipeline_split_points: auto."
+                )
             continue
         inside = [point for point in split_points if point.startswith(f"{name}.")]
         if not inside:
@@ -198,6 +207,9 @@ def adapt_hf_decoder_stages(model: nn.Module, decoders: list[str]) -> list[str]:
             decoder.register_forward_pre_hook(_route_stage_input, with_kwargs=True)
             object.__setattr__(decoder, _ROUTED_ATTR, True)
             done.append(f"{where}model: input as inputs_embeds")
+        if pieces.get("layers") is None:  # a stage of the final norm (and head) alone: no layer to run
+            decoder.layers = nn.ModuleList()
+            done.append(f"{where}model.layers -> empty")
         if pieces.get("norm") is None:
             decoder.norm = nn.Identity()
             done.append(f"{where}model.norm -> Identity")

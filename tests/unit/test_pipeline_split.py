@@ -378,6 +378,9 @@ def test_a_cut_hugging_face_model_the_stage_forward_cannot_run_is_refused_before
     # A Llama the adapter runs passes; the same Llama with its embeddings registered after the norm does not.
     llama = HFWrapper()
     refuse_hf_models_the_adapter_cannot_run(llama, ["net.model.layers.2"], where)
+    refuse_hf_models_the_adapter_cannot_run(llama, ["net.model.norm"], where)  # the last stage: final norm + head
+    with pytest.raises(ValueError, match=r"split point 'net.lm_head' puts the head .* LlamaForCausalLM at 'net' on a stage of its own"):
+        refuse_hf_models_the_adapter_cannot_run(llama, ["net.lm_head"], where)  # failed at the first step before
     pieces = llama.net._modules["model"]._modules
     pieces["embed_tokens"] = pieces.pop("embed_tokens")
     with pytest.raises(ValueError, match=r"LlamaForCausalLM at 'net'.*registered in the order \['model.layers', 'model.norm', 'model.embed_tokens'\]"):
@@ -388,3 +391,22 @@ def test_a_cut_hugging_face_model_the_stage_forward_cannot_run_is_refused_before
         refuse_hf_models_the_adapter_cannot_run(llama, ["net.model.layers.2"], where)
     # Our own models are not Hugging Face's: left to their own forward.
     refuse_hf_models_the_adapter_cannot_run(PipelinedModule(), ["net.blocks.2"], where)
+
+
+def test_a_split_at_the_final_norm_makes_a_last_stage_of_norm_and_head() -> None:
+    """A split point at ``model.norm`` leaves the last stage no layer: it runs the final norm and the head."""
+    from hp_lightning.parallel.pipeline_hf import adapt_hf_decoder_stages, find_hf_decoders
+
+    torch.manual_seed(0)
+    whole = HFWrapper().eval()
+    tokens = torch.randint(0, 96, (2, 7))
+    h: torch.Tensor = tokens
+    for stage in range(2):
+        part = HFWrapper().eval()
+        part.load_state_dict(whole.state_dict())
+        decoders = find_hf_decoders(part)
+        split_stage(part, ["net.model.norm"], stage)
+        adapted = adapt_hf_decoder_stages(part, decoders)
+        assert ("net.model.layers -> empty" in adapted) == (stage == 1)
+        h = part(h)
+    torch.testing.assert_close(h, whole(tokens))
