@@ -37,7 +37,7 @@ import os
 import struct
 import zipfile
 import zlib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Optional
 
@@ -126,6 +126,12 @@ def _members(fd: int, offset: int, length: int) -> Optional[list[Member]]:
     """The records of the zip archive at ``[offset, offset + length)`` of ``fd``, from its central
     directory (two or three small reads); None for anything this short path does not read (then
     :mod:`zipfile` is asked)."""
+    named = _named_members(fd, offset, length)
+    return None if named is None else [member for _, member in named]
+
+
+def _named_members(fd: int, offset: int, length: int) -> Optional[list[tuple[str, Member]]]:
+    """:func:`_members` with each record's name."""
     tail = os.pread(fd, min(length, _TAIL), offset + length - min(length, _TAIL))
     if len(tail) < _EOCD.size or tail[-_EOCD.size : -_EOCD.size + 4] != b"PK\x05\x06":
         return None
@@ -148,7 +154,7 @@ def _members(fd: int, offset: int, length: int) -> Optional[list[Member]]:
         directory = tail[cd_offset - tail_start : cd_offset - tail_start + cd_size]
     else:
         directory = os.pread(fd, cd_size, offset + cd_offset)
-    members: list[Member] = []
+    members: list[tuple[str, Member]] = []
     position = 0
     for _ in range(entries):
         if position + _CENTRAL.size > len(directory):
@@ -165,9 +171,39 @@ def _members(fd: int, offset: int, length: int) -> Optional[list[Member]]:
             size = next(values) if size == _FULL32 else size
             stored = next(values) if stored == _FULL32 else stored
             header_at = next(values) if header_at == _FULL32 else header_at
-        members.append((header_at, stored, size, crc, method))
+        name = directory[position + _CENTRAL.size : position + _CENTRAL.size + name_length].decode("utf-8", "replace")
+        members.append((name, (header_at, stored, size, crc, method)))
         position += _CENTRAL.size + name_length + extra_length + comment_length
     return members
+
+
+def archive_records(
+    fd: int, offset: int, length: int, wanted: Callable[[str], bool] = lambda name: True
+) -> Optional[dict[str, tuple[int, int, int]]]:
+    """The ``wanted`` records of the zip archive at ``[offset, offset + length)`` of ``fd``:
+    name -> (absolute offset of its bytes, length, CRC-32); None for an archive this short path does
+    not read, or one with a compressed record (the caller then lets ``torch.load`` read it).
+
+    A few small reads: the archive's tail and central directory, and each wanted record's local header.
+    """
+    members = _named_members(fd, offset, length)
+    if members is None:
+        return None
+    records = {}
+    for name, (header_at, stored, size, crc, method) in members:
+        if method != zipfile.ZIP_STORED or stored != size:
+            return None
+        if not wanted(name):
+            continue
+        header = os.pread(fd, _LOCAL_HEADER.size, offset + header_at)
+        if len(header) != _LOCAL_HEADER.size:
+            return None
+        signature, name_length, extra_length = _LOCAL_HEADER.unpack(header)
+        start = offset + header_at + _LOCAL_HEADER.size + name_length + extra_length
+        if signature != _LOCAL_SIGNATURE or start + size > offset + length or name in records:
+            return None
+        records[name] = (start, size, crc)
+    return records
 
 
 def _members_by_zipfile(file: Any, offset: int, length: int) -> list[Member]:
