@@ -373,9 +373,6 @@ def lighthouse_main(settings: FTBenchSettings, place: Placement, min_replicas: i
 # ---------------------------------------------------------------------------- the harness (host side)
 
 
-#: CPU seconds the ranks reported (the killed ones and the lighthouse cannot: a small undercount).
-_RANK_CPU_S: list[float] = []
-
 
 class _FTSession:
     """One lighthouse and two replica groups of warm processes; every wait bounded, everything killed at the end."""
@@ -459,7 +456,6 @@ class _FTSession:
         errors = [v[1] for v in results.values() if v is None or v[0] != "ok"]
         if errors:
             raise RuntimeError("bench-ft: a rank failed:\n" + "\n".join(map(str, errors)))
-        _RANK_CPU_S.extend(v[1]["cpu_s"] for v in results.values())
         return {k: v[1] for k, v in results.items()}
 
     def close(self) -> None:
@@ -505,7 +501,6 @@ def time_plain(settings: FTBenchSettings, place: Placement, speed: LinkSpeed) ->
     env = {"MASTER_ADDR": place.address(0), "MASTER_PORT": str(free_port())}
     ranks = run_distributed(plain_rank, NODES * RANKS_PER_NODE, settings, place, speed, timeout=settings.launch_timeout_s,
                             local_world_size=RANKS_PER_NODE, env=env)
-    _RANK_CPU_S.extend(r["cpu_s"] for r in ranks)
     node0 = next(r for r in ranks if r["node"] == 0 and r["local"] == 0)
     link, loop = _per_step_bytes(node0["counters"], settings.warmup_steps)
     w = settings.warmup_steps
@@ -846,28 +841,6 @@ def render_markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _with_rank_cpu(summary: dict[str, Any], rank_cpu_s: float) -> dict[str, Any]:
-    """The load summary with the ranks' own CPU moved from "other processes" to "this benchmark", verdict redone."""
-    from benchmarks.load import BUSY_LOAD_SHARE, BUSY_OTHER_SHARE
-
-    if "other_cores" not in summary:
-        return summary
-    out = dict(summary)
-    ranks = rank_cpu_s / summary["wall_s"]
-    out["own_cores"] = summary["own_cores"] + ranks
-    out["other_cores"] = max(summary["other_cores"] - ranks, 0.0)
-    cores = summary["cores"]
-    reasons = []
-    if out["other_cores"] > BUSY_OTHER_SHARE * cores:
-        reasons.append(f"other processes used {out['other_cores']:.2f} of {cores} cores on average")
-    if summary["load_before"] is not None and summary["load_before"] > BUSY_LOAD_SHARE * cores:
-        reasons.append(f"the load average was already {summary['load_before']:.2f} before the run")
-    if summary["steal_cores"] > BUSY_OTHER_SHARE * cores:
-        reasons.append(f"the hypervisor took {summary['steal_cores']:.2f} cores (steal time)")
-    out["busy"], out["busy_reasons"] = bool(reasons), reasons
-    return out
-
-
 def run(settings: FTBenchSettings, out_dir: Path, note: str = "", loopback: bool = False) -> dict[str, Any]:
     """Build the cluster (or fall back to loopback), measure, remove the cluster, write the results."""
     started = time.monotonic()
@@ -903,7 +876,7 @@ def run(settings: FTBenchSettings, out_dir: Path, note: str = "", loopback: bool
                 os.environ[key] = value
     network["lighthouse_bind"] = f"{place.address(0)}:<free port>"
     elapsed = time.monotonic() - started
-    machine = describe_machine("cpu", _with_rank_cpu(load.summary(), sum(_RANK_CPU_S)), note)
+    machine = describe_machine("cpu", load.summary(), note)  # the load monitor counts the ranks (the benchmark's process tree)
     machine["benchmark wall time"] = f"{elapsed / 60:.1f} min"
     summary = summarize(settings, measured)
     report = {"settings": asdict(settings), "machine": machine, "network": network, "summary": summary,

@@ -7,10 +7,11 @@ The 1-minute load average alone cannot tell: during a run it counts the benchmar
   sampled every few seconds) — the familiar figure;
 * the CPU time the whole machine spent busy over the run (``/proc/stat``) minus the CPU time
   of this benchmark's processes — what *other* processes used, in cores on average. This
-  benchmark's share is its whole process tree: ``os.times()`` (this process and the children it
-  reaped: launchers, ``tc`` calls) plus the descendants it did not reap itself, such as ranks
-  forked by a forkserver, whose CPU time is read from ``/proc/<pid>/stat`` every sampling
-  interval (a descendant shorter than one interval can be missed: counted as *other*);
+  benchmark's share is its whole process tree, each process counted once: ``os.times()`` (this
+  process and the children it reaped, with everything those had reaped) plus, from two snapshots
+  of ``/proc/<pid>/stat`` (start and end), the descendants still there at the end (ranks a
+  forkserver started, a launcher not yet reaped) with what they had reaped themselves. A
+  descendant orphaned before the end (its parent gone) counts as *other*;
 * the CPU time stolen by the hypervisor (``steal`` in ``/proc/stat``), on a VM.
 
 A run is marked **busy** when other processes used more than a quarter of the cores on
@@ -43,23 +44,14 @@ def _proc_stat() -> Optional[dict[str, int]]:
     return {name: int(value) for name, value in zip(names, fields[1:])}
 
 
-def _boot_ticks() -> int:
-    """Clock ticks since boot now (the unit of a process's start time in ``/proc/<pid>/stat``)."""
-    hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-    try:
-        with open("/proc/uptime") as f:
-            return int(float(f.read().split()[0]) * hz)
-    except OSError:
-        return 0
-
-
 def _own_cpu_s() -> float:
     t = os.times()
     return t.user + t.system + t.children_user + t.children_system
 
 
 def _process_table() -> dict[int, tuple[int, float, int]]:
-    """Every live process: pid -> (parent pid, CPU seconds used (user + system), start time in clock ticks since boot)."""
+    """Every live (or unreaped) process: pid -> (parent pid, CPU seconds of itself and of the children it
+    reaped (utime + stime + cutime + cstime), start time in clock ticks since boot)."""
     hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
     table = {}
     try:
@@ -75,22 +67,24 @@ def _process_table() -> dict[int, tuple[int, float, int]]:
         except OSError:
             continue  # exited meanwhile
         fields = text[text.rfind(")") + 2 :].split()  # the command name may hold spaces: split after it
-        # fields[0] is the state (field 3 of proc(5)); ppid, utime, stime, starttime are fields 4, 14, 15, 22.
-        table[int(entry)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / hz, int(fields[19]))
+        # fields[0] is field 3 of proc(5) (state): ppid is field 4, utime..cstime 14-17, starttime 22.
+        cpu = sum(int(fields[i]) for i in (11, 12, 13, 14)) / hz
+        table[int(entry)] = (int(fields[1]), cpu, int(fields[19]))
     return table
 
 
-def _unreaped_descendants(table: dict[int, tuple[int, float, int]], root: int) -> set[int]:
-    """Descendants of ``root`` whose parent is not ``root`` (their CPU time never reaches ``os.times()`` here)."""
+def _descendants(root: int) -> dict[int, tuple[float, int]]:
+    """Every process below ``root`` now: pid -> (CPU seconds with its reaped children, start time)."""
+    table = _process_table()
     children: dict[int, list[int]] = {}
     for pid, (parent, _, _) in table.items():
         children.setdefault(parent, []).append(pid)
-    found, todo = set(), list(children.get(root, ()))
+    found: dict[int, tuple[float, int]] = {}
+    todo = list(children.get(root, ()))
     while todo:
         pid = todo.pop()
-        grandchildren = children.get(pid, ())
-        found.update(grandchildren)
-        todo.extend(grandchildren)
+        found[pid] = table[pid][1:]
+        todo.extend(children.get(pid, ()))
     return found
 
 
@@ -118,28 +112,27 @@ class LoadMonitor:
     _wall_after: float = 0.0
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: Optional[threading.Thread] = None
-    #: Unreaped descendants seen so far: pid -> (CPU seconds when first seen, when last seen).
-    _descendants: dict[int, tuple[float, float]] = field(default_factory=dict)
-    _boot_ticks_at_start: int = 0
-
-    def _sample_descendants(self) -> None:
-        table = _process_table()
-        for pid in _unreaped_descendants(table, os.getpid()):
-            _, cpu, started = table[pid]
-            first = self._descendants.get(pid, (0.0 if started >= self._boot_ticks_at_start else cpu, cpu))[0]
-            self._descendants[pid] = (first, cpu)
+    #: Descendants at the start and at the end: pid -> (CPU seconds with their reaped children, start time).
+    _tree_before: dict[int, tuple[float, int]] = field(default_factory=dict)
+    _tree_after: dict[int, tuple[float, int]] = field(default_factory=dict)
 
     def _sample(self) -> None:
         while not self._stop.wait(self.interval_s):
             load = load_average()
             if load is not None:
                 self.load_max = max(self.load_max or 0.0, load)
-            self._sample_descendants()
+
+    def _tree_cpu_s(self) -> float:
+        """CPU seconds the descendants still there at the end used during the run (each process once)."""
+        total = 0.0
+        for pid, (cpu, started) in self._tree_after.items():
+            before = self._tree_before.get(pid)
+            total += cpu - (before[0] if before is not None and before[1] == started else 0.0)
+        return total
 
     def __enter__(self) -> LoadMonitor:
         self.load_before = self.load_max = load_average()
-        self._boot_ticks_at_start = _boot_ticks()
-        self._sample_descendants()  # what already ran before the benchmark started is not its own
+        self._tree_before = _descendants(os.getpid())  # what they used before the run is not the run's
         self._stat_before, self._own_before, self._wall_before = _proc_stat(), _own_cpu_s(), time.monotonic()
         self._thread = threading.Thread(target=self._sample, name="load-monitor", daemon=True)
         self._thread.start()
@@ -152,7 +145,7 @@ class LoadMonitor:
         self.load_after = load_average()
         if self.load_after is not None:
             self.load_max = max(self.load_max or 0.0, self.load_after)
-        self._sample_descendants()
+        self._tree_after = _descendants(os.getpid())
         self._stat_after, self._own_after, self._wall_after = _proc_stat(), _own_cpu_s(), time.monotonic()
 
     def summary(self) -> dict[str, Any]:
@@ -165,7 +158,7 @@ class LoadMonitor:
             hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
             delta = {k: (self._stat_after[k] - self._stat_before[k]) / hz for k in self._stat_before}
             busy_s = delta["user"] + delta["nice"] + delta["system"]
-            own_s = self._own_after - self._own_before + sum(last - first for first, last in self._descendants.values())
+            own_s = self._own_after - self._own_before + self._tree_cpu_s()
             other = max(busy_s - own_s, 0.0) / wall
             steal = delta.get("steal", 0.0) / wall
             out.update(own_cores=own_s / wall, other_cores=other, steal_cores=steal)

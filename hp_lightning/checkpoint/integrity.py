@@ -102,7 +102,7 @@ class FileWindow(io.RawIOBase):
 
 _EOCD = struct.Struct("<4s4xHHIIH")  # end of central directory: signature, entries here, entries, size, offset, comment length
 _ZIP64_LOCATOR = struct.Struct("<4sIQI")  # signature, disk, offset of the zip64 end record, disks
-_ZIP64_EOCD = struct.Struct("<4sQHHII4xQQQ")  # signature, size, versions, disks, entries here, entries, size, offset
+_ZIP64_EOCD = struct.Struct("<4sQHHII8xQQQ")  # signature, record size, versions, disks, (entries here), entries, size, offset
 _CENTRAL = struct.Struct("<4s4xHH4xIIIHHH8xI")  # signature, flags, method, CRC, sizes, name/extra/comment lengths, header offset
 _TAIL = 4096
 _FULL32 = 0xFFFFFFFF
@@ -146,7 +146,7 @@ def _named_members(fd: int, offset: int, length: int) -> Optional[list[tuple[str
         record = os.pread(fd, _ZIP64_EOCD.size, offset + record_at) if signature == b"PK\x06\x07" else b""
         if len(record) != _ZIP64_EOCD.size or record[:4] != b"PK\x06\x06":
             return None
-        _, _, _, _, _, _, _, entries, cd_size, cd_offset = _ZIP64_EOCD.unpack(record)
+        _, _, _, _, _, _, entries, cd_size, cd_offset = _ZIP64_EOCD.unpack(record)
     if cd_offset + cd_size > length:
         return None
     tail_start = length - len(tail)
@@ -159,8 +159,8 @@ def _named_members(fd: int, offset: int, length: int) -> Optional[list[tuple[str
     for _ in range(entries):
         if position + _CENTRAL.size > len(directory):
             return None
-        signature, _, method, crc, stored, size, name_length, extra_length, comment_length, header_at = _CENTRAL.unpack_from(directory, position)
-        if signature != b"PK\x01\x02":
+        signature, flags, method, crc, stored, size, name_length, extra_length, comment_length, header_at = _CENTRAL.unpack_from(directory, position)
+        if signature != b"PK\x01\x02" or flags & 1:  # an encrypted record: not torch's; zipfile (or torch) decides
             return None
         if _FULL32 in (stored, size, header_at):
             extra_at = position + _CENTRAL.size + name_length
@@ -228,7 +228,10 @@ def torch_crc_ranges(path: Path, items: Iterable[Span]) -> list[tuple[int, int, 
     with open(path, "rb", buffering=0) as f:
         fd = f.fileno()
         for offset, length in sorted(items):
-            members = _members(fd, offset, length)
+            try:
+                members = _members(fd, offset, length)
+            except (struct.error, ValueError):  # unreadable here: its bytes are read and CRC-32'd like any others
+                members = None
             if members is None:
                 members = _members_by_zipfile(f, offset, length)
             for header_at, stored, size, crc, method in members:
@@ -437,6 +440,7 @@ class ReadCheck:
 
     def __init__(self, root: Path, records: Mapping[str, Mapping[str, Any]]) -> None:
         self.root = Path(root)
+        self.recorded = frozenset(records)  #: every file the manifest vouches for; any other is refused
         self._ranges: dict[str, list[tuple[int, int, str]]] = {}
         self._starts: dict[str, list[int]] = {}
         for name, record in records.items():
@@ -455,19 +459,20 @@ class ReadCheck:
         ranges, starts = self._ranges.get(name), self._starts.get(name)
         if not ranges or starts is None:
             return None
-        first = bisect.bisect_left(starts, offset)
+        first = max(bisect.bisect_right(starts, offset) - 1, 0)  # a range may begin before the item and reach into it
         inside = []
         for position in range(first, len(ranges)):
             start, size, crc = ranges[position]
             if start >= offset + length:
                 break
-            inside.append((start, size, crc))
+            if start + size > offset:
+                inside.append((start, size, crc))
         if not inside:
             return None
         storage = tensor.untyped_storage() if tensor is not None else None
         path = self.root / name
         for start, size, crc in inside:
-            if len(inside) == 1 and storage is not None and storage.nbytes() == size:
+            if len(inside) == 1 and start >= offset and start + size <= offset + length and storage is not None and storage.nbytes() == size:
                 actual = _storage_crc(storage)
             else:  # not one data record we can vouch for in memory: read those bytes back
                 with open(path, "rb", buffering=0) as f:

@@ -38,6 +38,7 @@ import json
 import os
 import shutil
 import sys
+import threading
 import uuid
 import zipfile
 from collections.abc import Iterable, Mapping
@@ -407,6 +408,9 @@ def new_token() -> str:
 
 
 _F = TypeVar("_F", bound=Callable[..., Any])
+#: Calls inside :func:`cyclic_gc_paused` now (any thread), and whether the collector ran before the first.
+_gc_pause = {"depth": 0, "was_enabled": False}
+_gc_pause_lock = threading.Lock()
 
 
 def cyclic_gc_paused(fn: _F) -> _F:
@@ -417,18 +421,24 @@ def cyclic_gc_paused(fn: _F) -> _F:
     passes; each walks every object the process holds (the model, Lightning, the framework),
     0.3 s measured in the checkpoint benchmark's process, landing at random in a 0.2 s resume.
     Pausing it for the call (torchtitan pauses it for the whole training loop) takes that pause
-    out; it resumes, as it was, when ``fn`` returns or raises.
+    out. Calls nest and may overlap across threads: the collector resumes, if it ran before the
+    first, when the last one returns or raises.
     """
 
     @functools.wraps(fn)
     def paused(*args: Any, **kwargs: Any) -> Any:
-        was_enabled = gc.isenabled()
-        gc.disable()
+        with _gc_pause_lock:
+            if _gc_pause["depth"] == 0:
+                _gc_pause["was_enabled"] = gc.isenabled()
+                gc.disable()
+            _gc_pause["depth"] += 1
         try:
             return fn(*args, **kwargs)
         finally:
-            if was_enabled:
-                gc.enable()
+            with _gc_pause_lock:
+                _gc_pause["depth"] -= 1
+                if _gc_pause["depth"] == 0 and _gc_pause["was_enabled"]:
+                    gc.enable()
 
     return paused  # type: ignore[return-value]
 

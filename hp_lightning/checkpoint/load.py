@@ -304,8 +304,9 @@ def _load_sharded(
         warn_rank0(f"{source} is in Lightning's sharded layout, which records no checksums; it is loaded unverified.")
     check = ReadCheck(path, manifest["files"]) if manifest is not None and verify else None
 
-    def plan() -> tuple[Any, ...]:
-        """Everything checked before DCP moves a tensor, without a collective (so it can share one agreement)."""
+    def read_and_compare() -> tuple[Any, ...]:
+        """The pickles and the keys and shapes, before any tensor moves: reads and checks only (no collective,
+        no optimizer code), so the ranks can share one agreement over all of it."""
         meta = read_meta(path, weights_only) if rest else {}
         metadata = read_dcp_metadata(path, weights_only=weights_only)
         index = dcp_index(path, weights_only=weights_only, metadata=metadata)
@@ -315,16 +316,21 @@ def _load_sharded(
         missing, unexpected = check_model_keys(state_shapes(sharded_model), stored, strict=strict, source=source)
         restoring = _plan_optimizers(model, optimizers, _count_optimizers(index), strict=strict, source=source)
         request: dict[str, Any] = {model_key: {prefix + k: v for k, v in sharded_model.items() if k in stored}}
-        plans = []
-        for i, optimizer in enumerate(restoring):
-            plans.append(_optimizer_request(model, optimizer, index, i, set(missing), source, elsewhere))
-            request[f"optimizer_{i}"] = plans[-1][0]
-        return meta, metadata, model_key, missing, unexpected, restoring, request, plans
+        return meta, metadata, index, model_key, missing, unexpected, restoring, request
 
     # Every pickle (meta.pt, DCP's index) is read, and every key and shape compared, before any tensor
     # moves; one agreement shares the outcome (the first rank's refusal is raised on every rank).
-    meta, metadata, model_key, missing, unexpected, restoring, request, plans = on_every_rank(plan)
+    meta, metadata, index, model_key, missing, unexpected, restoring, request = on_every_rank(read_and_compare)
     _report_skipped(missing, unexpected, source)
+
+    def optimizer_requests() -> list[Any]:
+        """Each optimizer's state to load into (torch's state-dict API may run the optimizer's step to create it:
+        only after every rank agreed above, so an optimizer whose step communicates finds every rank here)."""
+        return [_optimizer_request(model, optimizer, index, i, set(missing), source, elsewhere) for i, optimizer in enumerate(restoring)]
+
+    plans = on_every_rank(optimizer_requests) if restoring else []
+    for i, plan in enumerate(plans):
+        request[f"optimizer_{i}"] = plan[0]
 
     dcp_load(request, path, weights_only=weights_only, no_dist=not dist.is_initialized(), allow_partial_load=True, check=check, metadata=metadata)
     loaded_model = {k[len(prefix) :]: v for k, v in request[model_key].items()}

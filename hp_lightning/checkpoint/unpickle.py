@@ -29,7 +29,6 @@ even where ``False`` was passed). ``weights_only=False`` unpickles anything: onl
 from __future__ import annotations
 
 import collections
-import ctypes
 import io
 import os
 import pickle
@@ -266,17 +265,14 @@ def _rebuild_plain_tensor(
     loaded: Any, storage_offset: Any, size: Any, stride: Any, requires_grad: Any, backward_hooks: Any, metadata: Any = None
 ) -> torch.Tensor:
     """torch's ``_rebuild_tensor_v2`` for a plain CPU tensor, with every argument checked (bounds included:
-    ``Tensor.set_`` does not check that the view fits its storage)."""
+    ``Tensor.set_`` does not check that the view fits its storage; it grows a resizable one)."""
     if not isinstance(loaded, _LoadedStorage) or backward_hooks or metadata or not isinstance(requires_grad, bool):
         raise _NotPlain("not a plain tensor")
     ints = (storage_offset, *size, *stride) if isinstance(size, tuple) and isinstance(stride, tuple) else None
     if ints is None or len(size) != len(stride) or not all(type(v) is int and v >= 0 for v in ints):
         raise _NotPlain("sizes, strides and offset must be non-negative integers")
-    itemsize = torch.empty((), dtype=loaded.dtype).element_size()
-    if all(size):  # the last element the view reaches must lie inside the storage
-        end = storage_offset + sum((n - 1) * st for n, st in zip(size, stride)) + 1
-        if end * itemsize > loaded.storage.nbytes():
-            raise _NotPlain("the view reaches past its storage")
+    if not _fits(storage_offset, size, stride, loaded.dtype, loaded.storage.nbytes()):
+        raise _NotPlain("the view reaches past its storage")
     return torch.empty(0, dtype=loaded.dtype).set_(loaded.storage, storage_offset, size, stride)
 
 
@@ -323,7 +319,9 @@ def read_plain_tensor(fd: int, offset: int, length: int) -> Optional[torch.Tenso
     resume's time for DCP's many small archives: the zip's directory is read with a few small
     reads, ``data.pkl`` with Python's C unpickler restricted to what a plain tensor needs, and the
     data record straight into a new storage (one read, no intermediate copy). Little-endian,
-    stored (uncompressed) records only.
+    stored (uncompressed) records only. What the pickle leaves must be a plain tensor viewing, inside
+    its bounds, one of the storages read from the archive (checked after unpickling too: the
+    pickle's BUILD opcode can change a tensor after it is rebuilt).
     """
     try:
         records = integrity.archive_records(fd, offset, length, wanted=_wanted_record)
@@ -336,25 +334,54 @@ def read_plain_tensor(fd: int, offset: int, length: int) -> Optional[torch.Tenso
         order = records.get(prefix + "byteorder")
         if order is None or sys.byteorder != "little" or os.pread(fd, order[1], order[0]) != b"little":
             return None
-        read: dict[str, torch.UntypedStorage] = {}
+        read: dict[str, tuple[torch.UntypedStorage, torch.dtype, int]] = {}
 
         def read_storage(key: str, dtype: torch.dtype, numel: int) -> torch.UntypedStorage:
-            if key not in read:
-                record = records.get(f"{prefix}data/{key}")
-                nbytes = numel * torch.empty((), dtype=dtype).element_size()
-                if record is None or record[1] != nbytes:
-                    raise _NotPlain("storage record missing or of the wrong size")
-                storage = torch.UntypedStorage(nbytes)
-                if nbytes and os.preadv(fd, [(ctypes.c_char * nbytes).from_address(storage.data_ptr())], record[0]) != nbytes:
-                    raise _NotPlain("short read")
-                read[key] = storage
-            return read[key]
+            if key in read:
+                storage, first_dtype, first_numel = read[key]
+                if (first_dtype, first_numel) != (dtype, numel):
+                    raise _NotPlain("one storage named with two dtypes or sizes")
+                return storage
+            record = records.get(f"{prefix}data/{key}")
+            nbytes = numel * _itemsize(dtype)
+            if record is None or record[1] != nbytes:
+                raise _NotPlain("storage record missing or of the wrong size")
+            # A storage over a bytearray cannot be resized: a pickle's BUILD (Tensor.__setstate__) cannot grow it.
+            buffer = bytearray(nbytes)
+            if nbytes and os.preadv(fd, [buffer], record[0]) != nbytes:
+                raise _NotPlain("short read")
+            storage = torch.frombuffer(buffer, dtype=torch.uint8).untyped_storage() if nbytes else torch.UntypedStorage(0)
+            read[key] = (storage, dtype, numel)
+            return storage
 
         start, size, _ = records[pickles[0]]
         tensor = _TensorItemUnpickler(io.BytesIO(os.pread(fd, size, start)), read_storage).load()
     except (_NotPlain, pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError, KeyError, OverflowError, RuntimeError, OSError):
         return None
-    return tensor if isinstance(tensor, torch.Tensor) else None
+    # What the pickle made of it afterwards (its BUILD opcode runs Tensor.__setstate__, which can re-point,
+    # resize or mark the tensor) must still be a plain view inside one of the storages read here.
+    if type(tensor) is not torch.Tensor or tensor.requires_grad or tensor._backward_hooks is not None:
+        return None
+    mine = [entry for entry in read.values() if entry[0].data_ptr() == tensor.untyped_storage().data_ptr()]
+    if len(mine) != 1 or tensor.dtype != mine[0][1] or tensor.untyped_storage().nbytes() != mine[0][0].nbytes():
+        return None
+    if not _fits(int(tensor.storage_offset()), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype, mine[0][0].nbytes()):
+        return None
+    return tensor
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _fits(storage_offset: int, size: tuple[int, ...], stride: tuple[int, ...], dtype: torch.dtype, nbytes: int) -> bool:
+    """Whether a view (offset, sizes, strides, in elements) lies inside a storage of ``nbytes``."""
+    if storage_offset < 0 or any(n < 0 for n in size) or any(st < 0 for st in stride):
+        return False
+    if not all(size):
+        return True  # an empty view reads nothing
+    end = storage_offset + sum((n - 1) * st for n, st in zip(size, stride)) + 1
+    return end * _itemsize(dtype) <= nbytes
 
 
 class SafeReader(FileSystemReader):
@@ -388,6 +415,8 @@ class SafeReader(FileSystemReader):
             per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
         root = Path(self.path)
         for name, items in per_file.items():
+            if name not in check.recorded:  # the manifest vouches for every file a save wrote
+                self._refuse(f"{str(root / name)!r} is read by DCP's index but not recorded in the manifest (added after the save)")
             items.sort(key=lambda item: self.storage_data[item.storage_index].offset)  # one forward sweep through the file
             with open(root / name, "rb") as stream:
                 for item in items:
@@ -398,19 +427,32 @@ class SafeReader(FileSystemReader):
                         self._refuse(check.problem(name, info.offset, info.length, None))
                         planner.load_bytes(item, data)
                         continue
+                    entry = f"Entry {item.dest_index.fqn!r} of {str(root)!r} (in {name!r})"
                     loaded = None if info.transform_descriptors else read_plain_tensor(stream.fileno(), info.offset, info.length)
                     if loaded is None:  # anything but a plain tensor archive: torch's own (safe) reading
                         source = view if view.seekable() else io.BytesIO(view.read(-1))
-                        loaded = torch.load(source, map_location=devices.CPU, weights_only=True)
+                        try:
+                            loaded = torch.load(source, map_location=devices.CPU, weights_only=True)
+                        except Exception as exc:  # noqa: BLE001 - named: a refusal, or damaged bytes
+                            self._refuse(check.problem(name, info.offset, info.length, None))  # a CRC mismatch names the bytes
+                            if _is_weights_only_failure(exc):
+                                raise _weights_only_failure(source, exc, repr(str(root)), entry=item.dest_index.fqn) from None
+                            raise CorruptCheckpointError(f"{entry} cannot be read ({type(exc).__name__}: {exc}); the checkpoint is damaged.") from None
                     self._refuse(check.problem(name, info.offset, info.length, loaded))
-                    for dim, (start, size) in enumerate(zip(item.storage_offsets, item.lengths)):
-                        if start != 0 or size != loaded.size(dim):
-                            loaded = loaded.narrow(dim, start, size)
+                    try:
+                        for dim, (start, size) in enumerate(zip(item.storage_offsets, item.lengths)):
+                            if start != 0 or size != loaded.size(dim):
+                                loaded = loaded.narrow(dim, start, size)
+                    except (RuntimeError, IndexError) as exc:
+                        raise CorruptCheckpointError(
+                            f"{entry}: DCP's index places a chunk outside the stored tensor of shape {tuple(loaded.size())} ({exc}); "
+                            f"the checkpoint is damaged."
+                        ) from None
                     target = planner.resolve_tensor(item).detach()
                     if target.size() != loaded.size():
                         raise CorruptCheckpointError(
-                            f"Entry {item.dest_index.fqn!r} of {str(root)!r}: the checkpoint holds shape {tuple(loaded.size())} "
-                            f"where its index says {tuple(target.size())}; the checkpoint is damaged."
+                            f"{entry}: the checkpoint holds shape {tuple(loaded.size())} where this model's state has "
+                            f"{tuple(target.size())}; the checkpoint is damaged."
                         )
                     target.copy_(loaded)
                     planner.commit_tensor(item, target)

@@ -269,7 +269,7 @@ def summarize(
             "no parameter is sharded: every parameter is in ignored_params or replicate_params. Remove some "
             "patterns from them to shard the model."
         )
-    where = describe(mesh) if stage is None else f"pipeline stage {stage[0]} of {stage[1]}; {describe(mesh)}"
+    where = describe(mesh) if stage is None else f"pipeline rank {stage[0]} of {stage[1]}; {describe(mesh)}"
     return ShardingSummary(mesh=where, units=rows, unsharded_params=unsharded, warnings=warnings, stages=list(stages))
 
 

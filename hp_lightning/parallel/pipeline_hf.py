@@ -32,7 +32,7 @@ its forward is stage-aware (:data:`STAGE_FORWARD_ATTR`).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -61,8 +61,7 @@ def find_hf_decoders(model: nn.Module) -> list[str]:
     """
     found = []
     for name, module in model.named_modules():
-        cls = type(module)
-        if not cls.__name__.endswith("ForCausalLM") or not cls.__module__.startswith("transformers."):
+        if _causal_lm_base(module) is None:
             continue
         children = module._modules
         decoder = children.get("model")
@@ -82,9 +81,11 @@ def _is_hf_model(module: nn.Module) -> bool:
 
 def _why_not_adapted(module: nn.Module) -> str:
     """What :func:`find_hf_decoders` misses in an HF model: the class name, or the pieces missing / out of forward order."""
-    cls = type(module).__name__
-    if not cls.endswith("ForCausalLM"):
+    bases = [c for c in type(module).__mro__ if c.__name__.endswith("ForCausalLM") and c.__module__.startswith("transformers.")]
+    if not bases:
         return f"it is not a *ForCausalLM (its children: {list(module._modules)})"
+    if getattr(type(module), "forward", None) is not getattr(bases[0], "forward", None):
+        return f"its class overrides the forward of transformers' {bases[0].__name__} (the adapter runs that forward only)"
     children = module._modules
     missing = [p for p in _HEAD_PIECES if children.get(p) is None]
     decoder = children.get("model")
@@ -151,6 +152,15 @@ def refuse_hf_models_the_adapter_cannot_run(model: nn.Module, split_points: list
             f"`{STAGE_FORWARD_ATTR} = True` on it; or keep the model whole on one stage (split points outside {name!r}); or "
             f"use a model with the structure above."
         )
+
+
+def _causal_lm_base(module: nn.Module) -> Optional[type]:
+    """The ``transformers`` ``*ForCausalLM`` class whose forward ``module`` runs: its own class, or the one a
+    subclass of yours inherits ``forward`` from unchanged; None otherwise."""
+    for cls in type(module).__mro__:
+        if cls.__name__.endswith("ForCausalLM") and cls.__module__.startswith("transformers."):
+            return cls if getattr(type(module), "forward", None) is getattr(cls, "forward", None) else None
+    return None
 
 
 class StageOutput(nn.Module):

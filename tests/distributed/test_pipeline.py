@@ -342,7 +342,7 @@ def test_sharding_report_covers_the_ranks_own_stage(runs: list[dict[str, Any]]) 
     for rank, run in enumerate(runs):
         report = run["fsdp2_1f1b_m2"]["report"]
         title = report.splitlines()[0]
-        assert title.startswith(f"Sharding report (pipeline stage {rank // 2} of 2; "), report
+        assert title.startswith(f"Sharding report (pipeline rank {rank // 2} of 2; "), report
         mine, theirs = ("net.blocks.1", "net.blocks.2") if rank < 2 else ("net.blocks.2", "net.blocks.1")
         assert re.search(rf"^{re.escape(mine)}\s", report, re.M) and not re.search(rf"^{re.escape(theirs)}\s", report, re.M), report
 

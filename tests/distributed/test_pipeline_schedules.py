@@ -225,7 +225,7 @@ def test_the_sharding_report_carries_every_stage_plan(runs_4: list[dict[str, Any
         assert [s.units for s in stages] == [("net.inp", "net.blocks.0"), ("net.blocks.1",), ("net.blocks.2",), ("net.blocks.3", "net.head")]
         assert stages[1].param_bytes == stages[2].param_bytes == 4_416 and sum(s.param_bytes for s in stages) == whole_bytes  # Block(16): 1,104 fp32
         report = count["report"]
-        assert report.startswith(f"Sharding report (pipeline stage {rank // 2} of 2; "), report
+        assert report.startswith(f"Sharding report (pipeline rank {rank // 2} of 2; "), report
         assert "Pipeline stages (4): parameter bytes per stage, before sharding" in report, report
         assert re.search(r"^  stage 3 on pipeline rank 0: [\d,]+ bytes \([\d.]+ %\), 2 unit\(s\): net.blocks.3, net.head$", report, re.M), report
         assert "  stage 1 on pipeline rank 1: 4,416 bytes" in report, report

@@ -256,3 +256,45 @@ def test_remove_takes_the_whole_directory(tmp_path: Path) -> None:
     remove(target)
     assert list(tmp_path.iterdir()) == []
     remove(target)  # already gone: nothing to do
+
+
+def test_the_collector_pause_nests_overlaps_across_threads_and_restores_what_was_there() -> None:
+    import gc
+    import threading
+
+    from hp_lightning.checkpoint.layout import cyclic_gc_paused
+
+    seen: list[bool] = []
+    inside, release = threading.Event(), threading.Event()
+
+    @cyclic_gc_paused
+    def held() -> None:  # another thread's save, still running when this thread's ends
+        inside.set()
+        release.wait(5)
+
+    @cyclic_gc_paused
+    def inner() -> bool:
+        return gc.isenabled()
+
+    @cyclic_gc_paused
+    def fails() -> None:
+        raise OSError("disk")
+
+    assert gc.isenabled()
+    seen.append(inner())
+    other = threading.Thread(target=held)
+    other.start()
+    inside.wait(5)
+    seen.append(inner())
+    seen.append(gc.isenabled())  # the other thread's call still holds the pause
+    release.set()
+    other.join()
+    with pytest.raises(OSError):
+        fails()
+    assert seen == [False, False, False] and gc.isenabled()
+    gc.disable()  # a program that runs without the collector keeps it off
+    try:
+        inner()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

@@ -410,3 +410,29 @@ def test_a_split_at_the_final_norm_makes_a_last_stage_of_norm_and_head() -> None
         assert ("net.model.layers -> empty" in adapted) == (stage == 1)
         h = part(h)
     torch.testing.assert_close(h, whole(tokens))
+
+
+def test_a_subclass_of_a_hugging_face_causal_lm_is_adapted_unless_it_overrides_forward() -> None:
+    from hp_lightning.parallel.pipeline_hf import find_hf_decoders, refuse_hf_models_the_adapter_cannot_run
+
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=96, hidden_size=16, intermediate_size=32, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=2
+    )
+
+    class MyLlama(transformers.LlamaForCausalLM):  # a user's subclass, transformers' forward inherited
+        pass
+
+    class MyForwardLlama(transformers.LlamaForCausalLM):
+        def forward(self, *args: Any, **kwargs: Any) -> Any:
+            return super().forward(*args, **kwargs)
+
+    class Holder(nn.Module):
+        def __init__(self, cls: type) -> None:
+            super().__init__()
+            self.net = cls(config)
+
+    assert find_hf_decoders(Holder(MyLlama)) == ["net"] and find_hf_decoders(Holder(MyForwardLlama)) == []
+    refuse_hf_models_the_adapter_cannot_run(Holder(MyLlama), ["net.model.layers.2"], "W")
+    with pytest.raises(ValueError, match=r"its class overrides the forward of transformers' LlamaForCausalLM"):
+        refuse_hf_models_the_adapter_cannot_run(Holder(MyForwardLlama), ["net.model.layers.2"], "W")

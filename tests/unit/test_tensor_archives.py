@@ -115,3 +115,45 @@ def test_anything_but_a_plain_tensor_archive_is_left_to_torch_load(tmp_path: Pat
     damaged[-30:] = b"\0" * 30  # the end of central directory gone
     assert _read(tmp_path, bytes(damaged)) is None
     assert _read(tmp_path, four[: len(four) // 2]) is None
+
+
+class _Ref:
+    """A storage reference in a hand-written pickle: ``("storage", <class>, key, "cpu", numel)``."""
+
+    def __init__(self, storage_class: object, numel: int) -> None:
+        self.storage_class, self.numel = storage_class, numel
+
+
+class _Rebuild:
+    """``_rebuild_tensor_v2(storage, offset, size, stride, False, OrderedDict())``, then a BUILD ``state`` if given."""
+
+    def __init__(self, ref: _Ref, size: tuple[int, ...], state: object = None) -> None:
+        self.ref, self.size, self.state = ref, size, state
+
+    def __reduce__(self) -> tuple[object, ...]:
+        args = (self.ref, 0, self.size, (1,) * len(self.size), False, collections.OrderedDict())
+        return (torch._utils._rebuild_tensor_v2, args) + ((self.state,) if self.state is not None else ())
+
+
+def _pickled(value: object) -> bytes:
+    class Pickler(pickle.Pickler):
+        def persistent_id(self, obj: object) -> object:
+            return ("storage", obj.storage_class, "0", "cpu", obj.numel) if isinstance(obj, _Ref) else None
+
+    buffer = io.BytesIO()
+    Pickler(buffer, protocol=2).dump(value)
+    return buffer.getvalue()
+
+
+def test_what_the_pickle_does_after_the_rebuild_cannot_grow_or_mark_the_tensor(tmp_path: Path) -> None:
+    """The pickle's BUILD opcode runs ``Tensor.__setstate__`` on the rebuilt tensor; torch.load refuses these."""
+    four = _archive(torch.arange(4.0))
+    floats = _Ref(torch.FloatStorage, 4)
+    grown = _Rebuild(floats, (2,), state=(_Rebuild(floats, (4,)), 0, (1 << 20,), (1,)))  # set_(..., (2**20,)): grow the storage
+    assert _read(tmp_path, _with_pickle(four, _pickled(grown))) is None
+    marked = _Rebuild(floats, (4,), state=(True, None, collections.OrderedDict()))  # requires_grad and hooks set afterwards
+    assert _read(tmp_path, _with_pickle(four, _pickled(marked))) is None
+    as_bytes = _Rebuild(_Ref(torch.ByteStorage, 16), (16,))  # the same storage named again with another dtype
+    assert _read(tmp_path, _with_pickle(four, _pickled(collections.OrderedDict(a=_Rebuild(floats, (4,)), b=as_bytes)))) is None
+    with pytest.raises(Exception):  # noqa: B017 - what torch does with each: refuses (the fast path never decodes them)
+        torch.load(io.BytesIO(_with_pickle(four, _pickled(grown))), weights_only=True)
