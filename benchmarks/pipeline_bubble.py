@@ -120,12 +120,12 @@ def _worker() -> dict[str, Any]:
             alive, peak = [0], [0]
 
             def timed(method: Any, counts: int, busy: list[float] = busy, chunks: list[int] = chunks, alive: list[int] = alive, peak: list[int] = peak) -> Any:
+                clocked = _adding_time_to(busy, method)
+
                 def run(*args: Any, **kwargs: Any) -> Any:
-                    start = time.perf_counter()
                     try:
-                        return method(*args, **kwargs)
+                        return clocked(*args, **kwargs)
                     finally:
-                        busy[0] += time.perf_counter() - start
                         chunks[0] += 1
                         alive[0] += counts
                         peak[0] = max(peak[0], alive[0])
