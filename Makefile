@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # The CPU wheel of torch lies on disk; pinning it keeps pip from pulling a multi-GB CUDA build.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: install test lint test-fast demo bench bench-cluster bench-checkpoint bench-pipeline bench-ft gpu-check clean
+.PHONY: install test lint test-fast demo bench bench-cluster bench-overhead bench-checkpoint bench-pipeline bench-ft bench-hf gpu-check clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -41,6 +41,11 @@ bench: $(STAMP)
 bench-cluster: $(STAMP)
 	$(PY) -m benchmarks.cluster
 
+# The step's own overhead at one core per rank: raw FSDP2 loop vs hp_lightning vs ModelParallelStrategy
+# (and the manual-optimization floor) at k = 1 and 4, with a per-category profile (2 gloo ranks, ~8 min idle).
+bench-overhead: $(STAMP)
+	$(PY) -m benchmarks.overhead
+
 # Checkpoint save / resume time against plain DCP, and the async_save stall (2 gloo ranks; also in make bench).
 bench-checkpoint: $(STAMP)
 	$(PY) -m benchmarks.checkpoint_io
@@ -48,6 +53,11 @@ bench-checkpoint: $(STAMP)
 # The pipeline bubble (idle fraction per stage) for GPipe and 1F1B at 4 and 8 micro-batches (2 gloo ranks; also in make bench).
 bench-pipeline: $(STAMP)
 	$(PY) -m benchmarks.pipeline_bubble
+
+# Loading a ~500 MB Hugging Face directory into FSDP 4 on CPU: per-rank peak memory and time against
+# rank 0 reading and broadcasting, and from_pretrained in one process (4 gloo ranks).
+bench-hf: $(STAMP)
+	$(PY) -m benchmarks.hf_load
 
 # Fault-tolerant HSDP on torchft vs plain HSDP 2x2 at 1 Gbit/s, and the kill/restart recovery times.
 bench-ft: $(STAMP)

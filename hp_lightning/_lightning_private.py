@@ -1,101 +1,194 @@
 """Every private Lightning name hp_lightning's front ends use, re-exported from one place.
 
-Lightning's public API has no equivalent for these (each line says what it is for). When a
-Lightning upgrade moves one, this file is the only place to change, and
-``tests/unit/test_private_apis.py`` fails with :func:`missing_private_names`' message.
+Lightning's public API has no equivalent for these (each entry says what needs it). When a
+Lightning upgrade moves one, this file is the only place to change. Two guards, as for torch
+(:mod:`hp_lightning.core._torch_private`):
 
-Checked against lightning 2.6.
+* :func:`missing_private_names` resolves every name attribute by attribute, and
+  :func:`hooks_not_called` checks, in a real ``fit``, that Lightning still calls each method
+  hp_lightning replaces or calls in its place (``tests/unit/test_private_apis.py`` runs both);
+* on a Lightning outside :data:`TESTED_LIGHTNING`, ``import hp_lightning`` still works, and the
+  first use of a feature that needs a missing name raises
+  :class:`~hp_lightning.core._torch_private.MissingPrivateNameError` naming the name, the feature
+  and the tested versions.
 """
 
 from __future__ import annotations
 
-import importlib
+import functools
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
-#: The Lightning releases every name below was checked against.
+from hp_lightning.core._torch_private import MissingPrivateNameError, PrivateName, missing_error, placeholder_class, resolve
+
+#: The Lightning releases hp_lightning is tested with (``pyproject.toml`` pins the same range).
+TESTED_LIGHTNING = ">=2.6,<2.7"
+#: The releases every name below was checked against.
 CHECKED_LIGHTNING_VERSIONS = ("2.6",)
 
-_PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
-    # process-group creation with the cluster environment's address, rank and world size
-    ("lightning.fabric.utilities.distributed", "_init_dist_connection"),
-    ("lightning.fabric.utilities.distributed", "_distributed_is_initialized"),
-    # the path type of Lightning's checkpoint hooks (str | PathLike)
-    ("lightning.fabric.utilities.types", "_PATH"),
-    # the protocol Lightning checks to save and restore a loader's state (StatefulDataLoader has it)
-    ("lightning.fabric.utilities.types", "_Stateful"),
-    # Lightning's own all-reduce for logged metrics (sync_dist), and its all-gather (uneven sizes padded)
-    ("lightning.fabric.utilities.distributed", "_sync_ddp_if_available"),
-    ("lightning.fabric.utilities.distributed", "_all_gather_ddp_if_available"),
-    # the launchers Lightning's DDP/FSDP strategies use for `python train.py` runs
-    ("lightning.pytorch.strategies.launchers.subprocess_script", "_SubprocessScriptLauncher"),
-    ("lightning.fabric.strategies.launchers.subprocess_script", "_SubprocessScriptLauncher"),
-    # Fabric's hook for no_backward_sync
-    ("lightning.fabric.strategies.strategy", "_BackwardSyncControl"),
-    # the accelerator registry's type (the public registries are instances of it)
-    ("lightning.fabric.accelerators.registry", "_AcceleratorRegistry"),
-    # the fixed accelerator="auto" chain (hp_lightning.accelerators.auto wraps it on request)
-    ("lightning.pytorch.trainer.connectors.accelerator_connector", "_AcceleratorConnector._choose_auto_accelerator"),
-    # the one call every rank makes with the resolved ckpt_path (only ranks with a path load)
-    ("lightning.pytorch.trainer.connectors.checkpoint_connector", "_CheckpointConnector.resume_start"),
-    # SLURM auto-requeue: Lightning's save of the hpc checkpoint and `scontrol requeue`
-    ("lightning.pytorch.trainer.connectors.signal_connector", "_SignalConnector._slurm_sigusr_handler_fn"),
-    # whether the running batch is a non-final micro-batch (what Lightning itself decides)
-    ("lightning.pytorch.loops.fit_loop", "_FitLoop._should_accumulate"),
-    # the per-batch SIGTERM flag broadcast (a world collective and a device read per micro-batch)
-    ("lightning.pytorch.loops.training_epoch_loop", "_TrainingEpochLoop._broadcast_sigterm_tensor"),
-    ("lightning.pytorch.loops.training_epoch_loop", "_TrainingEpochLoop.advance"),
+_DIST = "lightning.fabric.utilities.distributed"
+_PRIVATE_NAMES: tuple[PrivateName, ...] = (
+    PrivateName(_DIST, "_init_dist_connection", "process-group creation from the cluster environment"),
+    PrivateName(_DIST, "_distributed_is_initialized", "the strategies' barrier"),
+    PrivateName("lightning.fabric.utilities.types", "_PATH", "the checkpoint hooks' path type"),
+    PrivateName("lightning.fabric.utilities.types", "_Stateful", "resumable_dataloaders (telling a stateful loader apart)"),
+    PrivateName(_DIST, "_sync_ddp_if_available", "the strategies' all_reduce (logged metrics with sync_dist)"),
+    PrivateName(_DIST, "_all_gather_ddp_if_available", "the strategies' all_gather"),
+    PrivateName("lightning.pytorch.strategies.launchers.subprocess_script", "_SubprocessScriptLauncher", "launching `python train.py` runs (Trainer)"),
+    PrivateName("lightning.fabric.strategies.launchers.subprocess_script", "_SubprocessScriptLauncher", "launching `python train.py` runs (Fabric)"),
+    PrivateName("lightning.fabric.strategies.strategy", "_BackwardSyncControl", "fabric.no_backward_sync (HSDPFabricStrategy)"),
+    PrivateName("lightning.fabric.accelerators.registry", "_AcceleratorRegistry", "registering the NPU accelerator"),
+    PrivateName("lightning.pytorch.trainer.connectors.accelerator_connector", "_AcceleratorConnector._choose_auto_accelerator",
+                "accelerator='auto' choosing NPUs (enable_npu_auto_selection)"),
+    PrivateName("lightning.pytorch.trainer.connectors.checkpoint_connector", "_CheckpointConnector.resume_start",
+                "the checkpoint-path agreement before a resume (fit(ckpt_path=...))"),
+    PrivateName("lightning.pytorch.trainer.connectors.signal_connector", "_SignalConnector._slurm_sigusr_handler_fn",
+                "SLURM auto-requeue at a step boundary"),
+    PrivateName("lightning.pytorch.loops.fit_loop", "_FitLoop._should_accumulate", "gradient accumulation (which micro-batches skip sync)"),
+    PrivateName("lightning.pytorch.loops.training_epoch_loop", "_TrainingEpochLoop._broadcast_sigterm_tensor",
+                "preemption agreement once per optimizer step (instead of Lightning's per-batch broadcast)"),
+)
+
+#: Lightning methods hp_lightning replaces on an instance, or calls itself where Lightning decides:
+#: ``(path from the Trainer to the object, method)``. :func:`hooks_not_called` checks that
+#: Lightning's own loop still calls each (if it stopped, the replacement would silently do nothing).
+PATCHED_HOOKS: tuple[tuple[str, str], ...] = (
+    ("_checkpoint_connector", "resume_start"),
+    ("fit_loop", "_should_accumulate"),
+    ("fit_loop.epoch_loop", "_broadcast_sigterm_tensor"),
+)
+#: Methods hp_lightning replaces on a Lightning class (on request): ``(module, class, method)``,
+#: called by Lightning while a ``Trainer(accelerator="auto")`` is built.
+PATCHED_CLASS_HOOKS: tuple[tuple[str, str, str], ...] = (
+    ("lightning.pytorch.trainer.connectors.accelerator_connector", "_AcceleratorConnector", "_choose_auto_accelerator"),
 )
 
 
 def _resolve(module_path: str, attribute_path: str) -> bool:
     try:
-        obj: Any = importlib.import_module(module_path)
-    except ImportError:
+        resolve(module_path, attribute_path)
+    except (ImportError, AttributeError):
         return False
-    for part in attribute_path.split("."):
-        if not hasattr(obj, part):
-            return False
-        obj = getattr(obj, part)
     return True
 
 
-def missing_private_names() -> list[str]:
-    """The private Lightning names this installation lacks (empty when all are there)."""
-    return [f"{m}.{a}" for m, a in _PRIVATE_NAMES if not _resolve(m, a)]
+def missing_private_names(names: Sequence[PrivateName] = _PRIVATE_NAMES) -> list[str]:
+    """The private Lightning names (of ``names``) this installation lacks, each resolved attribute by attribute."""
+    return [entry.name for entry in names if not _resolve(entry.module, entry.path)]
+
+
+def _error(module_path: str, attribute_path: str) -> MissingPrivateNameError:
+    import lightning
+
+    name = f"{module_path}.{attribute_path}"
+    feature = next((entry.feature for entry in _PRIVATE_NAMES if entry.name == name), "this feature")
+    return missing_error(name, feature, library="lightning", version=lightning.__version__, tested=TESTED_LIGHTNING)
 
 
 def _load(module_path: str, attribute_path: str) -> Any:
-    """One private name, or an ImportError that names it and the versions it was checked against."""
-    if not _resolve(module_path, attribute_path):
-        import lightning
-
-        raise ImportError(
-            f"hp_lightning needs Lightning's private {module_path}.{attribute_path}, which lightning "
-            f"{lightning.__version__} lacks (checked against {', '.join(CHECKED_LIGHTNING_VERSIONS)}). "
-            f"Install a checked version (pip install 'lightning>=2.6,<2.7') or update hp_lightning/_lightning_private.py."
-        )
-    obj: Any = importlib.import_module(module_path)
-    for part in attribute_path.split("."):
-        obj = getattr(obj, part)
-    return obj
+    """One private name now, or the one clear error (:func:`_error`)."""
+    try:
+        return resolve(module_path, attribute_path)
+    except (ImportError, AttributeError):
+        raise _error(module_path, attribute_path) from None
 
 
-_DIST = "lightning.fabric.utilities.distributed"
-init_dist_connection = _load(_DIST, "_init_dist_connection")
-distributed_is_initialized = _load(_DIST, "_distributed_is_initialized")
-sync_ddp_if_available = _load(_DIST, "_sync_ddp_if_available")
-all_gather_ddp_if_available = _load(_DIST, "_all_gather_ddp_if_available")
-PathLike = _load("lightning.fabric.utilities.types", "_PATH")
-Stateful = _load("lightning.fabric.utilities.types", "_Stateful")
-TrainerSubprocessScriptLauncher = _load("lightning.pytorch.strategies.launchers.subprocess_script", "_SubprocessScriptLauncher")
-FabricSubprocessScriptLauncher = _load("lightning.fabric.strategies.launchers.subprocess_script", "_SubprocessScriptLauncher")
-BackwardSyncControl = _load("lightning.fabric.strategies.strategy", "_BackwardSyncControl")
-AcceleratorRegistryType = _load("lightning.fabric.accelerators.registry", "_AcceleratorRegistry")
+def _function(module_path: str, attribute_path: str) -> Any:
+    """A private function, or (missing) a stand-in that raises the clear error when called: ``import`` still works."""
+    if _resolve(module_path, attribute_path):
+        return resolve(module_path, attribute_path)
+
+    def missing(*args: Any, **kwargs: Any) -> Any:
+        raise _error(module_path, attribute_path)
+
+    return missing
+
+
+def _class(module_path: str, attribute_path: str) -> Any:
+    """A private class (or type alias), or (missing) a stand-in that refuses instances and isinstance checks."""
+    if _resolve(module_path, attribute_path):
+        return resolve(module_path, attribute_path)
+    return placeholder_class(attribute_path.rpartition(".")[2], lambda: _error(module_path, attribute_path))
+
+
+init_dist_connection = _function(_DIST, "_init_dist_connection")
+distributed_is_initialized = _function(_DIST, "_distributed_is_initialized")
+sync_ddp_if_available = _function(_DIST, "_sync_ddp_if_available")
+all_gather_ddp_if_available = _function(_DIST, "_all_gather_ddp_if_available")
+PathLike = _class("lightning.fabric.utilities.types", "_PATH")
+Stateful = _class("lightning.fabric.utilities.types", "_Stateful")
+TrainerSubprocessScriptLauncher = _class("lightning.pytorch.strategies.launchers.subprocess_script", "_SubprocessScriptLauncher")
+FabricSubprocessScriptLauncher = _class("lightning.fabric.strategies.launchers.subprocess_script", "_SubprocessScriptLauncher")
+BackwardSyncControl = _class("lightning.fabric.strategies.strategy", "_BackwardSyncControl")
+AcceleratorRegistryType = _class("lightning.fabric.accelerators.registry", "_AcceleratorRegistry")
+
+
+# ---------------------------------------------------------------- does Lightning still call them?
+
+
+@contextmanager
+def _counting(owner: Any, method: str, counts: dict[str, int], key: str, *, on_class: bool = False) -> Iterator[None]:
+    """Count the calls of ``owner.method`` inside the block (on this instance, or on the class), then restore it."""
+    original = owner.__dict__[method] if on_class else getattr(owner, method)
+    own = None if on_class else owner.__dict__.get(method)  # an instance attribute of its own, to put back
+    target = original.__func__ if isinstance(original, staticmethod) else original
+
+    @functools.wraps(target)
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        counts[key] += 1
+        return target(*args, **kwargs)
+
+    setattr(owner, method, staticmethod(counted) if isinstance(original, staticmethod) else counted)
+    try:
+        yield
+    finally:
+        if on_class or own is not None:
+            setattr(owner, method, original)
+        else:
+            del owner.__dict__[method]
+
+
+def hooks_not_called(make_trainer: Callable[[], Any], fit: Callable[[Any], None]) -> list[str]:
+    """The patched Lightning methods Lightning did not call while building a Trainer and fitting it.
+
+    Counts every call of :data:`PATCHED_CLASS_HOOKS` while ``make_trainer()`` runs (so build it with
+    ``accelerator="auto"``) and of :data:`PATCHED_HOOKS` on that trainer's objects while
+    ``fit(trainer)`` runs (so fit with more than one rank and gradient accumulation: Lightning
+    broadcasts its SIGTERM flag only then). Meant for a plain Lightning strategy, whose loop is
+    Lightning's own; nothing is left changed afterwards.
+
+    Raises:
+        MissingPrivateNameError: a hook is missing altogether.
+    """
+    counts: dict[str, int] = {}
+    with ExitStack() as stack:
+        for module, cls_name, method in PATCHED_CLASS_HOOKS:
+            key = f"{cls_name}.{method}"
+            counts[key] = 0
+            stack.enter_context(_counting(_load(module, cls_name), method, counts, key, on_class=True))
+        trainer = make_trainer()
+    with ExitStack() as stack:
+        for path, method in PATCHED_HOOKS:
+            owner = trainer
+            for part in path.split("."):
+                owner = getattr(owner, part)
+            key = f"{type(owner).__name__}.{method}"
+            counts[key] = 0
+            if not hasattr(owner, method):
+                raise _error(type(owner).__module__, key)
+            stack.enter_context(_counting(owner, method, counts, key))
+        fit(trainer)
+    return [key for key, n in counts.items() if n == 0]
 
 
 def should_accumulate(trainer: Any) -> bool:
     """True while the running training batch is a non-final micro-batch of its window."""
-    return bool(trainer.fit_loop._should_accumulate())
+    try:
+        decide = trainer.fit_loop._should_accumulate
+    except AttributeError:
+        raise _error("lightning.pytorch.loops.fit_loop", "_FitLoop._should_accumulate") from None
+    return bool(decide())
 
 
 def before_resume(trainer: Any, check: Any) -> None:
@@ -107,6 +200,8 @@ def before_resume(trainer: Any, check: Any) -> None:
     method of this trainer's connector only (idempotent; nothing global changes).
     """
     connector = trainer._checkpoint_connector
+    if not hasattr(type(connector), "resume_start"):  # the version check, at the call
+        raise _error("lightning.pytorch.trainer.connectors.checkpoint_connector", "_CheckpointConnector.resume_start")
     original = getattr(connector.resume_start, "__hp_lightning_original__", connector.resume_start)
 
     def resume_start(checkpoint_path: Any = None, weights_only: Any = None) -> None:
@@ -128,7 +223,7 @@ def replace_sigterm_broadcast(trainer: Any, replacement: Any) -> None:
     """
     loop = trainer.fit_loop.epoch_loop
     if not hasattr(type(loop), "_broadcast_sigterm_tensor"):  # the version check, at the call
-        _load("lightning.pytorch.loops.training_epoch_loop", "_TrainingEpochLoop._broadcast_sigterm_tensor")
+        raise _error("lightning.pytorch.loops.training_epoch_loop", "_TrainingEpochLoop._broadcast_sigterm_tensor")
     loop._broadcast_sigterm_tensor = replacement
 
 
@@ -138,7 +233,10 @@ def slurm_save_and_requeue(trainer: Any, signum: int) -> None:
     Lightning runs it inside its signal handler, where the save (a collective for a sharded
     model) can hang; hp_lightning calls it at a batch every rank reaches together instead.
     """
-    trainer._signal_connector._slurm_sigusr_handler_fn(signum, None)
+    connector = trainer._signal_connector
+    if not hasattr(type(connector), "_slurm_sigusr_handler_fn"):  # the version check, at the call
+        raise _error("lightning.pytorch.trainer.connectors.signal_connector", "_SignalConnector._slurm_sigusr_handler_fn")
+    connector._slurm_sigusr_handler_fn(signum, None)
 
 
 def accelerator_connector_class() -> type:

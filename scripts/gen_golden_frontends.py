@@ -93,7 +93,9 @@ def resolved(front_end: str, cls: type, init_args: dict[str, Any], precision: An
 
         strategy.precision = FabricPrecision(precision)
     strategy.parallel_devices = [torch.device("cpu")] * world["devices"]
-    out["sharding_plan"] = _plain(strategy.sharding_plan())
+    plan = strategy.sharding_plan()
+    # The plan is the options (in "settings" above) and the two policies they resolve to for this run.
+    out["sharding_plan"] = {"mp_policy": _plain(plan.mp_policy), "offload_policy": _plain(plan.offload_policy)}
     try:
         layout = resolve_layout(
             options.mesh_shape,

@@ -20,6 +20,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from hp_lightning.callbacks._common import require_hsdp_strategy, root_module
+from hp_lightning.callbacks.resharding import ReshardSchedule
 from hp_lightning.core.accumulation import check_mode as _check_mode
 from hp_lightning.strategies.hsdp import HSDPStrategy
 
@@ -136,8 +137,6 @@ def micro_batch_sync(trainer: pl.Trainer, *, last_micro_batch: bool) -> Generato
         with blocking:
             yield
         return
-    from hp_lightning.callbacks.resharding import ReshardSchedule
-
     keep = not last_micro_batch and any(
         isinstance(cb, ReshardSchedule) and cb.keep_unsharded_between_micro_batches for cb in trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning's connector, not declared on Trainer
     )

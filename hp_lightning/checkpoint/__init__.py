@@ -3,15 +3,19 @@
 * :func:`save_checkpoint` / :func:`load_checkpoint`: what ``HSDPStrategy`` calls, on every rank
   (:mod:`.save`, :mod:`.load`; the on-disk layout and its guarantees are in :mod:`.layout`);
   :class:`AsyncSaves`: the same sharded save written in the background (``async_save=True``).
-* :func:`load_weights`: pretrained weights into a sharded module, for fine-tuning.
+* :func:`load_weights`: pretrained weights into a sharded module, for fine-tuning (a Hugging Face
+  directory too, each rank reading its own slices); :func:`save_hf` / :func:`export_hf` (and
+  ``export-hf`` below): the model as a Hugging Face directory (:mod:`.hf`).
 * :func:`load_from_checkpoint` / :class:`LoadsShardedCheckpoints`: ``MyModule.load_from_checkpoint``
   on a sharded directory, in one plain CPU process.
 * :class:`ResumableLoader`: a training loader that continues its epoch on resume.
-* ``python -m hp_lightning.checkpoint consolidate | shard | verify``: offline conversion and checks.
+* ``python -m hp_lightning.checkpoint consolidate | shard | verify | export-hf``: offline conversion and checks.
 
 Every file of a sharded checkpoint has its size and CRC-32s recorded at save (SHA-256 too with
-``checksums=True``) and every byte checked before a load moves any tensor (:mod:`.integrity`), so
-a flipped, truncated or swapped shard is refused, naming the file.
+``checksums=True``). A load checks each byte it uses once, as torch's own readers read it: sizes and
+the bytes around the tensors first, then each tensor, through DCP's public reader and planner hooks,
+before it is copied into the model (:mod:`.integrity`). A flipped, truncated or swapped shard, or a
+tensor other than the shape and dtype its index entry declares, is refused, naming the file.
 
 Every pickle a load reads is unpickled safely (torch's ``weights_only=True``) unless
 ``weights_only=False`` is passed for a trusted file; :class:`UnsafeCheckpointError` names what was
@@ -19,6 +23,7 @@ refused. No checkpoint entry may lead outside its directory (see ``docs/security
 """
 
 from hp_lightning.checkpoint.data import DATA_PARALLEL_KEY, ResumableLoader, loader_resume_warning
+from hp_lightning.checkpoint.hf import export_hf, save_hf
 from hp_lightning.checkpoint.layout import FORMAT_VERSION, CheckpointKind, CorruptCheckpointError, UnsafeCheckpointError, classify, recover
 from hp_lightning.checkpoint.load import LoadsShardedCheckpoints, load_checkpoint, load_from_checkpoint, load_weights, read_full_file
 from hp_lightning.checkpoint.save import AsyncSaves, is_sharded_checkpoint, remove_checkpoint, save_checkpoint
@@ -34,6 +39,7 @@ __all__ = [
     "ResumableLoader",
     "UnsafeCheckpointError",
     "classify",
+    "export_hf",
     "is_sharded_checkpoint",
     "load_checkpoint",
     "load_from_checkpoint",
@@ -45,4 +51,5 @@ __all__ = [
     "recover",
     "remove_checkpoint",
     "save_checkpoint",
+    "save_hf",
 ]

@@ -8,6 +8,9 @@ Subcommands::
         one file -> hp_lightning sharded directory (loads into any world size)
     verify PATH
         check sizes and checksums recorded at save; exit status 1 on any problem
+    export-hf CKPT OUT_DIR [--prefix net.] [--config HF_DIR] [--max-shard-size 5GB] [--dtype bf16] [--overwrite] [--trust-pickle]
+        sharded directory or full file -> Hugging Face directory (safetensors shards + index, config
+        copied from --config) that ``from_pretrained`` loads; see hp_lightning.checkpoint.hf
 
 An existing output is an error unless --overwrite is given, and even then only a checkpoint is
 replaced: the converter never deletes anything it did not write. Sources are unpickled safely
@@ -26,13 +29,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Optional
 
+from hp_lightning.checkpoint import convert
+from hp_lightning.checkpoint.hf import export_hf
+
 PROG = "hp-lightning-checkpoint"
 TRUST_HELP = "unpickle SRC without safe loading (torch weights_only=False); runs code it carries: only for files you trust"
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=PROG, description="Convert and check hp_lightning / Lightning checkpoints offline.")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{consolidate,shard,verify}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{consolidate,shard,verify,export-hf}")
 
     merge = commands.add_parser("consolidate", help="sharded directory -> one checkpoint file")
     merge.add_argument("src", type=Path, metavar="SRC_DIR", help="sharded checkpoint directory")
@@ -50,14 +56,22 @@ def build_parser() -> argparse.ArgumentParser:
 
     check = commands.add_parser("verify", help="check a checkpoint against the sizes and checksums recorded at save")
     check.add_argument("path", type=Path, metavar="PATH", help="checkpoint directory or file")
+
+    hf = commands.add_parser("export-hf", help="checkpoint -> Hugging Face directory (from_pretrained loads it)")
+    hf.add_argument("src", type=Path, metavar="CKPT", help="sharded checkpoint directory or full checkpoint file")
+    hf.add_argument("out", type=Path, metavar="OUT_DIR", help="output directory (absent or empty)")
+    hf.add_argument("--prefix", default=None, help="the LightningModule attribute holding the model, e.g. 'net.' (stripped from the keys)")
+    hf.add_argument("--config", type=Path, default=None, help="Hugging Face model directory whose config.json / generation_config.json are copied")
+    hf.add_argument("--max-shard-size", default="5GB", help="largest safetensors file, e.g. 5GB, 500MB, 2GiB (default: 5GB)")
+    hf.add_argument("--dtype", default=None, help="cast floating tensors, e.g. bf16 (default: keep)")
+    hf.add_argument("--overwrite", action="store_true", help="replace an earlier export of ours in OUT_DIR (only the files it recorded)")
+    hf.add_argument("--trust-pickle", action="store_true", help=TRUST_HELP)
     return parser
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the command line; return the exit status."""
     args = build_parser().parse_args(argv)
-    from hp_lightning.checkpoint import convert
-
     try:
         if args.command == "consolidate":
             summary = convert.consolidate(
@@ -65,9 +79,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             )
         elif args.command == "shard":
             summary = convert.shard(args.src, args.out, overwrite=args.overwrite, weights_only=False if args.trust_pickle else None)
+        elif args.command == "export-hf":
+            summary = export_hf(
+                args.src, args.out, prefix=args.prefix, config=args.config, max_shard_size=args.max_shard_size, dtype=args.dtype,
+                overwrite=args.overwrite, trust_pickle=args.trust_pickle,
+            )
         else:
             summary = convert.verify(args.path)
-    except (OSError, ValueError, TypeError, KeyError) as exc:
+    except (OSError, ValueError, TypeError, KeyError, RuntimeError) as exc:  # RecursionError too: one line, no traceback
         print(f"{PROG} {args.command}: error: {exc}", file=sys.stderr)
         return 1
     print(summary)

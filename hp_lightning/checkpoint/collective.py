@@ -74,12 +74,10 @@ def agree(error: Optional[BaseException]) -> None:
     One ``all_gather_object``: every rank must reach it, which is why callers catch their own
     failures and pass them here instead of raising on the spot.
     """
-    if not dist.is_initialized():
-        if error is not None:
-            raise error
-        return
-    errors: list[Any] = [None] * world_size()
-    dist.all_gather_object(errors, _as_wire(error))
+    errors: list[Any] = [_as_wire(error)]
+    if dist.is_initialized():
+        errors = [None] * world_size()
+        dist.all_gather_object(errors, _as_wire(error))
     _raise_first(errors, error)
 
 
@@ -96,12 +94,9 @@ def on_rank0(fn: Callable[..., T]) -> T:
             result = fn()
         except Exception as exc:  # noqa: BLE001 - shared with every rank, then re-raised
             error = exc
-    if not dist.is_initialized():
-        if error is not None:
-            raise error
-        return result
     box = [(_as_wire(error), result)]
-    dist.broadcast_object_list(box, src=0)
+    if dist.is_initialized():
+        dist.broadcast_object_list(box, src=0)
     wire, result = box[0]
     _raise_first([wire], error)
     return result

@@ -50,10 +50,6 @@ FORMATS = ("torch", "safetensors")
 WHAT = "Will not write the output"
 
 
-def _weights_only(checkpoint: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in checkpoint.items() if k in WEIGHTS_ONLY_KEYS}
-
-
 def _safetensors_ready(weights: dict[str, Any]) -> tuple[dict[str, torch.Tensor], list[str]]:
     """Contiguous tensors, none sharing memory (safetensors refuses both); non-tensor entries left out."""
     tensors, skipped, seen = {}, [], set()
@@ -98,7 +94,7 @@ def consolidate(
     checkpoint = read_sharded(src, weights_only=weights_only or fmt == "safetensors", trust_pickle=trust_pickle)
     checkpoint[FULL_INFO_KEY] = {**producer_record(), "format": "full", "consolidated_from": str(src)}
     if fmt == "safetensors":
-        from safetensors.torch import save_file
+        from safetensors.torch import save_file  # safetensors is optional (hp-lightning[safetensors])
 
         tensors, skipped = _safetensors_ready(checkpoint[MODEL_KEY])
         metadata = {"format": "pt", "source": str(src), "hp_lightning_version": str(checkpoint[FULL_INFO_KEY]["hp_lightning_version"])}
@@ -106,7 +102,7 @@ def consolidate(
         note = f"; left out non-tensor entries {skipped}" if skipped else ""
         return f"wrote {out} (safetensors, {len(tensors)} tensors{note}) from {src}"
     if weights_only:
-        checkpoint = _weights_only(checkpoint)
+        checkpoint = {k: v for k, v in checkpoint.items() if k in WEIGHTS_ONLY_KEYS}
     write_file_atomically(out, lambda staging: torch.save(checkpoint, staging), overwrite=overwrite, what=WHAT)
     optimizers = len(checkpoint.get(OPTIMIZER_KEY, []))
     return f"wrote {out} ({'weights only' if weights_only else 'full'}, {len(checkpoint[MODEL_KEY])} model entries, {optimizers} optimizer state(s)) from {src}"

@@ -29,6 +29,7 @@ finishes a swap a kill interrupted. Staging names never end in ``.ckpt``, so nei
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import enum
 import errno
@@ -41,14 +42,28 @@ import sys
 import threading
 import uuid
 import zipfile
-from collections.abc import Iterable, Mapping
-from pathlib import Path, PurePosixPath, PureWindowsPath
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, Callable, TypeVar
 
 from hp_lightning._version import __version__
 
-# The manifest's per-file records and their checks live in .integrity; named here too, beside the layout they guard.
-from hp_lightning.checkpoint.integrity import file_record, shard_record, share_by_size, verify_file, verify_records  # noqa: F401
+# The errors, the per-file records and the checks before a file is opened live in .integrity, and DCP's index file
+# name and torch's legacy head in .unpickle, beside their readers; all are named here too, beside the layout they guard.
+from hp_lightning.checkpoint.integrity import (  # noqa: F401
+    CorruptCheckpointError,
+    UnsafeCheckpointError,
+    check_contained,
+    corruption_message,
+    file_record,
+    open_regular,
+    regular_file_size,
+    shard_record,
+    share_by_size,
+    verify_file,
+    verify_records,
+)
+from hp_lightning.checkpoint.unpickle import DCP_METADATA_FILE, LEGACY_TORCH_HEAD, check_archive, torch_load  # noqa: F401
 
 #: Version of the layout above. Loaders refuse newer versions instead of misreading them.
 FORMAT_VERSION = 1
@@ -56,8 +71,6 @@ FORMAT_VERSION = 1
 META_FILE = "meta.pt"
 #: hp_lightning's manifest; written last, so it also marks a finished save.
 MANIFEST_FILE = "hp_lightning.json"
-#: DCP's index file.
-DCP_METADATA_FILE = ".metadata"
 #: Key of hp_lightning's record inside a full (single-file) checkpoint.
 FULL_INFO_KEY = "hp_lightning"
 #: Where the model's state sits in a checkpoint (hp_lightning, Lightning, ModelParallelStrategy).
@@ -72,6 +85,9 @@ STAGING_MARKER = ".hp-partial-"
 TRASH_MARKER = ".hp-trash-"
 #: Marks the previous checkpoint set aside while its replacement is renamed in (no atomic exchange).
 PREVIOUS_MARKER = ".hp-prev-"
+#: Inside every staging, set-aside and trash directory we make: the token its name carries. Cleanup removes
+#: only entries holding it, so a user's ``model.ckpt.hp-partial-notes`` beside a checkpoint is never touched.
+TOKEN_FILE = ".hp-lightning-token"
 
 
 class CheckpointKind(enum.Enum):
@@ -80,18 +96,6 @@ class CheckpointKind(enum.Enum):
     HP_SHARDED = "hp_lightning sharded directory"
     LIGHTNING_SHARDED = "Lightning sharded directory (ModelParallelStrategy / FSDPStrategy)"
     FULL_FILE = "single-file checkpoint"
-
-
-class CorruptCheckpointError(ValueError):
-    """A checkpoint whose files do not match what was recorded when it was saved."""
-
-
-class UnsafeCheckpointError(ValueError):
-    """A checkpoint that loading would let run code (a pickle safe loading refuses) or read files outside it.
-
-    Raised before the refused object is built or the outside file is opened, naming the file or
-    entry; a pickle refusal also names the opt-in for trusted files (``weights_only=False``).
-    """
 
 
 # ---------------------------------------------------------------- recognizing a checkpoint
@@ -125,7 +129,7 @@ def classify(path: Path) -> CheckpointKind:
         return CheckpointKind.FULL_FILE
     if not path.is_dir():
         raise ValueError(f"Checkpoint {str(path)!r} is neither a file nor a directory.")
-    if (path / MANIFEST_FILE).is_file():
+    if (path / MANIFEST_FILE).exists():  # a FIFO in its place too: read_manifest refuses it, not skipped
         check_version(read_manifest(path), path / MANIFEST_FILE)
         return CheckpointKind.HP_SHARDED
     has_index = (path / DCP_METADATA_FILE).is_file()
@@ -156,12 +160,8 @@ def classify(path: Path) -> CheckpointKind:
 
 def _written_by_hp_lightning(meta_file: Path) -> bool:
     """Whether a sharded checkpoint's trainer-state file carries hp_lightning's producer record."""
-    import torch
-
-    from hp_lightning.core.devices import cpu_device
-
     try:  # safe loading always: this is only a guess at the producer, the load itself decides what to trust
-        meta = torch.load(meta_file, map_location=cpu_device(), weights_only=True, mmap=True)
+        meta = torch_load(meta_file, weights_only=True)
     except Exception:  # noqa: BLE001 - unreadable or refused: the loader reports it with its own message
         return False
     return isinstance(meta, Mapping) and isinstance(meta.get(FULL_INFO_KEY), Mapping)
@@ -199,10 +199,6 @@ def check_version(record: Mapping[str, Any], where: Path) -> None:
 # ---------------------------------------------------------------- integrity records
 
 
-#: How ``torch.save``'s legacy (non-zip) format starts: pickle protocol 2, then its magic number.
-_LEGACY_TORCH_HEAD = b"\x80\x02\x8a\nl\xfc\x9cF\xf9 j\xa8P\x19"
-
-
 def verify_zip(path: Path) -> str | None:
     """Check every entry of a ``torch.save`` archive against its CRC-32; return a problem or None.
 
@@ -211,21 +207,27 @@ def verify_zip(path: Path) -> str | None:
 
     Raises:
         ValueError: for anything that is no checkpoint at all (an empty file, random bytes, text).
+        CorruptCheckpointError: not a regular file, or a record whose declared size its bytes do not back
+            (:func:`~hp_lightning.checkpoint.unpickle.check_archive`), before anything is inflated.
+        UnsafeCheckpointError: a pickle calling a constructor that allocates what it declares.
     """
+    regular_file_size(path.parent, path.name)
     if path.suffix == ".safetensors":
         return _check_safetensors_header(path)
     if not zipfile.is_zipfile(path):
         with open(path, "rb") as f:
-            head = f.read(len(_LEGACY_TORCH_HEAD))
+            head = f.read(len(LEGACY_TORCH_HEAD))
         if head[:2] == b"PK":
             return f"{str(path)!r} is truncated or damaged: its zip directory is missing or unreadable"
-        if head == _LEGACY_TORCH_HEAD:
+        if head == LEGACY_TORCH_HEAD:
             return None
         what = "an empty file" if not head else f"a file of {path.stat().st_size:,} bytes that starts with {head[:8]!r}"
         raise ValueError(
             f"{str(path)!r} is not a checkpoint: {what}, neither a torch.save archive (zip or legacy format) "
             f"nor a .safetensors file. Check the path."
         )
+    with open_regular(path) as f:  # bounded before testzip inflates anything: a zip bomb is refused, not decompressed
+        check_archive(f, os.fstat(f.fileno()).st_size, repr(str(path)), compressed=True)
     try:
         with zipfile.ZipFile(path) as archive:
             bad = archive.testzip()
@@ -237,43 +239,31 @@ def verify_zip(path: Path) -> str | None:
 
 
 def _check_safetensors_header(path: Path) -> str | None:
-    """A .safetensors file starts with an 8-byte header length and a JSON header that fits the file."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(8)
-        length = int.from_bytes(head, "little") if len(head) == 8 else -1
-        ok = 0 < length <= size - 8
-        if ok:
-            try:
-                header = json.loads(f.read(length))
-                ends = [int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"]
-                ok = isinstance(header, dict) and max(ends, default=0) == size - 8 - length
-            except (ValueError, TypeError, KeyError, IndexError):
-                ok = False
-    return None if ok else f"{str(path)!r} is truncated or damaged: its safetensors header does not describe its {size:,} bytes"
+    """A .safetensors file whose header, read by the safetensors library, describes every byte of it."""
+    try:
+        from safetensors import safe_open  # safetensors is optional (hp-lightning[safetensors])
 
-
-def is_disk_full(exc: BaseException) -> bool:
-    """Whether a write failed for want of space: ``ENOSPC``, or how ``torch.save`` reports it.
-
-    ``torch.save`` (and so every DCP shard write) reports a full disk as ``RuntimeError:
-    [enforce fail at inline_container.cc] ... unexpected pos N vs M``: the bytes it wrote did not
-    all arrive.
-    """
-    text = str(exc)
-    return getattr(exc, "errno", None) == errno.ENOSPC or "No space left" in text or "unexpected pos" in text
+        with safe_open(str(path), framework="pt") as f:
+            f.keys()
+    except ImportError:
+        return None  # reading it needs the package anyway, and says so
+    except Exception as exc:  # noqa: BLE001 - the library's own account of what is wrong
+        return f"{str(path)!r} is truncated or damaged: its safetensors header does not describe its bytes ({exc})"
+    return None
 
 
 def write_error(exc: BaseException, path: Path, *, source: str = "") -> OSError:
     """An ``OSError`` that names the cause and the path, for a write that failed.
 
-    A full disk (:func:`is_disk_full`, or under 1 MiB left) says "No space left on device", with
-    the free space left; anything else says what failed, with ``source`` (e.g. ``"rank 1: "``).
+    A full disk (``ENOSPC``, or under 1 MiB left) says "No space left on device", with the free
+    space left; anything else says what failed, with ``source`` (e.g. ``"rank 1: "``). ``torch.save``
+    (and so every DCP shard write) reports a full disk as ``RuntimeError: [enforce fail at
+    inline_container.cc] ... unexpected pos N vs M``: the bytes it wrote did not all arrive.
     """
     target = Path(path)
     folder = next((p for p in (target.parent, *target.parents) if p.exists()), Path("."))
     free = shutil.disk_usage(folder).free
-    if is_disk_full(exc) or free < (1 << 20):
+    if getattr(exc, "errno", None) == errno.ENOSPC or "No space left" in str(exc) or "unexpected pos" in str(exc) or free < (1 << 20):
         return OSError(
             errno.ENOSPC,
             f"No space left on device while writing checkpoint {str(target)!r} ({free:,} bytes free on "
@@ -296,7 +286,7 @@ def refuse_foreign(path: Path, *, overwrite: bool, what: str) -> None:
         ValueError: ``path`` exists but is not a checkpoint (naming what is there).
     """
     path = Path(path)
-    if not (path.exists() or path.is_symlink()) or path.is_symlink():
+    if path.is_symlink() or not path.exists():
         return
     if not overwrite:
         raise FileExistsError(f"{what}: {str(path)!r} already exists; choose a new path, or pass --overwrite to replace it.")
@@ -311,16 +301,6 @@ def refuse_foreign(path: Path, *, overwrite: bool, what: str) -> None:
             f"{what}: {str(path)!r} exists and is not a checkpoint ({problem}{'; it holds ' + str(entries) if entries else ''}); "
             f"it is never replaced, since that would delete files this program did not write. Choose another path."
         )
-
-
-def corruption_message(problems: list[str], checkpoint: Path) -> str:
-    """One error message for every problem found, with what to do next."""
-    listed = "; ".join(problems[:6]) + (f"; and {len(problems) - 6} more" if len(problems) > 6 else "")
-    return (
-        f"Checkpoint {str(checkpoint)!r} failed its integrity check: {listed}. It was damaged after it "
-        f"was written (partial copy, disk or network fault, manual edit); restore it from a good copy "
-        f"or resume from an earlier checkpoint."
-    )
 
 
 def write_manifest(root: Path, manifest: Mapping[str, Any]) -> None:
@@ -343,8 +323,9 @@ def read_manifest(root: Path) -> dict[str, Any]:
     where = root / MANIFEST_FILE
     check_contained(root, [MANIFEST_FILE], what="its manifest")
     try:
-        manifest = json.loads(where.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        with open_regular(where) as f:
+            manifest = json.loads(f.read())
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
         raise CorruptCheckpointError(f"{str(where)!r} is damaged (not valid JSON: {exc}); restore the checkpoint from a good copy.") from None
     if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
         raise CorruptCheckpointError(f"{str(where)!r} is damaged: it has no 'files' table; restore the checkpoint from a good copy.")
@@ -352,48 +333,9 @@ def read_manifest(root: Path) -> dict[str, Any]:
     return manifest
 
 
-def outside_reason(root: Path, name: Any) -> str | None:
-    """Why entry ``name`` of checkpoint directory ``root`` would lead outside it; None when it stays inside.
-
-    Two checks: the name itself (no absolute path, drive or ``..`` part, in POSIX or Windows
-    spelling: DCP and the manifest name files relative to the directory), then where it resolves
-    to (a symlink, of the file or of a folder on the way, that leads out of ``root``).
-    """
-    if not isinstance(name, str) or not name or "\x00" in name:
-        return "it is not a file name"
-    spelled = PureWindowsPath(name)  # parses both '/' and '\\' as separators
-    if spelled.anchor or PurePosixPath(name).is_absolute():
-        return "it is an absolute path"
-    if ".." in spelled.parts:
-        return "it climbs out with '..'"
-    base = root.resolve()
-    target = (root / name).resolve()
-    if target != base and base not in target.parents:
-        return f"it is a symlink (or lies under one) that leads to {str(target)!r}"
-    return None
-
-
-def check_contained(root: Path, names: Iterable[Any], *, what: str) -> None:
-    """Refuse a checkpoint whose ``names`` (read from ``what``) lead outside directory ``root``.
-
-    Raises:
-        UnsafeCheckpointError: naming each such entry and where it leads.
-    """
-    root = Path(root)
-    problems = [f"{name!r} ({reason})" for name in names if (reason := outside_reason(root, name))]
-    if problems:
-        listed = "; ".join(problems[:6]) + (f"; and {len(problems) - 6} more" if len(problems) > 6 else "")
-        raise UnsafeCheckpointError(
-            f"Checkpoint {str(root)!r}: {what} names files outside the checkpoint directory: {listed}. A checkpoint "
-            f"reads only its own files, so it is refused before any of them is opened. It was altered or built to "
-            f"read other files; restore it from a good copy (if you moved files out on purpose, copy them back in "
-            f"instead of linking them)."
-        )
-
-
 def data_files(root: Path) -> list[str]:
     """Every file of a sharded checkpoint that the manifest records (all but the manifest itself)."""
-    return sorted(p.name for p in root.iterdir() if p.is_file() and p.name != MANIFEST_FILE and not p.name.endswith(".tmp"))
+    return sorted(p.name for p in root.iterdir() if p.is_file() and p.name not in (MANIFEST_FILE, TOKEN_FILE) and not p.name.endswith(".tmp"))
 
 
 # ---------------------------------------------------------------- publishing and removing
@@ -401,6 +343,38 @@ def data_files(root: Path) -> list[str]:
 
 def staging_path(path: Path, token: str) -> Path:
     return path.with_name(f"{path.name}{STAGING_MARKER}{token}")
+
+
+def new_staging(path: Path) -> Path:
+    """A fresh staging directory for a save of ``path``, marked as ours (:func:`is_ours`).
+
+    A sharded save writes into it; a single file is written inside it under ``path``'s name.
+    """
+    token = new_token()
+    staging = staging_path(path, token)
+    staging.mkdir()
+    _mark(staging, token)
+    return staging
+
+
+def _mark(entry: Path, token: str) -> None:
+    with open(entry / TOKEN_FILE, "w") as f:
+        f.write(token)
+
+
+def is_ours(entry: Path, marker: str) -> bool:
+    """Whether ``entry`` (a staging, set-aside or trash name) was made by hp_lightning: a real directory whose
+    :data:`TOKEN_FILE` holds the token its name carries. Only such entries are ever deleted or moved by name."""
+    token = entry.name.split(marker, 1)[-1]
+    if marker == PREVIOUS_MARKER and "." in token:
+        token = token.split(".", 1)[0]
+    if len(token) != 12 or entry.is_symlink() or not entry.is_dir():
+        return False
+    try:
+        with open_regular(entry / TOKEN_FILE) as f:
+            return f.read(64).decode("ascii", "replace") == token
+    except (OSError, ValueError):
+        return False
 
 
 def new_token() -> str:
@@ -445,16 +419,12 @@ def cyclic_gc_paused(fn: _F) -> _F:
 
 def fsync_dir(path: Path) -> None:
     """Make renames and new entries in ``path`` durable (a no-op where directories cannot be opened)."""
-    try:
+    with contextlib.suppress(OSError):
         fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def fsync_file(path: Path) -> None:
@@ -507,11 +477,24 @@ def publish(staging: Path, path: Path) -> None:
     fsync_dir(path.parent)
 
 
+def _move_apart(path: Path, apart: Callable[[str], Path]) -> Path:
+    """Move checkpoint ``path`` to the marked directory ``apart(token)``: a directory is marked and renamed
+    there; a file is renamed into a new marked directory, under its own name."""
+    token = new_token()
+    target = apart(token)
+    if path.is_dir() and not path.is_symlink():
+        _mark(path, token)
+        os.rename(path, target)
+    else:
+        target.mkdir()
+        _mark(target, token)
+        os.rename(path, target / path.name)
+    return target
+
+
 def set_aside(path: Path) -> Path:
-    """Rename the current checkpoint to its ``.hp-prev-`` name; return that name."""
-    previous = previous_path(path, new_token())
-    os.rename(path, previous)
-    return previous
+    """Move the current checkpoint to its ``.hp-prev-`` name (marked as ours); return that name."""
+    return _move_apart(path, lambda token: previous_path(path, token))
 
 
 def swap_by_renames(staging: Path, path: Path) -> None:
@@ -530,24 +513,17 @@ def swap_by_renames(staging: Path, path: Path) -> None:
 def remove(path: Path) -> None:
     """Delete a checkpoint of either format; it leaves its real name in one rename before deletion."""
     path = Path(path)
-    if not (path.exists() or path.is_symlink()):
-        return
     if path.is_symlink():
         path.unlink()
-        return
-    trash = path.with_name(f"{path.name}{TRASH_MARKER}{new_token()}")
-    os.rename(path, trash)
-    _delete(trash)
+    elif path.exists():
+        _delete(_move_apart(path, lambda token: path.with_name(f"{path.name}{TRASH_MARKER}{token}")))
 
 
 def _delete(path: Path) -> None:
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path, ignore_errors=True)
     else:
-        try:
-            path.unlink()
-        except FileNotFoundError:
-            pass
+        path.unlink(missing_ok=True)
 
 
 def _siblings(path: Path, marker: str) -> list[Path]:
@@ -557,7 +533,7 @@ def _siblings(path: Path, marker: str) -> list[Path]:
         prefix, suffix = f"{path.stem}{marker}", path.suffix
     else:
         prefix, suffix = f"{path.name}{marker}", ""
-    return [p for p in path.parent.iterdir() if p.name.startswith(prefix) and p.name.endswith(suffix)]
+    return [p for p in path.parent.iterdir() if p.name.startswith(prefix) and p.name.endswith(suffix) and is_ours(p, marker)]
 
 
 def is_complete(entry: Path) -> bool:
@@ -581,17 +557,26 @@ def recover(path: Path) -> Path | None:
         return None
     # The newest complete save first: it finished writing and only its publish was cut short.
     for marker in (STAGING_MARKER, PREVIOUS_MARKER):
-        complete = [p for p in _siblings(path, marker) if is_complete(p)]
+        complete = [p for p in _siblings(path, marker) if is_complete(_payload(p, path))]
         if complete:
-            newest = max(complete, key=lambda p: p.stat().st_mtime)
-            os.rename(newest, path)
+            newest = max(complete, key=lambda p: _payload(p, path).stat().st_mtime)
+            os.rename(_payload(newest, path), path)
+            if newest.exists():
+                _delete(newest)  # the marked directory a single file was kept in
             fsync_dir(path.parent)
             return newest
     return None
 
 
+def _payload(entry: Path, path: Path) -> Path:
+    """What a marked entry holds for ``path``: a single file under ``path``'s name inside it, or the directory itself."""
+    inner = entry / path.name
+    return inner if inner.is_file() and not inner.is_symlink() else entry
+
+
 def clean_stale(path: Path) -> list[Path]:
-    """Delete the staging, set-aside and trash entries killed saves or deletes of ``path`` left behind.
+    """Delete the staging, set-aside and trash entries killed saves or deletes of ``path`` left behind:
+    only those marked as ours (:func:`is_ours`); a user's entry that merely looks like one is never touched.
 
     Run :func:`recover` first: when ``path`` is missing, one of them may be the only complete copy.
     """

@@ -16,12 +16,15 @@ Every pickle is read with torch's safe loading unless ``weights_only=False`` is 
 
 from __future__ import annotations
 
+import io
 from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
+import lightning
 import torch
 import torch.distributed as dist
+from lightning.fabric.wrappers import is_wrapped
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -31,7 +34,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from hp_lightning.checkpoint import layout
+from hp_lightning.checkpoint import hf, layout
 from hp_lightning.checkpoint.collective import on_every_rank, on_rank0, rank, warn_rank0, world_size
 from hp_lightning.checkpoint.integrity import ReadCheck
 from hp_lightning.checkpoint.layout import (
@@ -244,11 +247,6 @@ def _check_positions(
         )
 
 
-def _count_optimizers(index: Mapping[tuple[Any, ...], Shape]) -> int:
-    roots = {k[0] for k in index if isinstance(k[0], str) and k[0].startswith("optimizer_")}
-    return len(roots)
-
-
 def _plan_optimizers(
     model: nn.Module, optimizers: list[Any], stored_count: int, *, strict: bool, source: str
 ) -> list[Any]:
@@ -314,7 +312,7 @@ def _load_sharded(
         stored = {k[len(prefix) :]: shape for k, shape in stored.items() if k.startswith(prefix) and k[len(prefix) :] not in elsewhere}
         sharded_model = get_model_state_dict(model)  # what DCP loads into (in place), and the shapes to compare
         missing, unexpected = check_model_keys(state_shapes(sharded_model), stored, strict=strict, source=source)
-        restoring = _plan_optimizers(model, optimizers, _count_optimizers(index), strict=strict, source=source)
+        restoring = _plan_optimizers(model, optimizers, len({k[0] for k in index if str(k[0]).startswith("optimizer_")}), strict=strict, source=source)
         request: dict[str, Any] = {model_key: {prefix + k: v for k, v in sharded_model.items() if k in stored}}
         return meta, metadata, index, model_key, missing, unexpected, restoring, request
 
@@ -380,12 +378,9 @@ def _optimizer_request(
 
 def _forget_state(model: nn.Module, optimizer: Any, names: set[str]) -> None:
     """Drop optimizer state of parameters the checkpoint had none for, so they start fresh at the next step."""
-    if not names:
-        return
-    params = dict(model.named_parameters())
-    for name in names:
-        if name in params:
-            optimizer.state.pop(params[name], None)
+    for name, param in model.named_parameters():
+        if name in names:
+            optimizer.state.pop(param, None)
 
 
 # ------------------------------------------------ full file
@@ -413,7 +408,8 @@ def _load_full(
         rest = {k: v for k, v in loaded.items() if k not in (MODEL_KEY, OPTIMIZER_KEY)}
         return {
             "shapes": state_shapes(loaded[MODEL_KEY]),
-            "optimizers": [_summarize_optimizer(state) for state in optimizer_states],
+            "optimizers": len(optimizer_states),
+            "index": {key: shape for i, state in enumerate(optimizer_states) for key, shape in _optimizer_index(state, i).items()},
             "rest": rest,
         }
 
@@ -431,10 +427,10 @@ def _load_full(
     weights_file = "pytorch-lightning_version" not in rest
     if weights_file and optimizers:
         warn_rank0(f"{source} holds model weights only: they are loaded, and training starts at step 0 with fresh optimizer state.")
-    restoring = [] if weights_file else on_every_rank(lambda: _plan_optimizers(model, optimizers, len(summary["optimizers"]), strict=strict, source=source))
+    restoring = [] if weights_file else on_every_rank(lambda: _plan_optimizers(model, optimizers, summary["optimizers"], strict=strict, source=source))
     for i, optimizer in enumerate(restoring):
-        names, skipped = on_every_rank(
-            lambda i=i, optimizer=optimizer: _check_full_optimizer(model, optimizer, summary["optimizers"][i], i, set(missing), source)
+        _, names, _, skipped = on_every_rank(
+            lambda i=i, optimizer=optimizer: _optimizer_request(model, optimizer, summary["index"], i, set(missing), source)
         )
         state: dict[str, Any] = {}
         if rank() == 0:
@@ -444,36 +440,19 @@ def _load_full(
         set_optimizer_state_dict(model, optimizer, state, options=options)
         _forget_state(model, optimizer, skipped)
     if weights_file:
-        import lightning
-
         # What Lightning needs to accept the dict; no loops, callbacks or scheduler state to restore.
         return {"pytorch-lightning_version": lightning.__version__, "lr_schedulers": []}
     return rest
 
 
-def _summarize_optimizer(state: Mapping[str, Any]) -> dict[str, Any]:
-    return {
-        "by_position": is_keyed_by_position(state),
-        "entries": {
-            k: {key: tuple(v.shape) if isinstance(v, torch.Tensor) else None for key, v in entry.items()} for k, entry in state.get("state", {}).items()
-        },
-        "groups": len(state.get("param_groups", [])),
-    }
-
-
-def _check_full_optimizer(
-    model: nn.Module, optimizer: Any, summary: Mapping[str, Any], i: int, missing: set[str], source: str
-) -> tuple[list[list[str]], set[str]]:
-    names = optimizer_param_names(model, optimizer)
-    entries = dict(summary["entries"])
-    if summary["by_position"]:
-        flat = [n for group in names for n in group]
-        _check_positions(model, flat, {k: v for k, v in entries.items() if isinstance(k, int)}, missing, i, source)
-        entries = {flat[k]: v for k, v in entries.items() if isinstance(k, int) and k < len(flat)}
-    current: dict[str, Any] = get_optimizer_state_dict(model, optimizer)
-    current["state"] = {k: v for k, v in current["state"].items() if k not in missing}
-    check_optimizer_state(current, {k: sorted(v) for k, v in entries.items()}, summary["groups"], index=i, source=source)
-    return names, missing | (set(sum(names, [])) - set(entries))
+def _optimizer_index(state: Mapping[str, Any], i: int) -> dict[tuple[Any, ...], Shape]:
+    """A full file's optimizer ``i`` state as a sharded checkpoint's index has it (:func:`dcp_index`: keys as
+    strings, each entry with its shape), so both formats are checked by :func:`_optimizer_request`."""
+    root = f"optimizer_{i}"
+    index: dict[tuple[Any, ...], Shape] = {(root, "param_groups", g, "params"): None for g in range(len(state.get("param_groups", [])))}
+    for k, entry in state.get("state", {}).items():
+        index.update({(root, "state", str(k), key): tuple(v.shape) if isinstance(v, torch.Tensor) else None for key, v in entry.items()})
+    return index
 
 
 def _report_skipped(missing: list[str], unexpected: list[str], source: str) -> None:
@@ -489,19 +468,22 @@ def _report_skipped(missing: list[str], unexpected: list[str], source: str) -> N
 def _unwrapped(module: nn.Module) -> nn.Module:
     """The module inside Fabric's wrapper: torch's broadcast load matches the other ranks' tensors by
     parameter name, and the wrapper's names carry a prefix (``_forward_module.``) that no key has."""
-    from lightning.fabric.wrappers import is_wrapped
-
     inner = getattr(module, "module", None)
     return inner if is_wrapped(module) and isinstance(inner, nn.Module) else module
 
 
-def load_weights(module: nn.Module, path: Path, *, prefix: str = "", strict: bool = True, weights_only: Optional[bool] = None) -> None:
+def load_weights(
+    module: nn.Module, path: Path, *, prefix: str = "", strict: bool = True, weights_only: Optional[bool] = None, allow_cast: bool = False
+) -> None:
     """Load pretrained weights into a (sharded) module: fine-tuning from whole tensors or another run.
 
     Reads a bare ``state_dict`` file, a Lightning ``.ckpt`` (its ``state_dict``), a
-    ``.safetensors`` file or a sharded checkpoint directory; for a single file only rank 0 reads
-    it and the others receive each tensor by broadcast. Call it on every rank once the model is
-    sharded, e.g. in ``LightningModule.on_fit_start``. Optimizer and trainer state are not touched.
+    ``.safetensors`` file, a sharded checkpoint directory or a Hugging Face model directory
+    (``model.safetensors`` or shards with ``model.safetensors.index.json``); for a single file only
+    rank 0 reads it and the others receive each tensor by broadcast; a Hugging Face directory is
+    read by every rank, each its own slices (:func:`hp_lightning.checkpoint.hf.load_hf_weights`).
+    Call it on every rank once the model is sharded, e.g. in ``LightningModule.on_fit_start``.
+    Optimizer and trainer state are not touched.
 
     Args:
         module: the module to fill, e.g. ``self`` or ``self.backbone``.
@@ -513,12 +495,18 @@ def load_weights(module: nn.Module, path: Path, *, prefix: str = "", strict: boo
             tensors and plain values (a ``.safetensors`` file holds no pickle at all, the format to
             prefer for weights from elsewhere); False: unpickle anything, only for files you trust.
             A sharded directory's ``meta.pt`` is not read at all.
+        allow_cast: Hugging Face directories: load tensors whose dtype differs from the module's,
+            cast on copy (else refused). For a Hugging Face directory ``prefix`` is where the model
+            sits inside ``module`` (``"net."`` for ``self.net``): the files' keys get it prepended.
 
     Raises:
         FileNotFoundError, CorruptCheckpointError, ValueError: as :func:`load_checkpoint`.
     """
     path = Path(path)
     module = _unwrapped(module)
+    if on_rank0(lambda: hf.is_hf_directory(path)):
+        hf.load_hf_weights(module, path, prefix=prefix, strict=strict, allow_cast=allow_cast)
+        return
     kind = on_rank0(lambda: layout.classify(path))
     if kind is CheckpointKind.FULL_FILE:
         _load_full(path, module, [], strict=strict, weights_only=weights_only, verify=True, prefix=prefix)
@@ -555,12 +543,11 @@ def load_from_checkpoint(cls: type[LightningModule], checkpoint_path: Any, **kwa
         UnsafeCheckpointError: a pickle safe loading refuses, or a file outside the directory.
         CorruptCheckpointError, ValueError: as :func:`hp_lightning.checkpoint.read.read_sharded`.
     """
-    import io
-
+    if isinstance(checkpoint_path, (str, Path)) and Path(checkpoint_path).exists() and not Path(checkpoint_path).is_dir():
+        layout.regular_file_size(Path(checkpoint_path).parent, Path(checkpoint_path).name)  # a FIFO would block Lightning's open
     if not isinstance(checkpoint_path, (str, Path)) or not Path(checkpoint_path).is_dir():
         return cls.load_from_checkpoint(checkpoint_path, **kwargs)
-    trusted = kwargs.get("weights_only") is False
-    checkpoint = read_sharded(Path(checkpoint_path), weights_only=True, trust_pickle=trusted)
+    checkpoint = read_sharded(Path(checkpoint_path), weights_only=True, trust_pickle=kwargs.get("weights_only") is False)
     buffer = io.BytesIO()
     torch.save(checkpoint, buffer)
     del checkpoint

@@ -22,7 +22,6 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from hp_lightning.checkpoint import layout
 from hp_lightning.checkpoint.layout import (
-    DCP_METADATA_FILE,
     FSDP_MODEL_KEY,
     FULL_INFO_KEY,
     META_FILE,
@@ -31,7 +30,7 @@ from hp_lightning.checkpoint.layout import (
     CheckpointKind,
     CorruptCheckpointError,
 )
-from hp_lightning.checkpoint.unpickle import dcp_load, read_dcp_metadata, torch_load
+from hp_lightning.checkpoint.unpickle import dcp_load, put_route, read_dcp_metadata, torch_load
 from hp_lightning.core import devices
 from hp_lightning.core.state_dict import Shape
 
@@ -39,7 +38,7 @@ from hp_lightning.core.state_dict import Shape
 
 
 def read_full_file(path: Path, *, weights_only: Optional[bool] = None, verify: bool = True) -> dict[str, Any]:
-    """Read a single-file checkpoint into a dict on this process (tensors memory-mapped, not copied).
+    """Read a single-file checkpoint into a dict on this process (with plain ``torch.load``: not memory-mapped).
 
     Bare state dicts and ``.safetensors`` files come back as ``{"state_dict": ...}``.
 
@@ -57,6 +56,7 @@ def read_full_file(path: Path, *, weights_only: Optional[bool] = None, verify: b
     path = Path(path)
     if path.is_dir():
         raise ValueError(directory_message(path, "read_full_file"))
+    layout.regular_file_size(path.parent, path.name)  # a FIFO or device is refused before anything opens it
     if path.suffix == ".safetensors":
         return {MODEL_KEY: _read_safetensors(path)}
     if verify and (problem := layout.verify_zip(path)):
@@ -78,7 +78,7 @@ def read_full_file(path: Path, *, weights_only: Optional[bool] = None, verify: b
 
 def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     try:
-        from safetensors.torch import load_file
+        from safetensors.torch import load_file  # safetensors is optional (hp-lightning[safetensors])
     except ImportError:
         raise ValueError(f"Reading {str(path)!r} needs the safetensors package: pip install 'hp-lightning[safetensors]'.") from None
     try:
@@ -112,15 +112,8 @@ def dcp_index(path: Path, *, weights_only: Optional[bool] = None, metadata: Opti
         UnsafeCheckpointError: the index needs a type outside DCP's own, or names a file outside ``path``.
         CorruptCheckpointError: the index is missing or damaged.
     """
-    try:
-        if metadata is None:
-            metadata = read_dcp_metadata(path, weights_only=weights_only)
-    except (layout.UnsafeCheckpointError, CorruptCheckpointError):
-        raise
-    except Exception as exc:  # noqa: BLE001 - re-raised with the file named
-        raise CorruptCheckpointError(
-            f"{str(path / DCP_METADATA_FILE)!r} cannot be read ({type(exc).__name__}: {exc}); the checkpoint is damaged."
-        ) from None
+    if metadata is None:
+        metadata = read_dcp_metadata(path, weights_only=weights_only)
     planner_data = metadata.planner_data or {}
     index: dict[tuple[Any, ...], Shape] = {}
     for flat_key, entry in metadata.state_dict_metadata.items():
@@ -257,19 +250,5 @@ def read_dcp(path: Path, roots: Optional[set[str]] = None, *, trust_pickle: bool
         dcp_load(flat, path, weights_only=pickles, no_dist=True)
     nested: dict[Any, Any] = {}
     for key, value in flat.items():
-        *parents, leaf = tuple(routes.get(key, (key,)))
-        node = nested
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = value
-    return _lists_back(nested)
-
-
-def _lists_back(node: Any) -> Any:
-    """Dicts keyed 0..n-1 (how a list's items are routed, e.g. optimizer param_groups) back to lists."""
-    if not isinstance(node, dict):
-        return node
-    node = {k: _lists_back(v) for k, v in node.items()}
-    if node and all(isinstance(k, int) for k in node) and sorted(node) == list(range(len(node))):
-        return [node[i] for i in range(len(node))]
-    return node
+        put_route(nested, tuple(routes.get(key, (key,))), value)  # lists (e.g. param_groups) come back as lists
+    return nested

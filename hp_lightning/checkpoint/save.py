@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import threading
 from collections.abc import Mapping
@@ -23,6 +24,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Callable, NoReturn, Optional
 
+import lightning
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -63,8 +65,6 @@ def mesh_record(state: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def producer_record() -> dict[str, Any]:
-    import lightning
-
     return {
         "format_version": FORMAT_VERSION,
         "hp_lightning_version": __version__,
@@ -75,7 +75,7 @@ def producer_record() -> dict[str, Any]:
 
 
 def prepare_target(path: Path, *, overwrite: bool = True, what: str = "Cannot save a checkpoint") -> Path:
-    """Rank 0: finish a swap a kill interrupted, drop what killed saves left, pick a staging name."""
+    """Rank 0: finish a swap a kill interrupted, drop what killed saves left, make a marked staging directory."""
     if path.exists() and not path.is_dir() and not path.is_file():
         raise ValueError(f"{what} to {str(path)!r}: something other than a file or directory is there.")
     # A save replaces an older checkpoint of the same name (a conversion only when asked), and nothing else.
@@ -83,7 +83,7 @@ def prepare_target(path: Path, *, overwrite: bool = True, what: str = "Cannot sa
     layout.recover(path)
     layout.clean_stale(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    return layout.staging_path(path, layout.new_token())
+    return layout.new_staging(path)
 
 
 @layout.cyclic_gc_paused
@@ -153,15 +153,9 @@ class RecordingWriter(FileSystemWriter):
         return done
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        kept: list[list[WriteResult]] = []
-        for rank_results in results:
-            kept.append([])
-            for result in rank_results:
-                if result.index == _RECORDS_INDEX:
-                    self.records.update(result.storage_data)
-                else:
-                    kept[-1].append(result)
-        super().finish(metadata, kept)
+        for result in (r for rank_results in results for r in rank_results if r.index == _RECORDS_INDEX):
+            self.records.update(result.storage_data)
+        super().finish(metadata, [[r for r in rank_results if r.index != _RECORDS_INDEX] for rank_results in results])
 
 
 def _first_failure(exc: BaseException) -> tuple[BaseException, str]:
@@ -178,10 +172,8 @@ def _first_failure(exc: BaseException) -> tuple[BaseException, str]:
 def _abandon(staging: Path, path: Path, exc: BaseException) -> NoReturn:
     """Rank 0: drop the unpublished staging directory and raise the write failure, named (shared by the caller)."""
     cause, source = _first_failure(exc)
-    try:
+    with contextlib.suppress(OSError):  # else the next save of this name clears it
         layout.remove(staging)
-    except OSError:
-        pass  # the next save of this name clears it
     raise layout.write_error(cause, path, source=source) from None
 
 
@@ -189,7 +181,6 @@ def _start_sharded(path: Path, rest: dict[str, Any]) -> Path:
     """Rank 0: a fresh staging directory holding ``meta.pt``."""
     staging = prepare_target(path)
     try:
-        staging.mkdir()
         # The producer record marks hp_lightning's layout even if the manifest is later lost.
         torch.save({**rest, FULL_INFO_KEY: {**producer_record(), "format": "sharded"}}, staging / META_FILE)
         layout.fsync_file(staging / META_FILE)
@@ -325,10 +316,8 @@ class AsyncSaves:
                 _finish_sharded(staging, path, writer.records, tensors, writer.sha256)
             except BaseException as exc:  # noqa: BLE001 - re-raised on every rank by wait()
                 self._failure = _in_background(exc, path, started)
-                try:
+                with contextlib.suppress(OSError):  # else the next save's clean-up removes it
                     layout.remove(staging)
-                except OSError:
-                    pass  # the next save's clean-up removes it
             while True:
                 with self._lock:
                     removals, self._removals = self._removals, []
@@ -386,10 +375,7 @@ class AsyncSaves:
 
 def _describe_save(number: int, path: Path, checkpoint: Mapping[str, Any]) -> str:
     """"async save 3 of this run (to '...', started at global step 40, epoch 0)": which save an error is about."""
-    when = []
-    for key, name in (("global_step", "global step"), ("epoch", "epoch")):
-        if isinstance(checkpoint.get(key), int):
-            when.append(f"{name} {checkpoint[key]}")
+    when = [f"{name} {checkpoint[key]}" for key, name in (("global_step", "global step"), ("epoch", "epoch")) if isinstance(checkpoint.get(key), int)]
     started = f", started at {', '.join(when)}" if when else ""
     return f"async save {number} of this run (to {str(path)!r}{started})"
 
@@ -409,12 +395,13 @@ def write_file_atomically(path: Path, write: Callable[[Path], Any], *, overwrite
     """``write(staging)`` one file under a staging name, then publish it: ``path`` never holds half a file."""
     staging = prepare_target(path, overwrite=overwrite, what=what)
     try:
-        write(staging)
-        layout.fsync_file(staging)
+        write(staging / path.name)
+        layout.fsync_file(staging / path.name)
     except (OSError, RuntimeError) as exc:
         layout.remove(staging)
         raise layout.write_error(exc, path) from None
-    layout.publish(staging, path)
+    layout.publish(staging / path.name, path)
+    layout.remove(staging)  # empty but for its mark, or holding the replaced file
 
 
 def _save_full(checkpoint: dict[str, Any], path: Path) -> None:

@@ -6,20 +6,15 @@ object's ``__reduce__``), so unpickling a file runs whatever its writer chose. t
 the types registered with ``torch.serialization.add_safe_globals`` are rebuilt; anything else is
 refused. Lightning passes ``weights_only=None`` through to it, so a plain Lightning resume is safe.
 
-A checkpoint has four kinds of pickles, and this module reads each of them safely by default:
-
-* ``torch.save`` files (a full checkpoint, ``meta.pt``): :func:`torch_load`, torch's safe loader.
-* DCP's index ``.metadata``, which torch's ``FileSystemReader`` reads with a bare ``pickle.load``:
-  :class:`SafeReader` rebuilds only DCP's own metadata classes (an allowlist of the types a
-  torch DCP save writes), and refuses a storage entry that names a file outside the directory.
-* DCP's non-tensor entries (optimizer ``param_groups`` values, other plain values), which torch's
-  ``DefaultLoadPlanner`` reads with ``torch.load(weights_only=False)``: :class:`SafeLoadPlanner`
-  reads them with torch's safe loader.
-* DCP's tensor items (one ``torch.save`` archive per tensor, inside the shard files), which torch
-  reads with ``torch.load(weights_only=True)``: :func:`read_plain_tensor` decodes the plain ones
-  itself (a stricter allowlist: torch's tensor rebuild, the storage classes, ``OrderedDict``; every
-  size, stride and offset checked against the storage), about 7x faster; anything else goes to
-  ``torch.load(weights_only=True)`` as in torch.
+A checkpoint has four kinds of pickles, each read safely by default: ``torch.save`` files (a full
+checkpoint, ``meta.pt``) by :func:`torch_load`; DCP's index ``.metadata`` (a bare ``pickle.load``
+in torch) by :func:`read_dcp_metadata`, which rebuilds only DCP's own metadata classes; DCP's
+non-tensor entries (``torch.load(weights_only=False)`` in torch) by :class:`SafeLoadPlanner` with
+torch's safe loader; DCP's tensor archives by torch's own ``FileSystemReader.read_data`` and
+``torch.load(weights_only=True)``, unchanged, checked through DCP's public hooks (:class:`SafeReader`,
+:class:`SafeLoadPlanner`). Every size a file declares is checked against the bytes present before
+anything is allocated for it (:func:`check_index`, :func:`check_archive`); only regular files inside
+the checkpoint directory are opened.
 
 ``weights_only=None`` means torch's default: safe, unless the environment sets torch's documented
 ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` (and ``TORCH_FORCE_WEIGHTS_ONLY_LOAD`` forces safe loading
@@ -28,12 +23,13 @@ even where ``False`` was passed). ``weights_only=False`` unpickles anything: onl
 
 from __future__ import annotations
 
-import collections
+import functools
 import io
+import math
 import os
 import pickle
-import re
-import sys
+import pickletools
+import zipfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any, Optional, Union, cast
@@ -45,10 +41,22 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
-from hp_lightning.checkpoint import integrity, layout
-from hp_lightning.checkpoint.integrity import FileWindow, ReadCheck
-from hp_lightning.checkpoint.layout import DCP_METADATA_FILE, CorruptCheckpointError, UnsafeCheckpointError
+from hp_lightning.checkpoint.integrity import (
+    CorruptCheckpointError,
+    FileWindow,
+    ReadCheck,
+    UnsafeCheckpointError,
+    check_contained,
+    corruption_message,
+    open_regular,
+    regular_file_size,
+)
 from hp_lightning.core import devices
+
+#: DCP's index file in a checkpoint directory (the rest of the layout: :mod:`.layout`).
+DCP_METADATA_FILE = ".metadata"
+#: How ``torch.save``'s legacy (non-zip) format starts: pickle protocol 2, then its magic number.
+LEGACY_TORCH_HEAD = b"\x80\x02\x8a\nl\xfc\x9cF\xf9 j\xa8P\x19"
 
 #: How to opt out of safe loading, for a file you trust (named in every refusal).
 OPT_IN = (
@@ -90,58 +98,85 @@ def refusal(where: str, refused: list[str], *, entry: Optional[str] = None) -> U
     )
 
 
-def _refused_globals(source: Union[Path, IO[bytes]], message: str) -> list[str]:
-    """The globals torch's safe loader would refuse in ``source`` (read without running them)."""
-    try:
-        if not isinstance(source, Path):
-            source.seek(0)
-        found = torch.serialization.get_unsafe_globals_in_checkpoint(source)
-    except Exception:  # noqa: BLE001 - only for the message; fall back to torch's own words
-        found = []
-    return found or re.findall(r"GLOBAL ([\w.]+)", message)
+def _refusal_or_damage(source: IO[bytes], where: str, entry: Optional[str] = None) -> ValueError:
+    """What an ``UnpicklingError`` from ``torch.load(weights_only=True)`` of ``source`` means: a refusal
+    when the file names globals safe loading does not allow, else damage.
 
-
-def _is_weights_only_failure(exc: BaseException) -> bool:
-    return isinstance(exc, pickle.UnpicklingError) and "Weights only load failed" in str(exc)
-
-
-def _weights_only_failure(source: Union[Path, IO[bytes]], exc: BaseException, where: str, entry: Optional[str] = None) -> ValueError:
-    """A refusal when safe loading met a global it does not allow; else the bytes do not parse (damaged).
-
-    torch reports both as the same ``UnpicklingError``; only the first is a question of trust, so
-    only the first names the opt-in (suggesting ``weights_only=False`` for junk would be wrong).
+    torch reports both alike; its public ``get_unsafe_globals_in_checkpoint`` tells them apart (it
+    lists the globals without running them). Only a refusal is a question of trust, so only a
+    refusal names the opt-in: suggesting ``weights_only=False`` for junk would be wrong.
     """
-    message = str(exc)
-    refused = _refused_globals(source, message)
-    if refused or "GLOBAL" in message:
+    try:
+        source.seek(0)
+        refused = torch.serialization.get_unsafe_globals_in_checkpoint(source)
+    except Exception:  # noqa: BLE001 - not even its globals can be listed: damaged
+        refused = []
+    if refused:
         return refusal(where, refused, entry=entry)
-    reason = re.search(r"WeightsUnpickler error:\s*(.+?)\s*(?:\n\n|$)", message, re.S)
     what = f"entry {entry!r} of {where}" if entry else where
-    return (CorruptCheckpointError if entry else ValueError)(
-        f"Could not read checkpoint {what}: its pickle does not parse ({reason.group(1) if reason else message}); "
-        f"it is damaged or not a torch checkpoint."
+    return CorruptCheckpointError(
+        f"Could not read checkpoint {what}: its pickle does not parse under torch's safe loader, and it names no type "
+        f"that safe loading refuses; it is damaged or not a torch checkpoint."
     )
 
 
 def torch_load(path: Path, *, weights_only: Optional[bool]) -> Any:
-    """``torch.load`` a checkpoint file onto the CPU (memory-mapped where the format allows), safely by default.
+    """``torch.load`` a checkpoint file onto the CPU, safely by default, its declared sizes checked first.
+
+    Not memory-mapped: torch's mmap reading trusts each record's declared length and would read past
+    a short record into whatever follows; plain ``torch.load`` checks each record (and decodes a
+    compressed one), at the price of holding the whole file's tensors in memory. Under safe loading
+    the archive's records and pickle are bounded first (:func:`check_archive`), and torch's legacy
+    (pre-1.6, non-zip) format is refused: it allocates every storage at the size its pickle declares.
 
     Raises:
         UnsafeCheckpointError: safe loading refused a type (naming the file, the type and the opt-in).
-        ValueError: the file cannot be unpickled at all (damaged, not a checkpoint).
+        CorruptCheckpointError: the file cannot be unpickled at all (damaged, not a checkpoint).
     """
     safe = resolve_weights_only(weights_only)
-    try:
+    path = Path(path)
+    where = repr(str(path))
+    with open_regular(path) as stream:
+        size = os.fstat(stream.fileno()).st_size
+        if safe and not zipfile.is_zipfile(stream):
+            legacy = stream.read(len(LEGACY_TORCH_HEAD)) == LEGACY_TORCH_HEAD
+            raise CorruptCheckpointError(
+                f"Could not read checkpoint {where}: it is in torch's legacy (pre-1.6) format, which allocates whatever sizes its "
+                f"pickle declares, so safe loading does not read it. If you trust the file, load it with {OPT_IN}, then save "
+                f"it again with a current torch." if legacy else
+                f"Could not read checkpoint {where}: it is not a torch.save zip archive ({size:,} bytes); it is damaged or not a checkpoint."
+            )
+        if safe:
+            check_archive(stream, size, where, compressed=True)
         try:
-            return torch.load(path, map_location=devices.cpu_device(), mmap=True, weights_only=safe)
-        except RuntimeError as exc:
-            if "mmap" not in str(exc):
-                raise
-        return torch.load(path, map_location=devices.cpu_device(), weights_only=safe)  # legacy (non-zip) format
-    except Exception as exc:  # noqa: BLE001 - unpickling damaged bytes can raise almost anything
-        if _is_weights_only_failure(exc):
-            raise _weights_only_failure(Path(path), exc, repr(str(path))) from None
-        raise ValueError(f"Could not read checkpoint {str(path)!r}: {type(exc).__name__}: {exc}") from None
+            loaded = torch.load(stream, map_location=devices.cpu_device(), weights_only=safe)
+        except Exception as exc:  # noqa: BLE001 - unpickling damaged bytes can raise almost anything (RecursionError too)
+            if safe and isinstance(exc, pickle.UnpicklingError):
+                raise _refusal_or_damage(stream, where) from None
+            raise CorruptCheckpointError(f"Could not read checkpoint {where}: {type(exc).__name__}: {str(exc)[:500]}") from None
+    if _depth(loaded) > MAX_DEPTH:
+        raise CorruptCheckpointError(
+            f"Could not read checkpoint {where}: its containers nest more than {MAX_DEPTH} levels deep, which no checkpoint "
+            f"does and every recursive reader after this one (torch.save, Lightning) would fail on; it was crafted or damaged."
+        )
+    return loaded
+
+
+#: How deep a checkpoint's dicts, lists and tuples may nest (Python's recursion limit is about 1000).
+MAX_DEPTH = 200
+
+
+def _depth(value: Any) -> int:
+    """How deep ``value``'s dicts, lists and tuples nest (walked without recursion, stopping past :data:`MAX_DEPTH`)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, (dict, list, tuple)):
+            deepest = max(deepest, depth)
+            if depth > MAX_DEPTH:
+                break
+            stack.extend((child, depth + 1) for child in (node.values() if isinstance(node, dict) else node))
+    return deepest
 
 
 # ---------------------------------------------------------------- DCP's index
@@ -197,9 +232,9 @@ def read_dcp_metadata(path: Path, *, weights_only: Optional[bool] = None, rank: 
     path = Path(path)
     name = DCP_METADATA_FILE if rank is None else f"__{rank}{DCP_METADATA_FILE}"
     where = path / name
-    layout.check_contained(path, [name], what="its DCP index")
+    check_contained(path, [name], what="its DCP index")
     try:
-        with open(where, "rb") as f:
+        with open_regular(where) as f:
             if resolve_weights_only(weights_only):
                 unpickler = _MetadataUnpickler(f)
                 try:
@@ -210,259 +245,141 @@ def read_dcp_metadata(path: Path, *, weights_only: Optional[bool] = None, rank: 
                     raise
             else:
                 metadata = pickle.load(f)  # noqa: S301 - trusted by the caller's explicit weights_only=False
-    except (UnsafeCheckpointError, OSError):
+    except (UnsafeCheckpointError, CorruptCheckpointError):
         raise
-    except Exception as exc:  # noqa: BLE001 - re-raised with the file named
+    except Exception as exc:  # noqa: BLE001 - re-raised with the file named (a missing file, RecursionError too)
         raise CorruptCheckpointError(f"{str(where)!r} cannot be read ({type(exc).__name__}: {exc}); the checkpoint is damaged.") from None
     if not isinstance(metadata, dcp_metadata.Metadata) or not isinstance(metadata.state_dict_metadata, dict):
         raise CorruptCheckpointError(f"{str(where)!r} does not hold DCP metadata (got {type(metadata).__name__}); the checkpoint is damaged.")
     storage = metadata.storage_data if isinstance(metadata.storage_data, dict) else {}
-    files = sorted({str(getattr(info, "relative_path", "")) for info in storage.values()})
-    layout.check_contained(path, files, what=f"its DCP index {str(where)!r}")
+    check_contained(path, {getattr(info, "relative_path", None) for info in storage.values()}, what=f"its DCP index {str(where)!r}")
+    try:
+        check_index(path, metadata)
+    except (AttributeError, TypeError, KeyError, IndexError, OverflowError, RecursionError) as exc:  # fields of the wrong types
+        raise CorruptCheckpointError(f"{str(where)!r} is not valid DCP metadata ({type(exc).__name__}: {exc}); the checkpoint is damaged.") from None
     if getattr(metadata, "storage_meta", None) is None:
         metadata.storage_meta = dcp_metadata.StorageMeta()
     return metadata
 
 
-# ---------------------------------------------------------------- DCP's tensor items, fast
+# ---------------------------------------------------------------- torch.save archives, bounded before torch.load
 
-#: The typed-storage classes a ``torch.save`` pickle of a plain tensor names, and the dtype each stands for.
-_STORAGE_DTYPES: dict[str, torch.dtype] = {
-    "BoolStorage": torch.bool,
-    "ByteStorage": torch.uint8,
-    "CharStorage": torch.int8,
-    "ShortStorage": torch.int16,
-    "IntStorage": torch.int32,
-    "LongStorage": torch.int64,
-    "HalfStorage": torch.float16,
-    "BFloat16Storage": torch.bfloat16,
-    "FloatStorage": torch.float32,
-    "DoubleStorage": torch.float64,
-    "ComplexFloatStorage": torch.complex64,
-    "ComplexDoubleStorage": torch.complex128,
-}
+#: Globals torch's safe loader allows that allocate memory of a size the pickle declares, before any of it is
+#: checked against the bytes present: the legacy tensor constructor (``torch.Tensor(4, 2**30)`` is 16 GiB).
+#: ``torch.save`` never names them for a plain tensor; a pickle that does is refused (``weights_only=False`` opts out).
+SIZED_CONSTRUCTORS = frozenset({"torch Tensor"})
+#: A deflate-compressed record of a full file (``torch.save`` writes none, a zip tool may) is decoded when it
+#: declares at most this many times its stored size; a zip bomb declares about a thousand times.
+MAX_COMPRESSION_RATIO = 32
 
 
-class _NotPlain(Exception):
-    """The archive is not the plain one-tensor ``torch.save`` this reader decodes: ``torch.load`` reads it."""
+def _sized_constructors(data: bytes) -> list[str]:
+    """The :data:`SIZED_CONSTRUCTORS` a pickle may call, listed by :mod:`pickletools` without running anything:
+    named by ``GLOBAL``, or, for ``STACK_GLOBAL`` (whose two strings can come from anywhere earlier, the memo
+    included), whenever both of its names appear among the pickle's strings."""
+    if not any(b"\\" in data or name.rsplit(" ", 1)[-1].encode() in data for name in SIZED_CONSTRUCTORS):
+        return []  # neither spelled out nor escaped anywhere in the bytes (the usual case: no opcode walk)
+    named: set[str] = set()
+    strings: set[str] = set()
+    stacked = False
+    for opcode, arg, _ in pickletools.genops(data):
+        if opcode.name == "GLOBAL":
+            named.add(str(arg))
+        elif isinstance(arg, str):
+            strings.add(arg)
+        stacked = stacked or opcode.name == "STACK_GLOBAL"
+    return sorted(c for c in SIZED_CONSTRUCTORS if c in named or (stacked and set(c.split()) <= strings))
 
 
-class _StorageClass:
-    """What ``find_class`` hands the pickle for ``torch.<X>Storage``: only its dtype (it cannot be called)."""
+def check_archive(stream: IO[bytes], length: int, where: str, *, compressed: bool = False) -> None:
+    """Refuse a ``torch.save`` zip archive (``length`` bytes, at the start of ``stream``) whose declared sizes
+    are not backed by its bytes, before ``torch.load`` allocates anything for it.
 
-    def __init__(self, dtype: torch.dtype) -> None:
-        self.dtype = dtype
+    :mod:`zipfile` reads the archive's directory (torch's reader trusts it): every record must lie
+    inside the archive, stored uncompressed (or, with ``compressed``, deflated at most
+    :data:`MAX_COMPRESSION_RATIO` times), and the pickles must name no :data:`SIZED_CONSTRUCTORS`.
 
-
-class _LoadedStorage:
-    """A storage this reader filled from the archive's record (a pickle cannot make one: no global names it)."""
-
-    def __init__(self, storage: torch.UntypedStorage, dtype: torch.dtype) -> None:
-        self.storage, self.dtype = storage, dtype
-
-
-def _rebuild_plain_tensor(
-    loaded: Any, storage_offset: Any, size: Any, stride: Any, requires_grad: Any, backward_hooks: Any, metadata: Any = None
-) -> torch.Tensor:
-    """torch's ``_rebuild_tensor_v2`` for a plain CPU tensor, with every argument checked (bounds included:
-    ``Tensor.set_`` does not check that the view fits its storage; it grows a resizable one)."""
-    if not isinstance(loaded, _LoadedStorage) or backward_hooks or metadata or not isinstance(requires_grad, bool):
-        raise _NotPlain("not a plain tensor")
-    ints = (storage_offset, *size, *stride) if isinstance(size, tuple) and isinstance(stride, tuple) else None
-    if ints is None or len(size) != len(stride) or not all(type(v) is int and v >= 0 for v in ints):
-        raise _NotPlain("sizes, strides and offset must be non-negative integers")
-    if not _fits(storage_offset, size, stride, loaded.dtype, loaded.storage.nbytes()):
-        raise _NotPlain("the view reaches past its storage")
-    return torch.empty(0, dtype=loaded.dtype).set_(loaded.storage, storage_offset, size, stride)
-
-
-class _TensorItemUnpickler(pickle.Unpickler):
-    """``data.pkl`` of a one-tensor ``torch.save`` archive, read by Python's C unpickler.
-
-    Allowed globals: torch's tensor rebuild (replaced by :func:`_rebuild_plain_tensor`), the
-    plain-dtype storage classes (as their dtype) and ``OrderedDict``; storages come only from the
-    archive's own records. Anything else raises :class:`_NotPlain`, and ``torch.load`` with its
-    safe loader reads the archive instead (and refuses what it refuses).
-    """
-
-    def __init__(self, file: IO[bytes], read_storage: Any) -> None:
-        super().__init__(file)
-        self._read_storage = read_storage
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
-            return _rebuild_plain_tensor
-        if (module, name) == ("collections", "OrderedDict"):
-            return collections.OrderedDict
-        if module == "torch" and name in _STORAGE_DTYPES:
-            return _StorageClass(_STORAGE_DTYPES[name])
-        raise _NotPlain(f"global {module}.{name}")
-
-    def persistent_load(self, pid: Any) -> Any:
-        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[1], _StorageClass)):
-            raise _NotPlain("not a storage reference")
-        _, kind, key, _, numel = pid
-        if not isinstance(key, str) or type(numel) is not int or numel < 0:
-            raise _NotPlain("bad storage reference")
-        return _LoadedStorage(self._read_storage(key, kind.dtype, numel), kind.dtype)
-
-
-def _wanted_record(name: str) -> bool:
-    return name.endswith(("/data.pkl", "/byteorder")) or "/data/" in name
-
-
-def read_plain_tensor(fd: int, offset: int, length: int) -> Optional[torch.Tensor]:
-    """The tensor of the one-tensor ``torch.save`` archive at ``[offset, offset + length)`` of ``fd`` (a DCP
-    item), or None when it is anything else (``torch.load`` then reads it, as DCP does).
-
-    About 7x faster than ``torch.load`` per archive (~30 us against ~220 us), which is most of a
-    resume's time for DCP's many small archives: the zip's directory is read with a few small
-    reads, ``data.pkl`` with Python's C unpickler restricted to what a plain tensor needs, and the
-    data record straight into a new storage (one read, no intermediate copy). Little-endian,
-    stored (uncompressed) records only. What the pickle leaves must be a plain tensor viewing, inside
-    its bounds, one of the storages read from the archive (checked after unpickling too: the
-    pickle's BUILD opcode can change a tensor after it is rebuilt).
+    Raises:
+        CorruptCheckpointError: naming ``where`` and the record.
+        UnsafeCheckpointError: a pickle calls a constructor that allocates what it declares.
     """
     try:
-        records = integrity.archive_records(fd, offset, length, wanted=_wanted_record)
-        if records is None:
-            return None
-        pickles = [name for name in records if name.endswith("/data.pkl")]
-        if len(pickles) != 1:
-            return None
-        prefix = pickles[0][: -len("data.pkl")]
-        order = records.get(prefix + "byteorder")
-        if order is None or sys.byteorder != "little" or os.pread(fd, order[1], order[0]) != b"little":
-            return None
-        read: dict[str, tuple[torch.UntypedStorage, torch.dtype, int]] = {}
-
-        def read_storage(key: str, dtype: torch.dtype, numel: int) -> torch.UntypedStorage:
-            if key in read:
-                storage, first_dtype, first_numel = read[key]
-                if (first_dtype, first_numel) != (dtype, numel):
-                    raise _NotPlain("one storage named with two dtypes or sizes")
-                return storage
-            record = records.get(f"{prefix}data/{key}")
-            nbytes = numel * _itemsize(dtype)
-            if record is None or record[1] != nbytes:
-                raise _NotPlain("storage record missing or of the wrong size")
-            # A storage over a bytearray cannot be resized: a pickle's BUILD (Tensor.__setstate__) cannot grow it.
-            buffer = bytearray(nbytes)
-            if nbytes and os.preadv(fd, [buffer], record[0]) != nbytes:
-                raise _NotPlain("short read")
-            storage = torch.frombuffer(buffer, dtype=torch.uint8).untyped_storage() if nbytes else torch.UntypedStorage(0)
-            read[key] = (storage, dtype, numel)
-            return storage
-
-        start, size, _ = records[pickles[0]]
-        tensor = _TensorItemUnpickler(io.BytesIO(os.pread(fd, size, start)), read_storage).load()
-    except (_NotPlain, pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError, KeyError, OverflowError, RuntimeError, OSError):
-        return None
-    # What the pickle made of it afterwards (its BUILD opcode runs Tensor.__setstate__, which can re-point,
-    # resize or mark the tensor) must still be a plain view inside one of the storages read here.
-    if type(tensor) is not torch.Tensor or tensor.requires_grad or tensor._backward_hooks is not None:
-        return None
-    mine = [entry for entry in read.values() if entry[0].data_ptr() == tensor.untyped_storage().data_ptr()]
-    if len(mine) != 1 or tensor.dtype != mine[0][1] or tensor.untyped_storage().nbytes() != mine[0][0].nbytes():
-        return None
-    if not _fits(int(tensor.storage_offset()), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype, mine[0][0].nbytes()):
-        return None
-    return tensor
+        with zipfile.ZipFile(stream) as archive:
+            records = archive.infolist()
+            for record in records:
+                stored = record.compress_type == zipfile.ZIP_STORED and record.file_size == record.compress_size
+                bounded = compressed and record.file_size <= MAX_COMPRESSION_RATIO * record.compress_size + 4096
+                if not stored and not bounded:
+                    raise CorruptCheckpointError(
+                        f"{where}: record {record.filename!r} is compressed ({record.compress_size:,} bytes stored, "
+                        f"{record.file_size:,} declared); torch.save writes none, so it was altered (a zip bomb?) and is refused."
+                    )
+                if record.header_offset + record.compress_size > length:
+                    raise CorruptCheckpointError(f"{where}: record {record.filename!r} reaches past the end of its {length:,} bytes; it is truncated or altered.")
+            for record in records:
+                if record.filename.endswith(".pkl"):
+                    constructors = _sized_constructors(archive.read(record))
+                    if constructors:
+                        raise UnsafeCheckpointError(
+                            f"{where}: its pickle calls {[c.replace(' ', '.') for c in constructors]}, which reserves "
+                            f"whatever size the file declares; torch.save never writes that for a tensor, so it was crafted. "
+                            f"If you trust this file, load it with {OPT_IN}."
+                        )
+    except (CorruptCheckpointError, UnsafeCheckpointError):
+        raise
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, OSError, ValueError, NotImplementedError, RecursionError, KeyError) as exc:
+        raise CorruptCheckpointError(f"{where} is not a readable torch.save archive ({type(exc).__name__}: {exc}); it is damaged.") from None
+    finally:
+        stream.seek(0)
 
 
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
-def _fits(storage_offset: int, size: tuple[int, ...], stride: tuple[int, ...], dtype: torch.dtype, nbytes: int) -> bool:
-    """Whether a view (offset, sizes, strides, in elements) lies inside a storage of ``nbytes``."""
-    if storage_offset < 0 or any(n < 0 for n in size) or any(st < 0 for st in stride):
-        return False
-    if not all(size):
-        return True  # an empty view reads nothing
-    end = storage_offset + sum((n - 1) * st for n, st in zip(size, stride)) + 1
-    return end * _itemsize(dtype) <= nbytes
+def _entry(root: Any, fqn: str, name: str) -> str:
+    return f"Entry {fqn!r} of {str(root)!r} (in {name!r})"
 
 
 class SafeReader(FileSystemReader):
-    """torch's ``FileSystemReader`` whose index is read by :func:`read_dcp_metadata` (safe, contained).
-
-    Given a :class:`~hp_lightning.checkpoint.integrity.ReadCheck` (a resume of an hp_lightning
-    sharded checkpoint), each tensor is checked against the manifest's CRC-32s between DCP's
-    ``torch.load`` of its item and the copy into the model: the bytes are verified as they are
-    read, in the same pass. Otherwise torch's reading, unchanged.
-    """
+    """torch's ``FileSystemReader`` reading the index with :func:`read_dcp_metadata` (safe, contained, bounded by
+    :func:`check_index`); before its own ``read_data`` opens a file, the file must be regular (and, given
+    ``recorded``, in the manifest); being its own ``transforms``, it checks each tensor archive with
+    :func:`check_archive` as DCP opens it, then hands it to DCP's ``torch.load``."""
 
     def __init__(
         self,
         path: Union[str, os.PathLike],
         *,
         weights_only: Optional[bool] = None,
-        check: Optional[ReadCheck] = None,
         metadata: Optional[dcp_metadata.Metadata] = None,
+        recorded: Optional[frozenset[str]] = None,
     ) -> None:
         super().__init__(path)
         self.weights_only = weights_only
-        self.check = check
+        self.recorded = recorded  # the files a manifest vouches for (hp_lightning's layout); any other is refused
+        self.reading = ""  # the tensor item DCP is reading, named in an error torch raises about it
         self._metadata = metadata  # the index already read (safely) by the caller: not unpickled twice
+        self.transforms = cast(Any, self)  # DCP calls transform_load_stream (below) on each item it opens
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future:
-        check = self.check
-        if check is None:
-            return super().read_data(plan, planner)
-        per_file: dict[str, list[ReadItem]] = {}
-        for item in plan.items:
-            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
         root = Path(self.path)
-        for name, items in per_file.items():
-            if name not in check.recorded:  # the manifest vouches for every file a save wrote
-                self._refuse(f"{str(root / name)!r} is read by DCP's index but not recorded in the manifest (added after the save)")
-            items.sort(key=lambda item: self.storage_data[item.storage_index].offset)  # one forward sweep through the file
-            with open(root / name, "rb") as stream:
-                for item in items:
-                    info = self.storage_data[item.storage_index]
-                    view = self.transforms.transform_load_stream(item, info.transform_descriptors or (), cast(IO[bytes], FileWindow(stream, info.offset, info.length)))
-                    if item.type == LoadItemType.BYTE_IO:
-                        data = io.BytesIO(view.read(-1))
-                        self._refuse(check.problem(name, info.offset, info.length, None))
-                        planner.load_bytes(item, data)
-                        continue
-                    entry = f"Entry {item.dest_index.fqn!r} of {str(root)!r} (in {name!r})"
-                    loaded = None if info.transform_descriptors else read_plain_tensor(stream.fileno(), info.offset, info.length)
-                    if loaded is None:  # anything but a plain tensor archive: torch's own (safe) reading
-                        source = view if view.seekable() else io.BytesIO(view.read(-1))
-                        try:
-                            loaded = torch.load(source, map_location=devices.CPU, weights_only=True)
-                        except Exception as exc:  # noqa: BLE001 - named: a refusal, or damaged bytes
-                            self._refuse(check.problem(name, info.offset, info.length, None))  # a CRC mismatch names the bytes
-                            if _is_weights_only_failure(exc):
-                                raise _weights_only_failure(source, exc, repr(str(root)), entry=item.dest_index.fqn) from None
-                            raise CorruptCheckpointError(f"{entry} cannot be read ({type(exc).__name__}: {exc}); the checkpoint is damaged.") from None
-                    self._refuse(check.problem(name, info.offset, info.length, loaded))
-                    try:
-                        for dim, (start, size) in enumerate(zip(item.storage_offsets, item.lengths)):
-                            if start != 0 or size != loaded.size(dim):
-                                loaded = loaded.narrow(dim, start, size)
-                    except (RuntimeError, IndexError) as exc:
-                        raise CorruptCheckpointError(
-                            f"{entry}: DCP's index places a chunk outside the stored tensor of shape {tuple(loaded.size())} ({exc}); "
-                            f"the checkpoint is damaged."
-                        ) from None
-                    target = planner.resolve_tensor(item).detach()
-                    if target.size() != loaded.size():
-                        raise CorruptCheckpointError(
-                            f"{entry}: the checkpoint holds shape {tuple(loaded.size())} where this model's state has "
-                            f"{tuple(target.size())}; the checkpoint is damaged."
-                        )
-                    target.copy_(loaded)
-                    planner.commit_tensor(item, target)
-        done: torch.futures.Future = torch.futures.Future()
-        done.set_result(None)
-        return done
+        for name in {self.storage_data[item.storage_index].relative_path for item in plan.items}:  # check_index vouched for the keys
+            if self.recorded is not None and name not in self.recorded:
+                problem = f"{str(root / name)!r} is read by DCP's index but not recorded in the manifest (added after the save)"
+                raise CorruptCheckpointError(corruption_message([problem], root))
+            regular_file_size(root, name)  # still a regular file (check_index checked every item's bytes lie inside it)
+        return super().read_data(plan, planner)
 
-    def _refuse(self, problem: Optional[str]) -> None:
-        if problem is not None:
-            raise CorruptCheckpointError(layout.corruption_message([problem], Path(self.path)))
+    def transform_load_stream(self, read_item: ReadItem, transform_descriptors: Sequence[str], raw_stream: IO[bytes]) -> IO[bytes]:
+        info = self.storage_data[read_item.storage_index]
+        self.reading = _entry(self.path, read_item.storage_index.fqn, info.relative_path)
+        if transform_descriptors:
+            raise CorruptCheckpointError(
+                f"{self.reading}: stored through DCP's stream transforms {list(transform_descriptors)}, which decompress "
+                f"with no bound on the size they produce; hp_lightning and DCP's defaults write none, so it is refused."
+            )
+        if read_item.type == LoadItemType.BYTE_IO:
+            return raw_stream  # read whole by DCP (its item length bounds it), checked by SafeLoadPlanner.load_bytes
+        window = cast(IO[bytes], FileWindow(raw_stream, 0, info.length))  # DCP's view of the item, seeking from its end right
+        check_archive(window, info.length, self.reading)
+        return window
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
         if self._metadata is not None and kwargs.get("rank") is None:
@@ -474,32 +391,181 @@ class SafeReader(FileSystemReader):
         return metadata
 
 
-class SafeLoadPlanner(DefaultLoadPlanner):
-    """torch's ``DefaultLoadPlanner`` reading DCP's non-tensor entries with torch's safe loader by default."""
+def check_index(root: Path, metadata: dcp_metadata.Metadata) -> None:
+    """Every size DCP's index declares is backed by bytes present, before anything is allocated from it.
 
-    def __init__(self, source: Path, *, weights_only: Optional[bool] = None, allow_partial_load: bool = False) -> None:
+    Each tensor entry's chunks lie inside it, do not overlap and cover all of it (an entry with
+    missing chunks would leave memory nothing fills); each chunk has a storage record whose item
+    holds at least the chunk's bytes, inside a regular file of the directory.
+
+    Raises:
+        CorruptCheckpointError: naming the entry and the file.
+    """
+    where = str(root / DCP_METADATA_FILE)
+    storage = metadata.storage_data if isinstance(metadata.storage_data, dict) else {}
+    sizes: dict[str, int] = {}
+    for index, info in storage.items():
+        name = info.relative_path  # a string: read_dcp_metadata checked it names a file inside root
+        if name not in sizes:
+            sizes[name] = regular_file_size(root, name)
+        offset, length = getattr(info, "offset", None), getattr(info, "length", None)
+        if type(offset) is not int or type(length) is not int or offset < 0 or length < 0 or offset + length > sizes[name]:
+            raise CorruptCheckpointError(
+                f"{_entry(root, index.fqn, name)}: DCP's index places it at bytes {offset!r}+{length!r}, outside the "
+                f"file's {sizes[name]:,} bytes; the checkpoint is truncated or altered."
+            )
+    for fqn, entry in metadata.state_dict_metadata.items():
+        if not isinstance(entry, dcp_metadata.TensorStorageMetadata):
+            continue
+        problem = _coverage_problem(entry)
+        if problem is None:
+            itemsize = torch.empty((), dtype=entry.properties.dtype).element_size()
+            for chunk in entry.chunks:
+                info = storage.get(dcp_metadata.MetadataIndex(fqn, chunk.offsets))
+                if info is None:
+                    problem = f"its chunk at {tuple(chunk.offsets)} has no storage record"
+                    break
+                needed = math.prod(chunk.sizes) * itemsize
+                if info.length < needed:
+                    problem = f"its chunk at {tuple(chunk.offsets)} declares {needed:,} bytes but its item in {info.relative_path!r} holds {info.length:,}"
+                    break
+        if problem is not None:
+            raise CorruptCheckpointError(f"{where!r}: entry {fqn!r} ({problem}); the checkpoint is damaged or was altered.")
+
+
+def _coverage_problem(entry: dcp_metadata.TensorStorageMetadata) -> Optional[str]:
+    """Why the chunks of one tensor entry do not tile it exactly (None when they do)."""
+    size = tuple(entry.size)
+    if not isinstance(entry.properties.dtype, torch.dtype) or not all(type(n) is int and n >= 0 for n in size):
+        return f"size {size!r} / dtype {entry.properties.dtype!r} is not a tensor's"
+    boxes: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    for chunk in entry.chunks:
+        start, extent = tuple(chunk.offsets), tuple(chunk.sizes)
+        if len(start) != len(size) or len(extent) != len(size) or not all(type(v) is int and v >= 0 for v in (*start, *extent)):
+            return f"a chunk {start!r}+{extent!r} does not fit its {len(size)} dimensions"
+        if any(o + n > s for o, n, s in zip(start, extent, size)):
+            return f"its chunk at {start} of size {extent} reaches outside its size {size}"
+        boxes.append((start, extent))
+    covered = sum(math.prod(extent) for _, extent in boxes)
+    if covered != math.prod(size):
+        return f"its chunks cover {covered:,} of its {math.prod(size):,} elements (missing or overlapping chunks)"
+    ordered = sorted(box for box in boxes if 0 not in box[1])  # empty chunks hold nothing to overlap
+    for i, (start, extent) in enumerate(ordered):
+        for other, other_extent in ordered[i + 1 :]:
+            if other[0] >= start[0] + extent[0]:
+                break  # sorted by the first dimension: no later chunk can overlap this one
+            if all(o < s + n and s < o + m for s, n, o, m in zip(start, extent, other, other_extent)):
+                return f"its chunks at {start} and {other} overlap"
+    return None
+
+
+class _CheckedTarget(torch.Tensor):
+    """What :class:`SafeLoadPlanner` hands DCP to copy a loaded tensor into: the model's own memory, whose
+    ``copy_`` first checks that the source is the tensor the index promised (torch's public subclassing)."""
+
+    check: Any
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is torch.Tensor.detach:
+            return args[0]  # DCP detaches the target: keep this object (and what it checks)
+        if func is torch.Tensor.copy_:
+            args[0].check(args[1])
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """torch's ``DefaultLoadPlanner`` that reads DCP's non-tensor entries safely and checks every tensor DCP loads.
+
+    Between DCP's ``torch.load`` of an item and its copy into the model (``resolve_tensor`` hands DCP
+    a target whose ``copy_`` checks its source first), the loaded tensor must be the one the index
+    promised: its dtype, a dense layout of the chunk's shape filling exactly the chunk's bytes (an
+    8x8 archive read for a 4x4 chunk, float64 for float32 and int64 cast to float are refused, never
+    narrowed or cast); and, given a :class:`~hp_lightning.checkpoint.integrity.ReadCheck`, its bytes'
+    CRC-32 against the manifest, computed on the loaded storage in place (no second read).
+    """
+
+    def __init__(self, source: Path, *, weights_only: Optional[bool] = None, allow_partial_load: bool = False, check: Optional[ReadCheck] = None) -> None:
         super().__init__(allow_partial_load=allow_partial_load)
         self.source = Path(source)
         self.safe = resolve_weights_only(weights_only)
+        self.check = check
+        self._chunks: dict[tuple[str, tuple[int, ...]], tuple[int, ...]] = {}
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         fqn = read_item.dest_index.fqn
+        if self.check is not None:
+            info = self.metadata.storage_data[read_item.storage_index]  # type: ignore[union-attr]
+            self.check.verify_item(info.relative_path, info.offset, info.length, None)
+        if self.safe:
+            check_archive(value, len(value.getbuffer()), f"Entry {fqn!r} of {str(self.source)!r}")
         try:
             loaded = torch.load(value, weights_only=self.safe)
         except Exception as exc:  # noqa: BLE001 - named: entry and directory
-            if _is_weights_only_failure(exc):
-                raise _weights_only_failure(value, exc, repr(str(self.source)), entry=fqn) from None
+            if self.safe and isinstance(exc, pickle.UnpicklingError):
+                raise _refusal_or_damage(value, repr(str(self.source)), entry=fqn) from None
             raise CorruptCheckpointError(
                 f"Entry {fqn!r} of {str(self.source)!r} cannot be read ({type(exc).__name__}: {exc}); the checkpoint is damaged."
             ) from None
         if self.flatten_state_dict:
-            _put(self.original_state_dict, self.mappings[fqn], loaded)
+            put_route(self.original_state_dict, self.mappings[fqn], loaded)
         else:
             self.state_dict[fqn] = loaded
 
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        target = super().resolve_tensor(read_item).detach().as_subclass(_CheckedTarget)
+        target.check = functools.partial(self._check_loaded, read_item)
+        return target
 
-def _put(root: Any, route: Sequence[Any], value: Any) -> None:
-    """Set ``value`` at ``route`` (keys and list positions) inside ``root``, making the containers it lacks."""
+    def _check_loaded(self, item: ReadItem, loaded: torch.Tensor) -> None:
+        """Refuse ``loaded`` (DCP's narrowed view of the tensor it read for ``item``) unless it is what the index promised."""
+        assert self.metadata is not None  # set by DCP before any read
+        fqn = item.storage_index.fqn
+        info = self.metadata.storage_data[item.storage_index]
+        entry = self.metadata.state_dict_metadata[fqn]
+        where = _entry(self.source, fqn, info.relative_path)
+        if not isinstance(entry, dcp_metadata.TensorStorageMetadata) or not isinstance(loaded, torch.Tensor):
+            raise CorruptCheckpointError(f"{where}: the index and the item disagree on whether it is a tensor; the checkpoint is damaged.")
+        dtype = entry.properties.dtype
+        if not self._chunks:  # each chunk's shape by (entry, offsets), built once per load
+            self._chunks = {
+                (name, tuple(c.offsets)): tuple(c.sizes)
+                for name, e in self.metadata.state_dict_metadata.items()
+                if isinstance(e, dcp_metadata.TensorStorageMetadata)
+                for c in e.chunks
+            }
+        sizes = self._chunks.get((fqn, tuple(item.storage_index.offset or ())))
+        if loaded.dtype != dtype:
+            raise CorruptCheckpointError(f"{where}: the archive holds a {loaded.dtype} tensor where the index declares {dtype}; it is refused, not cast.")
+        nbytes = loaded.untyped_storage().nbytes()
+        if sizes is None or nbytes != math.prod(sizes) * loaded.element_size() or not _dense_from_start(loaded, sizes, item.storage_offsets):
+            raise CorruptCheckpointError(
+                f"{where}: the archive's tensor ({nbytes:,} bytes, strides {tuple(loaded.stride())}) is not the {sizes} {dtype} "
+                f"chunk the index declares ({math.prod(sizes or ()) * loaded.element_size():,} bytes); it is refused, not narrowed."
+            )
+        if self.check is not None:
+            self.check.verify_item(info.relative_path, info.offset, info.length, loaded)
+
+
+def _dense_from_start(view: torch.Tensor, sizes: tuple[int, ...], starts: Sequence[int]) -> bool:
+    """Whether ``view`` (DCP's narrowing at ``starts``) comes from a tensor of shape ``sizes`` laid densely over its
+    whole storage from offset 0: then every element copied is the one stored at that position."""
+    strides = tuple(view.stride())
+    if len(strides) != len(sizes) or not math.prod(sizes):
+        return len(strides) == len(sizes)
+    if view.storage_offset() != sum(s * st for s, st in zip(starts, strides)):
+        return False
+    expected = 1
+    for stride, size in sorted((st, n) for n, st in zip(sizes, strides) if n != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def put_route(root: Any, route: Sequence[Any], value: Any) -> None:
+    """Set ``value`` at ``route`` (keys and list positions: DCP's routes spell dict keys as strings, so an
+    integer is a list position) inside ``root``, making the containers it lacks."""
     node = root
     for key, following in zip(route[:-1], route[1:]):
         empty: Any = [] if isinstance(following, int) else {}
@@ -532,20 +598,23 @@ def dcp_load(
     refusal inside it comes back out as the :class:`UnsafeCheckpointError` it was, on every rank.
 
     Args:
-        check: verify each tensor against the manifest's CRC-32s as it is read (:class:`SafeReader`).
+        check: verify each tensor against the manifest's CRC-32s as it is read (:class:`SafeLoadPlanner`),
+            and read only files the manifest records.
         metadata: DCP's index, when the caller already read it with :func:`read_dcp_metadata`.
 
     Raises:
         UnsafeCheckpointError: a non-tensor entry or the index needs more than safe loading allows.
-        CorruptCheckpointError: with ``check``, a tensor's bytes differ from those recorded at save.
+        CorruptCheckpointError: any damage DCP or torch meets (their exceptions unwrapped into it), a
+            tensor that is not what the index promised or, with ``check``, whose bytes differ from the save's.
     """
-    reader = SafeReader(str(path), weights_only=weights_only, check=check, metadata=metadata)
-    planner = SafeLoadPlanner(path, weights_only=weights_only, allow_partial_load=allow_partial_load)
+    reader = SafeReader(str(path), weights_only=weights_only, metadata=metadata, recorded=check.recorded if check is not None else None)
+    planner = SafeLoadPlanner(path, weights_only=weights_only, allow_partial_load=allow_partial_load, check=check)
     try:
         dcp.load(state, checkpoint_id=str(path), storage_reader=reader, planner=planner, no_dist=no_dist)
-    except dcp.CheckpointException as exc:
-        for _, failure in sorted(exc.failures.items()):
-            cause = failure[0] if isinstance(failure, tuple) else failure
-            if isinstance(cause, (UnsafeCheckpointError, CorruptCheckpointError)):
-                raise type(cause)(str(cause)) from None
-        raise
+    except (dcp.CheckpointException, RuntimeError, ValueError, IndexError, KeyError, AssertionError, EOFError, OSError, RecursionError, pickle.UnpicklingError) as exc:
+        causes = [failure[0] if isinstance(failure, tuple) else failure for _, failure in sorted(getattr(exc, "failures", {}).items())] or [exc]
+        ours = [cause for cause in causes if isinstance(cause, (UnsafeCheckpointError, CorruptCheckpointError))]
+        if ours:  # a reader's own refusal, on whichever rank: raised as it was, on every rank
+            raise type(ours[0])(str(ours[0])) from None
+        where = reader.reading or f"Checkpoint {str(path)!r}"
+        raise CorruptCheckpointError(f"{where} cannot be read: {type(causes[0]).__name__}: {str(causes[0])[:300]}; it is damaged or was altered.") from None

@@ -1,100 +1,263 @@
-"""Every private torch name hp_lightning touches, behind one small function each.
+"""Every private torch name hp_lightning touches, behind one small function each, resolved honestly.
 
 torch's public API does not cover these needs (each function says which one); when a torch upgrade
-renames one, this file is the only place to change, and ``tests/unit/test_private_apis.py`` fails
-with :func:`missing_private_names`' message instead of a training run failing somewhere deep.
+renames one, this file is the only place to change. Two guards:
 
-Checked against torch 2.13.
+* :func:`missing_private_names` resolves every name for real, attribute by attribute (an attribute
+  torch sets per instance is looked up on a real instance: a unit sharded on a one-rank fake process
+  group, run forward and backward), and ``tests/unit/test_private_apis.py`` fails with its list;
+* on a torch outside :data:`TESTED_TORCH`, ``import hp_lightning`` still works, and the first use
+  of a feature that needs a missing name raises :class:`MissingPrivateNameError` naming the name,
+  the feature and the tested versions (nothing here is resolved strictly at import).
 """
 
 from __future__ import annotations
 
 import importlib
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, Optional
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode  # intercepting ops at dispatch (no public base class)
 
-__all__ = ["TorchDispatchMode"]
+from hp_lightning.core import devices
 
-#: The torch releases every name below was checked against.
+#: The torch releases hp_lightning is tested with (``pyproject.toml`` pins the same range).
+TESTED_TORCH = ">=2.13,<2.14"
+#: The releases every name below was checked against.
 CHECKED_TORCH_VERSIONS = ("2.13",)
 
-# (module path, attribute path) of each private name, for the version test.
-_PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
-    ("torch.distributed.fsdp", "FSDPModule._get_fsdp_state"),
-    ("torch.distributed.fsdp._fully_shard._fsdp_state", "FSDPState._pre_forward"),
-    ("torch.distributed.fsdp._fully_shard._fsdp_state", "FSDPState._post_forward"),
-    ("torch.distributed.fsdp._fully_shard._fsdp_state", "FSDPState._fsdp_param_groups"),
-    ("torch.distributed.fsdp._fully_shard._fsdp_state", "FSDPState._states_to_forward_prefetch"),
-    ("torch.distributed.fsdp._fully_shard._fsdp_state", "FSDPState._states_to_backward_prefetch"),
-    ("torch.distributed.fsdp._fully_shard._fsdp_common", "TrainingState.FORWARD"),
-    ("torch.distributed.fsdp._fully_shard._fsdp_param_group", "FSDPParamGroup.post_forward_mesh_info"),
-    ("torch.distributed.fsdp._fully_shard._fsdp_param_group", "FSDPParamGroup._training_state"),
-    ("torch.distributed.fsdp._fully_shard._fsdp_param_group", "FSDPParamGroup.is_unsharded"),
-    ("torch.distributed.fsdp._fully_shard._fsdp_param_group", "FSDPParamGroup.fsdp_params"),
-    ("torch.distributed.fsdp._fully_shard._fsdp_param_group", "FSDPParamGroup.mp_policy"),
-    ("torch.distributed.fsdp._fully_shard._fsdp_param_group", "FSDPParamGroup.offload_policy"),
-    ("torch.distributed.fsdp._fully_shard._fsdp_param_group", "FSDPParamGroup._partial_reduce_output"),
-    ("torch.distributed.fsdp._fully_shard._fsdp_param", "FSDPParam.sharded_param"),
-    ("torch.distributed.fsdp._fully_shard._fsdp_param", "FSDPParam.unsharded_accumulated_grad"),
-    ("torch.distributed.fsdp._fully_shard._fsdp_param", "FSDPParam._unsharded_param"),
-    ("torch.distributed.distributed_c10d", "_get_default_store"),
-    ("torch.distributed.distributed_c10d", "_set_pg_timeout"),
-    ("torch.distributed.distributed_c10d", "_resolve_process_group"),
-    ("torch.distributed.device_mesh", "DeviceMesh._flatten"),
-    ("torch.utils._python_dispatch", "TorchDispatchMode"),
-    ("torch.autograd.variable", "Variable._execution_engine.queue_callback"),
+
+class MissingPrivateNameError(ImportError):
+    """A private torch or Lightning name a feature needs is absent from the installed version.
+
+    Raised at the first use of that feature (never at ``import hp_lightning``), naming the name,
+    the feature and the versions hp_lightning is tested with.
+    """
+
+
+@dataclass(frozen=True)
+class PrivateName:
+    """One private name: ``module`` then ``path`` (dotted attributes), and what needs it.
+
+    Attributes:
+        module: the module it is reached from.
+        path: attributes from the module on (``"FSDPParamGroup.post_forward_mesh_info"``).
+        feature: what in hp_lightning needs it, in a user's words (the error says it).
+        per_instance: the last attribute is set on each instance (in ``__init__`` or later), so
+            it is checked on a real instance of the class before it (see :func:`missing_private_names`).
+    """
+
+    module: str
+    path: str
+    feature: str
+    per_instance: bool = False
+
+    @property
+    def name(self) -> str:
+        return f"{self.module}.{self.path}"
+
+
+_FSDP = "torch.distributed.fsdp._fully_shard"
+_PRIVATE_NAMES: tuple[PrivateName, ...] = (
+    PrivateName("torch.distributed.fsdp", "FSDPModule._get_fsdp_state", "sharding introspection and prefetch wiring"),
+    PrivateName(f"{_FSDP}._fsdp_state", "FSDPState._pre_forward", "step methods run inside the root's forward (forward_methods)"),
+    PrivateName(f"{_FSDP}._fsdp_state", "FSDPState._post_forward", "step methods run inside the root's forward (forward_methods)"),
+    PrivateName(f"{_FSDP}._fsdp_state", "FSDPState._fsdp_param_groups", "sharding introspection", per_instance=True),
+    PrivateName(f"{_FSDP}._fsdp_state", "FSDPState._modules", "prefetch introspection", per_instance=True),
+    PrivateName(f"{_FSDP}._fsdp_state", "FSDPState._states_to_forward_prefetch", "prefetch introspection", per_instance=True),
+    PrivateName(f"{_FSDP}._fsdp_state", "FSDPState._states_to_backward_prefetch", "prefetch introspection", per_instance=True),
+    PrivateName(f"{_FSDP}._fsdp_common", "TrainingState.FORWARD", "step methods run inside the root's forward (forward_methods)"),
+    PrivateName(f"{_FSDP}._fsdp_common", "TrainingState.IDLE", "step methods run inside the root's forward (forward_methods)"),
+    PrivateName(f"{_FSDP}._fsdp_param_group", "FSDPParamGroup.post_forward_mesh_info", "sharding introspection", per_instance=True),
+    PrivateName(f"{_FSDP}._fsdp_param_group", "FSDPParamGroup._training_state", "forward_methods", per_instance=True),
+    PrivateName(f"{_FSDP}._fsdp_param_group", "FSDPParamGroup.is_unsharded", "forward_methods"),
+    PrivateName(f"{_FSDP}._fsdp_param_group", "FSDPParamGroup.fsdp_params", "sharding introspection", per_instance=True),
+    PrivateName(f"{_FSDP}._fsdp_param_group", "FSDPParamGroup.mp_policy", "sharding introspection", per_instance=True),
+    PrivateName(f"{_FSDP}._fsdp_param_group", "FSDPParamGroup.offload_policy", "sharding introspection", per_instance=True),
+    PrivateName(f"{_FSDP}._fsdp_param_group", "FSDPParamGroup._partial_reduce_output", "gradient accumulation checks", per_instance=True),
+    PrivateName(f"{_FSDP}._fsdp_param", "FSDPParam.sharded_param", "sharding introspection", per_instance=True),
+    PrivateName(f"{_FSDP}._fsdp_param", "FSDPParam.unsharded_accumulated_grad", "gradient accumulation checks", per_instance=True),
+    PrivateName(f"{_FSDP}._fsdp_param", "FSDPParam._unsharded_param", "gradient accumulation checks", per_instance=True),
+    PrivateName("torch.distributed.distributed_c10d", "_get_default_store", "the fault watchdog"),
+    PrivateName("torch.distributed.distributed_c10d", "_set_pg_timeout", "train_timeout"),
+    PrivateName("torch.distributed.distributed_c10d", "_resolve_process_group", "collective counting (diagnostics)"),
+    PrivateName("torch.distributed.device_mesh", "DeviceMesh._flatten", "expert parallelism's flattened mesh dims"),
+    PrivateName("torch.distributed.tensor", "DTensor._local_tensor", "the planner's memory tracking", per_instance=True),
+    PrivateName("torch.distributed.tensor", "DTensor._op_dispatcher.sharding_propagator", "the planner"),
+    PrivateName("torch._ops", "OpOverload._opname", "collective counting (diagnostics)"),
+    PrivateName("torch.utils._python_dispatch", "TorchDispatchMode", "collective counting (diagnostics) and the planner"),
+    PrivateName("torch.autograd.variable", "Variable._execution_engine.queue_callback", "replicate_params (gradient all-reduce after backward)"),
     # The planner (hp_lightning/planner): a fake process group and fake tensors, one simulated rank.
-    ("torch.testing._internal.distributed.fake_pg", "FakeStore"),  # registers the "fake" backend on import
-    ("torch._subclasses.fake_tensor", "FakeTensorMode"),
-    ("torch._subclasses.fake_tensor", "DataDependentOutputException"),
-    ("torch._subclasses.fake_tensor", "UnsupportedOperatorException"),
-    ("torch.distributed.tensor._sharding_prop", "ShardingPropagator.propagate_op_sharding"),
-    ("torch.distributed.tensor._sharding_prop", "ShardingPropagator._propagate_tensor_meta_cached"),
-    ("torch.utils._pytree", "tree_flatten"),
+    PrivateName("torch.testing._internal.distributed.fake_pg", "FakeStore", "the planner (fake process group)"),
+    PrivateName("torch._subclasses.fake_tensor", "FakeTensorMode", "the planner (fake tensors)"),
+    PrivateName("torch._subclasses.fake_tensor", "DataDependentOutputException", "the planner (fake tensors)"),
+    PrivateName("torch._subclasses.fake_tensor", "UnsupportedOperatorException", "the planner (fake tensors)"),
+    PrivateName("torch.distributed.tensor._sharding_prop", "ShardingPropagator.propagate_op_sharding", "the planner", per_instance=True),
+    PrivateName("torch.distributed.tensor._sharding_prop", "ShardingPropagator._propagate_tensor_meta_cached", "the planner"),
+    PrivateName("torch.utils._pytree", "tree_flatten", "the planner"),
 )
+
+
+def missing_error(name: str, feature: str, *, library: str = "torch", version: Optional[str] = None, tested: str = TESTED_TORCH) -> MissingPrivateNameError:
+    """The one error for a private name this installation lacks: the name, the feature, the tested versions."""
+    version = version or torch.__version__
+    return MissingPrivateNameError(
+        f"hp_lightning's {feature} needs {library}'s private {name}, which {library} {version} lacks. hp_lightning is "
+        f"tested with {library}{tested}: install one of those (pip install '{library}{tested}'), or update "
+        f"hp_lightning's adapter ({'hp_lightning/core/_torch_private.py' if library == 'torch' else 'hp_lightning/_lightning_private.py'})."
+    )
+
+
+def resolve(module_path: str, attribute_path: str) -> Any:
+    """The object at ``module_path`` + ``attribute_path``, each attribute looked up for real.
+
+    Raises:
+        AttributeError / ImportError: the module or one attribute on the way is missing.
+    """
+    obj: Any = importlib.import_module(module_path)
+    for part in attribute_path.split("."):
+        obj = getattr(obj, part)
+    return obj
 
 
 def _resolve(module_path: str, attribute_path: str) -> bool:
     try:
-        obj: Any = importlib.import_module(module_path)
-    except ImportError:
+        resolve(module_path, attribute_path)
+    except (ImportError, AttributeError):
         return False
-    for part in attribute_path.split("."):
-        if part in getattr(obj, "__annotations__", {}) and not hasattr(obj, part):
-            # A dataclass-style attribute declared on the class and set per instance.
-            return True
-        if not hasattr(obj, part):
-            # Instance attributes set in __init__ are visible in its code object's names.
-            init = getattr(obj, "__init__", None)
-            code = getattr(init, "__code__", None)
-            return code is not None and part in code.co_names
-        obj = getattr(obj, part)
     return True
 
 
-def missing_private_names() -> list[str]:
-    """The private torch names this installation lacks (empty when all are there)."""
-    return [f"{m}.{a}" for m, a in _PRIVATE_NAMES if not _resolve(m, a)]
+def _feature(name: str) -> str:
+    return next((entry.feature for entry in _PRIVATE_NAMES if entry.name == name), "this feature")
+
+
+def _private(module_path: str, attribute_path: str) -> Any:
+    """A class-level private name at its use, or the one clear error (:func:`missing_error`)."""
+    try:
+        return resolve(module_path, attribute_path)
+    except (ImportError, AttributeError):
+        raise missing_error(f"{module_path}.{attribute_path}", _feature(f"{module_path}.{attribute_path}")) from None
+
+
+def _field(obj: Any, owner: str, attribute: str) -> Any:
+    """A private attribute torch sets on each instance (``owner``: the entry's ``module.Class``), or the clear error."""
+    try:
+        return getattr(obj, attribute)
+    except AttributeError:
+        raise missing_error(f"{owner}.{attribute}", _feature(f"{owner}.{attribute}")) from None
+
+
+def placeholder_class(name: str, error: Callable[[], MissingPrivateNameError]) -> type:
+    """A stand-in for a missing private class, so that modules defining subclasses of it still import.
+
+    Creating an instance (of it or of a subclass) or an ``isinstance`` / ``issubclass`` check against
+    it raises ``error()``: a feature that needs the class fails at its first use, never silently.
+    """
+
+    class _Refusing(type):
+        def __instancecheck__(cls, instance: Any) -> bool:
+            raise error()
+
+        def __subclasscheck__(cls, subclass: Any) -> bool:
+            raise error()
+
+    def __new__(cls: type, *args: Any, **kwargs: Any) -> Any:
+        raise error()
+
+    return _Refusing(name, (), {"__new__": __new__, "__doc__": f"torch's {name} is missing from this installation (see hp_lightning's adapter)."})
+
+
+if TYPE_CHECKING:
+    from torch.utils._python_dispatch import TorchDispatchMode  # intercepting ops at dispatch (no public base class)
+else:
+    try:
+        TorchDispatchMode = resolve("torch.utils._python_dispatch", "TorchDispatchMode")
+    except (ImportError, AttributeError):
+        _NAME = "torch.utils._python_dispatch.TorchDispatchMode"
+        TorchDispatchMode = placeholder_class("TorchDispatchMode", lambda: missing_error(_NAME, _feature(_NAME)))
+
+__all__ = ["MissingPrivateNameError", "TorchDispatchMode"]
+
+
+def _instances() -> list[Any]:
+    """Real instances of the FSDP2 and DTensor classes whose private attributes are set per instance.
+
+    A two-unit model sharded on a one-rank fake process group, run forward and backward with
+    gradient sync off (so that the accumulation state exists too).
+
+    Raises:
+        RuntimeError: a process group exists already (run the check in a process without one).
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    with fake_process_group(0, 1):
+        mesh = init_device_mesh(devices.CPU, (1,))
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        fully_shard(model[0], mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        model.set_requires_gradient_sync(False)  # type: ignore[operator]
+        model(torch.ones(2, 4)).sum().backward()
+        state = model[0]._get_fsdp_state()  # type: ignore[operator]
+        group = state._fsdp_param_groups[0]
+        weight = model[0].weight
+        assert isinstance(weight, DTensor)
+        return [state, group, group.fsdp_params[0], weight, DTensor._op_dispatcher.sharding_propagator]
+
+
+def missing_private_names(names: Sequence[PrivateName] = _PRIVATE_NAMES) -> list[str]:
+    """The private torch names (of ``names``) this installation lacks, each resolved for real; empty when all are there.
+
+    Class-level names are looked up attribute by attribute from their module; a ``per_instance``
+    name on a real instance of its class (:func:`_instances`, built on a fake process group). The
+    text of torch's weights-only refusal is checked by a real refused ``torch.load``.
+
+    Raises:
+        RuntimeError: when per-instance names are checked in a process that has a process group.
+    """
+    missing: list[str] = []
+    instances: Optional[list[Any]] = None
+    for entry in names:
+        owner_path, _, attribute = entry.path.rpartition(".")
+        if not entry.per_instance:
+            if not _resolve(entry.module, entry.path):
+                missing.append(entry.name)
+            continue
+        if not owner_path or not _resolve(entry.module, owner_path):
+            missing.append(entry.name)
+            continue
+        owner = resolve(entry.module, owner_path)
+        instances = _instances() if instances is None else instances
+        samples = [obj for obj in instances if isinstance(obj, owner)]
+        if not samples:
+            missing.append(f"{entry.name} (no instance of {owner_path} to check it on)")
+        elif not all(hasattr(obj, attribute) for obj in samples):
+            missing.append(entry.name)
+    return missing
 
 
 # ---------------------------------------------------------------- FSDP2 per-unit state
 
+_STATE = f"{_FSDP}._fsdp_state.FSDPState"
+_GROUP = f"{_FSDP}._fsdp_param_group.FSDPParamGroup"
+_PARAM = f"{_FSDP}._fsdp_param.FSDPParam"
+
 
 def fsdp_state(unit: nn.Module) -> Any:
     """FSDP2's state object of a sharded unit (no public accessor)."""
-    return unit._get_fsdp_state()  # type: ignore[operator]
+    return _field(unit, "torch.distributed.fsdp.FSDPModule", "_get_fsdp_state")()
 
 
 def param_groups(unit: nn.Module) -> list[Any]:
     """FSDP2's parameter groups of one unit (one per ``fully_shard`` call on it)."""
-    return list(getattr(fsdp_state(unit), "_fsdp_param_groups", ()))
+    return list(_field(fsdp_state(unit), _STATE, "_fsdp_param_groups"))
 
 
 def prefetch_targets(unit: nn.Module, direction: str) -> list[nn.Module]:
@@ -103,14 +266,14 @@ def prefetch_targets(unit: nn.Module, direction: str) -> list[nn.Module]:
     FSDP2 has setters (``set_modules_to_*_prefetch``) but no getters.
     """
     modules: list[nn.Module] = []
-    for target in getattr(fsdp_state(unit), f"_states_to_{direction}_prefetch", ()):
-        modules.extend(getattr(target, "_modules", ()))
+    for target in _field(fsdp_state(unit), _STATE, f"_states_to_{direction}_prefetch"):
+        modules.extend(_field(target, _STATE, "_modules"))
     return modules
 
 
 def reshards_after_forward(unit: nn.Module) -> bool:
     """Whether the unit frees its gathered parameters after forward (no public getter)."""
-    return any(group.post_forward_mesh_info is not None for group in param_groups(unit))
+    return any(_field(group, _GROUP, "post_forward_mesh_info") is not None for group in param_groups(unit))
 
 
 def wrap_as_forward(root: nn.Module, method_name: str) -> None:
@@ -122,46 +285,50 @@ def wrap_as_forward(root: nn.Module, method_name: str) -> None:
     root keeps its parameters after forward, so backward would all-gather the root (embeddings,
     head) a second time every micro-batch. Re-entering the forward state before the outer
     post-forward keeps one all-gather per micro-batch.
+
+    Raises:
+        MissingPrivateNameError: this torch lacks a name it needs (said here, at wrapping, not mid-step).
     """
     import functools
 
-    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
-
+    idle, forward = _private(f"{_FSDP}._fsdp_common", "TrainingState.IDLE"), _private(f"{_FSDP}._fsdp_common", "TrainingState.FORWARD")
+    state = fsdp_state(root)
+    pre_forward, post_forward = _field(state, _STATE, "_pre_forward"), _field(state, _STATE, "_post_forward")
+    for group in _field(state, _STATE, "_fsdp_param_groups"):  # what the wrapper reads per call, checked once here
+        _field(group, _GROUP, "_training_state")
+    _private(f"{_FSDP}._fsdp_param_group", "FSDPParamGroup.is_unsharded")
     original = getattr(root, method_name)
 
     @functools.wraps(original)
     def wrapped(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        state = fsdp_state(self)
-        args, kwargs = state._pre_forward(self, args, kwargs)
+        args, kwargs = pre_forward(self, args, kwargs)
         output = original(*args, **kwargs)
-        for group in getattr(state, "_fsdp_param_groups", ()):
-            if getattr(group, "_training_state", None) == TrainingState.IDLE and getattr(group, "is_unsharded", False):
-                group._training_state = TrainingState.FORWARD
-        return state._post_forward(self, args, output)
+        for group in state._fsdp_param_groups:
+            if group._training_state == idle and group.is_unsharded:
+                group._training_state = forward
+        return post_forward(self, args, output)
 
     setattr(root, method_name, types.MethodType(wrapped, root))
 
 
-# ---------------------------------------------------------------- autograd, store, DCP
+# ---------------------------------------------------------------- autograd, store, dispatch, DCP
 
 
 def queue_backward_callback(callback: Callable[[], None]) -> None:
     """Run ``callback`` once at the end of the current backward pass (no public equivalent)."""
-    torch.autograd.Variable._execution_engine.queue_callback(callback)
+    _private("torch.autograd.variable", "Variable._execution_engine.queue_callback")(callback)
 
 
 def default_store() -> dist.Store:
     """The default process group's store (no public accessor)."""
-    from torch.distributed import distributed_c10d
-
-    return distributed_c10d._get_default_store()
+    return _private("torch.distributed.distributed_c10d", "_get_default_store")()
 
 
 def resolve_process_group(group_name: str) -> Any:
     """The process group a functional collective names by string (no public lookup)."""
-    from torch.distributed.distributed_c10d import GroupName, _resolve_process_group
+    from torch.distributed.distributed_c10d import GroupName
 
-    return _resolve_process_group(GroupName(group_name))
+    return _private("torch.distributed.distributed_c10d", "_resolve_process_group")(GroupName(group_name))
 
 
 def flatten_mesh(mesh: Any, name: str) -> Any:
@@ -170,14 +337,23 @@ def flatten_mesh(mesh: Any, name: str) -> Any:
     torchtitan's way to give several mesh dims one process group (e.g. expert-parallel ranks that
     are also data-parallel ranks); DeviceMesh has no public flatten.
     """
-    return mesh._flatten(name)
+    return _field(mesh, "torch.distributed.device_mesh.DeviceMesh", "_flatten")(name)
 
 
 def set_collective_timeout(group: Any, timeout: Any) -> None:
     """Change an existing process group's collective timeout (torch has no public setter)."""
-    from torch.distributed.distributed_c10d import _set_pg_timeout
+    _private("torch.distributed.distributed_c10d", "_set_pg_timeout")(timeout, group)
 
-    _set_pg_timeout(timeout, group)
+
+def op_name(func: Any) -> str:
+    """An operator overload's name without namespace and overload (``"all_reduce"`` for
+    ``torch.ops._c10d_functional.all_reduce.default``), as a dispatch mode sees ``func``."""
+    return _field(func, "torch._ops.OpOverload", "_opname")
+
+
+def local_tensor(tensor: Any) -> Any:
+    """A DTensor's local shard as a plain tensor, without autograd (``to_local()`` is differentiable)."""
+    return _field(tensor, "torch.distributed.tensor.DTensor", "_local_tensor")
 
 
 def managed_params(unit: nn.Module) -> list[tuple[Any, Any, Any]]:
@@ -185,11 +361,11 @@ def managed_params(unit: nn.Module) -> list[tuple[Any, Any, Any]]:
 
     FSDP2 keeps these on its (private) parameter groups; there is no public listing.
     """
-    return [
-        (fsdp_param.sharded_param, group.mp_policy, group.offload_policy)
-        for group in param_groups(unit)
-        for fsdp_param in group.fsdp_params
-    ]
+    out = []
+    for group in param_groups(unit):
+        policies = _field(group, _GROUP, "mp_policy"), _field(group, _GROUP, "offload_policy")
+        out += [(_field(fsdp_param, _PARAM, "sharded_param"), *policies) for fsdp_param in _field(group, _GROUP, "fsdp_params")]
+    return out
 
 
 def held_gradients(unit: nn.Module) -> list[torch.Tensor]:
@@ -200,9 +376,10 @@ def held_gradients(unit: nn.Module) -> list[torch.Tensor]:
     """
     held: list[Optional[torch.Tensor]] = []
     for group in param_groups(unit):
-        held.append(getattr(group, "_partial_reduce_output", None))
-        for fsdp_param in group.fsdp_params:
-            held.append(getattr(fsdp_param, "unsharded_accumulated_grad", None))
+        held.append(_field(group, _GROUP, "_partial_reduce_output"))
+        for fsdp_param in _field(group, _GROUP, "fsdp_params"):
+            held.append(_field(fsdp_param, _PARAM, "unsharded_accumulated_grad"))
+            # Set at the unit's first all-gather: before it, there is no unsharded gradient either.
             unsharded = getattr(fsdp_param, "_unsharded_param", None)
             if unsharded is not None:
                 held.append(unsharded.grad)
@@ -218,19 +395,13 @@ def fake_tensor_mode() -> Any:
     Real tensors (torchmetrics' scalar states, constants a model keeps) may enter it: they are
     converted on first use instead of refused.
     """
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    return FakeTensorMode(allow_non_fake_inputs=True)
+    return _private("torch._subclasses.fake_tensor", "FakeTensorMode")(allow_non_fake_inputs=True)
 
 
 def data_dependent_errors() -> tuple[type[BaseException], ...]:
     """The exceptions a fake-tensor run raises for code that reads tensor values or has no fake kernel."""
-    from torch._subclasses.fake_tensor import (
-        DataDependentOutputException,
-        UnsupportedOperatorException,
-    )
-
-    return (DataDependentOutputException, UnsupportedOperatorException)
+    module = "torch._subclasses.fake_tensor"
+    return (_private(module, "DataDependentOutputException"), _private(module, "UnsupportedOperatorException"))
 
 
 def reset_dtensor_caches() -> None:
@@ -239,12 +410,11 @@ def reset_dtensor_caches() -> None:
     Each simulated rank joins a new fake world; a cached decision for an equal-looking mesh would
     name a process group of a world that no longer exists.
     """
-    from torch.distributed.tensor import DTensor
-
-    propagator = DTensor._op_dispatcher.sharding_propagator
+    propagator = _private("torch.distributed.tensor", "DTensor._op_dispatcher.sharding_propagator")
+    owner = "torch.distributed.tensor._sharding_prop.ShardingPropagator"
     for name in ("propagate_op_sharding", "_propagate_tensor_meta_cached"):
-        clear = getattr(getattr(propagator, name, None), "cache_clear", None)
-        if clear is not None:
+        clear = getattr(_field(propagator, owner, name), "cache_clear", None)
+        if clear is not None:  # a cache in this torch (the method exists either way)
             clear()
 
 
@@ -261,10 +431,9 @@ def fake_process_group(rank: int, world_size: int) -> Iterator[None]:
             "has a process group. Run the planner in its own process (`python -m hp_lightning plan ...`), not inside "
             "a training job."
         )
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
+    store = _private("torch.testing._internal.distributed.fake_pg", "FakeStore")()  # registers the "fake" backend on import
     reset_dtensor_caches()
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    dist.init_process_group("fake", store=store, rank=rank, world_size=world_size)
     try:
         yield
     finally:
@@ -273,6 +442,4 @@ def fake_process_group(rank: int, world_size: int) -> Iterator[None]:
 
 def tree_flatten(tree: Any) -> tuple[list[Any], Any]:
     """torch's pytree flattening (``torch.utils._pytree``; no public pytree module in torch 2.13)."""
-    from torch.utils._pytree import tree_flatten as flatten
-
-    return flatten(tree)
+    return _private("torch.utils._pytree", "tree_flatten")(tree)

@@ -23,6 +23,8 @@ from contextlib import contextmanager
 from typing import Any
 
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 
 ACCUMULATION_MODES = ("skip", "every", "defer_all_reduce")
 
@@ -52,14 +54,14 @@ def no_gradient_sync(root: nn.Module, mode: str) -> Generator[None, None, None]:
     ``root`` is the sharded root (an :class:`~hp_lightning.HSDPModule`); anything else is left
     alone. The previous state is restored on exit, also when the body raises.
     """
-    from hp_lightning.fully_shard import HSDPModule
-
     mode = check_mode(mode)
-    if not isinstance(root, HSDPModule) or mode == "every":
+    # An HSDPModule carries its data-parallel mesh; a unit hp_lightning did not shard is left alone.
+    mesh = getattr(root, "device_mesh", None)
+    if not isinstance(root, FSDPModule) or not isinstance(mesh, DeviceMesh) or mode == "every":
         yield
         return
     if mode == "defer_all_reduce":
-        if root.device_mesh.ndim < 2:  # FSDP: no all-reduce to defer
+        if mesh.ndim < 2:  # FSDP: no all-reduce to defer
             yield
             return
         root.set_requires_all_reduce(False)

@@ -18,7 +18,7 @@ import json
 import math
 import sys
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Protocol
 
 import torch
 import torch.distributed as dist
@@ -29,7 +29,18 @@ from hp_lightning.core import devices
 if TYPE_CHECKING:
     from torch import nn
 
-    from hp_lightning.core.parallelize import ShardedModel
+
+class ShardingResult(Protocol):
+    """What :func:`sharding_settings` reads of the recipe's result (:class:`~hp_lightning.recipe.parallelize.ShardedModel`)."""
+
+    @property
+    def units(self) -> Sequence[Any]: ...
+
+    @property
+    def ignored(self) -> Sequence[str]: ...
+
+    @property
+    def replicated(self) -> Sequence[str]: ...
 
 
 class RankDisagreementError(ValueError):
@@ -186,7 +197,7 @@ def resume_settings(checkpoint_path: Any) -> dict[str, Any]:
     return {"checkpoint to resume (ckpt_path)": None if not checkpoint_path else str(checkpoint_path)}
 
 
-def sharding_settings(model: nn.Module, sharded: Optional[ShardedModel]) -> dict[str, Any]:
+def sharding_settings(model: nn.Module, sharded: Optional[ShardingResult]) -> dict[str, Any]:
     """What must agree before sharded parameters are materialized: the model's parameters and the units.
 
     Parameter names, shapes and dtypes are summarized as a count, an element total and a digest;

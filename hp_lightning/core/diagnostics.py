@@ -47,7 +47,7 @@ import torch.distributed.distributed_c10d as _c10d
 from torch.overrides import TorchFunctionMode
 
 from hp_lightning.core import devices
-from hp_lightning.core._torch_private import TorchDispatchMode, resolve_process_group
+from hp_lightning.core._torch_private import TorchDispatchMode, op_name, resolve_process_group
 
 #: Wrapped function name -> the kind it is counted as.
 WRAPPED: dict[str, str] = {
@@ -118,6 +118,7 @@ class CollectiveCounter:
     bucket: Any = None
 
     def __enter__(self) -> CollectiveCounter:
+        functional = _FunctionalCollectives(self)  # first: a torch without its base class fails before anything is patched
         for name in WRAPPED:
             original = getattr(dist, name, None)
             if original is None:
@@ -127,8 +128,8 @@ class CollectiveCounter:
             setattr(dist, name, wrapped)
             if name in ("isend", "irecv") and getattr(_c10d, name, None) is original:
                 setattr(_c10d, name, wrapped)  # P2POp accepts only c10d's own isend/irecv
-        self._functional: _FunctionalCollectives | None = _FunctionalCollectives(self)
-        self._functional.__enter__()
+        self._functional: _FunctionalCollectives | None = functional
+        functional.__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -211,7 +212,7 @@ class _FunctionalCollectives(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 - torch protocol
         kwargs = kwargs or {}
-        kind = FUNCTIONAL.get(func._opname) if func.namespace == "_c10d_functional" else None
+        kind = FUNCTIONAL.get(op_name(func)) if func.namespace == "_c10d_functional" else None
         if kind is not None:
             group_name = next((a for a in reversed(args) if isinstance(a, str)), kwargs.get("group_name"))
             tensor = _largest_tensor(args, kwargs)

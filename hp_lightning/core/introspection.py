@@ -20,7 +20,6 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from hp_lightning.core import devices
 from hp_lightning.core._torch_private import fsdp_state, held_gradients, managed_params, prefetch_targets, reshards_after_forward
 from hp_lightning.core.mesh import describe
-from hp_lightning.fully_shard import HSDPModule, hsdp_modules
 
 
 def unit_names(root: nn.Module) -> dict[int, str]:
@@ -40,10 +39,19 @@ def unit_names(root: nn.Module) -> dict[int, str]:
     return names
 
 
-def units_in_order(root: nn.Module, units: Optional[Sequence[nn.Module]] = None) -> list[HSDPModule]:
+def sharding_units(module: nn.Module) -> list[Any]:
+    """Every sharding unit in ``module``'s tree (root included), outermost first.
+
+    Any FSDP2 unit counts (an :class:`~hp_lightning.HSDPModule` is one), so this layer needs
+    nothing from :mod:`hp_lightning.fully_shard`.
+    """
+    return [m for m in module.modules() if isinstance(m, FSDPModule)]
+
+
+def units_in_order(root: nn.Module, units: Optional[Sequence[nn.Module]] = None) -> list[Any]:
     """Every sharding unit, root first, then the others in forward order (``units`` when known)."""
-    inner = list(units) if units is not None else [m for m in hsdp_modules(root) if m is not root]
-    return [root, *[u for u in inner if u is not root]]  # type: ignore[list-item]
+    inner = list(units) if units is not None else [m for m in sharding_units(root) if m is not root]
+    return [root, *[u for u in inner if u is not root]]
 
 
 _DTYPE_SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
@@ -295,7 +303,7 @@ def live_gradient_bytes(model: nn.Module) -> int:
 
     for param in model.parameters():
         add(param.grad)
-    for unit in hsdp_modules(model):
+    for unit in sharding_units(model):
         for tensor in held_gradients(unit):
             add(tensor)
     return sum(seen.values())

@@ -19,7 +19,7 @@ group                  owner
 
 Every value is checked and normalized at construction (in ``Trainer(...)`` / ``Fabric(...)``,
 before any process or group exists). :meth:`HSDPOptions.layout` resolves the mesh sizes once for
-a world; :meth:`HSDPOptions.sharding_plan` is what the recipe applies; :meth:`HSDPOptions.settings`
+a world; :class:`~hp_lightning.recipe.parallelize.ShardingPlan` is these options as the recipe applies them; :meth:`HSDPOptions.settings`
 is what every rank must agree on before the mesh is built.
 
 Adding an option: a field with its docstring in the group that owns it (with a check in that
@@ -29,10 +29,7 @@ signatures, the ``--help`` text and ``docs/configuration.md`` follow from the fi
 
 from __future__ import annotations
 
-import ast
-import inspect
 import math
-import textwrap
 import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
@@ -40,20 +37,14 @@ from datetime import timedelta
 from functools import cache
 from typing import Any, Literal, Optional, Union
 
-import torch
-
-from hp_lightning.core import devices
 from hp_lightning.core.accumulation import check_mode
+from hp_lightning.core.checks import REDUCE_OPS, check_schedule, parse_dtype, validate_scaling_factor, validate_split_points, validate_tp_plan
+from hp_lightning.core.checks import SCHEDULES as PIPELINE_SCHEDULES
+from hp_lightning.core.fault_tolerance import FaultTolerance
 from hp_lightning.core.mesh import MeshLayout, resolve_layout, validate_mesh_shape, validate_parallel_sizes
-from hp_lightning.core.parallelize import ShardingPlan
+from hp_lightning.core.option_docs import FIELD_DOCS
 from hp_lightning.core.units import validate_unit_specs
 from hp_lightning.core.watchdog import check_seconds
-from hp_lightning.ft.config import FaultTolerance
-from hp_lightning.fully_shard import REDUCE_OPS, CPUOffloadPolicy, OffloadPolicy, build_mp_policy, parse_dtype, validate_scaling_factor
-from hp_lightning.parallel.pipeline import SCHEDULES as PIPELINE_SCHEDULES
-from hp_lightning.parallel.pipeline import validate_split_points
-from hp_lightning.parallel.pipeline_schedules import check_schedule
-from hp_lightning.parallel.tensor import validate_tp_plan
 
 STATE_DICT_TYPES = ("sharded", "full")
 #: ``divergence_check``: compare what each rank's backward reaches before gradient collectives, or not.
@@ -268,7 +259,9 @@ class ShardingOptions(_OptionGroup):
 
     activation_checkpointing: Optional[Sequence[Union[str, type]]] = None
     """Blocks (same forms as ``shard_modules``) whose activations are recomputed in backward
-    instead of stored: one extra forward per block. State-dict keys do not change."""
+    instead of stored: one extra forward per block. State-dict keys do not change. Under a
+    pipeline, this and every module spec or parameter glob below name the whole model: a stage
+    applies the ones it holds, and only an entry that matches nothing anywhere is refused."""
 
     ignored_params: Optional[Sequence[str]] = None
     """Parameter-name globs left alone: not sharded, gradients **not** synchronized. For frozen
@@ -587,40 +580,6 @@ class HSDPOptions(PipelineOptions, FaultOptions, CheckpointOptions, PrecisionOpt
         TypeError / ValueError: on construction, for any field of the wrong type or value.
     """
 
-    def sharding_plan(
-        self, *, derived_param_dtype: Optional[torch.dtype], derived_reduce_dtype: Optional[torch.dtype], device_type: str
-    ) -> ShardingPlan:
-        """The plan :func:`~hp_lightning.core.parallelize.parallelize` applies.
-
-        Args:
-            derived_param_dtype / derived_reduce_dtype: what the front end's precision setting
-                implies; the ``param_dtype`` / ``reduce_dtype`` options override them.
-            device_type: the device the model trains on (pinned host memory needs an accelerator).
-        """
-        return ShardingPlan(
-            shard_modules=self.shard_modules,
-            reshard_after_forward=self.reshard_after_forward,
-            mp_policy=build_mp_policy(
-                param_dtype=self.param_dtype or derived_param_dtype,
-                reduce_dtype=self.reduce_dtype or derived_reduce_dtype,
-            ),
-            # Pinned host memory speeds up host<->device copies but needs an accelerator runtime.
-            offload_policy=(
-                CPUOffloadPolicy(pin_memory=devices.is_accelerator(device_type)) if self.cpu_offload else OffloadPolicy()
-            ),
-            activation_checkpointing=self.activation_checkpointing,
-            ignored_params=self.ignored_params,
-            replicate_params=self.replicate_params,
-            shard_placement=self.shard_placement,
-            comm_fusion=self.comm_fusion,
-            prefetch=self.prefetch,
-            reduce_op=self.reduce_op,
-            gradient_scaling_factor=self.gradient_scaling_factor,
-            forward_methods=self.forward_methods,
-            tp_plan=self.tp_plan,
-            expert_modules=self.expert_modules,
-        )
-
     def settings(self, owner: str = "HSDPStrategy") -> dict[str, Any]:
         """Every option as ``"HSDPStrategy(name=...)" -> value``: what all ranks must agree on."""
         settings = {f"{owner}({f.name}=...)": getattr(self, f.name) for f in fields(self)}
@@ -636,17 +595,19 @@ class HSDPOptions(PipelineOptions, FaultOptions, CheckpointOptions, PrecisionOpt
 def field_docs(cls: type = HSDPOptions) -> dict[str, str]:
     """Each field's docstring (the string literal under it), by name, in field order, whitespace folded.
 
-    Read from the source of the groups, so the documentation exists once: the front ends'
-    ``__init__`` docstring (what ``--help`` shows) and ``docs/configuration.md`` are built from it.
+    The documentation is written once, under each field above; ``scripts/gen_signatures.py``
+    copies it into :mod:`hp_lightning.core.option_docs` (checked for freshness by
+    ``tests/unit/test_public_surface.py``), so no source code is read at import: a ``.pyc``-only
+    install or a zipapp imports too. The front ends' constructor docstrings (what ``--help``
+    shows) and ``docs/configuration.md`` are generated from the same docstrings.
+
+    Raises:
+        KeyError: a field of ``cls`` that the generated module lacks (it is stale: regenerate it).
     """
-    docs: dict[str, str] = {}
-    for group in _groups_of(cls):
-        body = ast.parse(textwrap.dedent(inspect.getsource(group))).body[0].body  # type: ignore[attr-defined]
-        for node, following in zip(body, body[1:]):
-            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-                if isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant) and isinstance(following.value.value, str):
-                    docs[node.target.id] = " ".join(inspect.cleandoc(following.value.value).split())
-    return {f.name: docs.get(f.name, "") for f in fields(cls)}
+    missing = [f.name for f in fields(cls) if f.name not in FIELD_DOCS]
+    if missing:
+        raise KeyError(f"hp_lightning/core/option_docs.py lacks {missing}: run .venv/bin/python scripts/gen_signatures.py")
+    return {f.name: FIELD_DOCS[f.name] for f in fields(cls)}
 
 
 @cache

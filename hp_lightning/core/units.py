@@ -25,7 +25,7 @@ from __future__ import annotations
 import fnmatch
 import importlib
 from collections.abc import Iterable, Sequence
-from typing import Union
+from typing import Optional, Union
 
 from torch import nn
 
@@ -93,16 +93,41 @@ def validate_unit_specs(specs: UnitSpec | Sequence[UnitSpec] | None, option: str
     return out
 
 
-def select_modules(model: nn.Module, specs: Sequence[UnitSpec], option: str = "shard_modules") -> list[nn.Module]:
+def _matching_names(named: Sequence[tuple[str, type]], spec: UnitSpec) -> list[str]:
+    """The module names (of ``(name, class)`` pairs) that one unit spec selects."""
+    if isinstance(spec, type):
+        return [n for n, cls in named if issubclass(cls, spec)]
+    if _is_glob(spec):
+        # '*' crosses dots (as in fnmatch), so 'blocks.*' also matches 'blocks.0.fc1'; only the
+        # outermost matches become units, the blocks themselves.
+        names = [n for n, _ in named if fnmatch.fnmatchcase(n, spec)]
+        return [n for n in names if not any(n.startswith(o + ".") for o in names)]
+    cls = _import_class(spec) if "." in spec else None
+    if cls is not None:
+        return [n for n, c in named if issubclass(c, cls)]
+    return [n for n, c in named if c.__name__ == spec or n == spec]
+
+
+def select_modules(
+    model: nn.Module, specs: Sequence[UnitSpec], option: str = "shard_modules", whole_model: Optional[Sequence[tuple[str, type]]] = None
+) -> list[nn.Module]:
     """Resolve unit specs against ``model``; every spec must match at least one submodule.
 
     The root itself is never returned. Order: reverse pre-order, i.e. children before their
     parents (the bottom-up order ``fully_shard`` needs).
 
+    Args:
+        whole_model: for a pipeline stage, the ``(name, class)`` of every submodule of the model
+            before the cut: a spec is written against the whole model, so one that selects only
+            other stages' modules selects nothing here, and only a spec that matches nothing in
+            the whole model is a mistake.
+
     Raises:
         ValueError: for a spec that matches nothing, listing what was available.
     """
     named: list[tuple[str, nn.Module]] = [(name, module) for name, module in model.named_modules() if name]
+    by_name = dict(named)
+    classes = [(name, type(module)) for name, module in named]
     chosen: list[nn.Module] = []
 
     def add(module: nn.Module) -> None:
@@ -110,27 +135,13 @@ def select_modules(model: nn.Module, specs: Sequence[UnitSpec], option: str = "s
             chosen.append(module)
 
     for spec in validate_unit_specs(specs, option):
-        matched: list[nn.Module] = []
-        if isinstance(spec, type):
-            matched = [m for _, m in named if isinstance(m, spec)]
-        elif _is_glob(spec):
-            # '*' crosses dots (as in fnmatch), so 'blocks.*' also matches 'blocks.0.fc1'; only the
-            # outermost matches become units, the blocks themselves.
-            names = [n for n, _ in named if fnmatch.fnmatchcase(n, spec)]
-            outermost = [n for n in names if not any(n.startswith(o + ".") for o in names)]
-            matched = [m for n, m in named if n in outermost]
-        else:
-            cls = _import_class(spec) if "." in spec else None
-            if cls is not None:
-                matched = [m for _, m in named if isinstance(m, cls)]
-            else:
-                matched = [m for n, m in named if type(m).__name__ == spec or n == spec]
-        if not matched:
-            classes = sorted({type(m).__name__ for _, m in named})
-            sample = [n for n, _ in named][:8]
+        matched = [by_name[n] for n in _matching_names(classes, spec)]
+        if not matched and not (whole_model is not None and _matching_names(whole_model, spec)):
+            available = sorted({cls.__name__ for _, cls in (whole_model or classes)})
+            sample = [n for n, _ in (whole_model or classes)][:8]
             raise ValueError(
                 f"{option} entry {spec!r} matches no submodule of {type(model).__name__}. Available "
-                f"classes: {classes}; module names start with {sample}. Use a class, a dotted class "
+                f"classes: {available}; module names start with {sample}. Use a class, a dotted class "
                 f"path, a class name from that list, or a glob such as 'model.layers.*'."
             )
         for m in matched:

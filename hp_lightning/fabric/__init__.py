@@ -7,6 +7,8 @@
 * :class:`HSDPPrecision`: the precision flags of :mod:`hp_lightning.core.precision_flags` for Fabric.
 * :mod:`.state`: how a Fabric ``state`` dict maps onto the Trainer's checkpoint layout.
 * :mod:`.optimizers`: optimizers created before sharding, rebound or refused.
+* :mod:`.refusals`: what Fabric cannot honour (Trainer-only options, ``CheckpointIO``, FSDP1), with the fix.
+* :mod:`.fault_tolerance`: the ``fault_tolerance`` option's torchft engine, started at ``fabric.setup``.
 
 ``import hp_lightning`` registers ``"hsdp"``, ``"hp_fsdp"`` and ``"hsdp_cpu_offload"`` in
 Fabric's strategy registry, as it does in the Trainer's.

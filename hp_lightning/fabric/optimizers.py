@@ -33,6 +33,27 @@ class ReplacedParameters:
         params: list[Tensor] = [p for group in optimizer.param_groups for p in group["params"]]
         return [p for p in params if (ref := self._replaced.get(id(p))) is not None and ref() is p]
 
+    def refuse_stale(self, optimizer: Optimizer, *, models_set_up: bool) -> None:
+        """Refuse ``optimizer`` (``fabric.setup_optimizers``) unless a model is set up and it holds none of the replaced parameters.
+
+        Raises:
+            ValueError: when no model was set up yet, or the optimizer holds parameters that
+                sharding replaced (it was created before ``fabric.setup_module(model)``).
+        """
+        stale = self.stale(optimizer)
+        if models_set_up and not stale:
+            return
+        reason = (
+            "no model was set up yet" if not models_set_up
+            else f"it holds {len(stale)} of the model's parameters from before sharding, which the model no longer uses"
+        )
+        raise ValueError(
+            f"fabric.setup_optimizers(optimizer): {reason}. HSDPStrategy replaces the parameters when it shards "
+            f"the model, so create the optimizer afterwards: model = fabric.setup_module(model); "
+            f"optimizer = torch.optim.AdamW(model.parameters()); optimizer = fabric.setup_optimizers(optimizer). "
+            f"Or pass both to fabric.setup(model, optimizer), which points the optimizer at the sharded parameters."
+        )
+
 
 def rebind_optimizer(optimizer: Optimizer, before: Mapping[int, tuple[str, Tensor]], after: Mapping[str, Tensor], index: int) -> None:
     """Swap each of ``optimizer``'s pre-sharding parameters for the sharded one of the same name.

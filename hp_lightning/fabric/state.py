@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+import lightning
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
@@ -120,8 +121,6 @@ def to_checkpoint(parts: StateParts, *, full: bool) -> dict[str, Any]:
     With ``full=True`` the model and optimizer states are gathered to rank 0 one tensor at a time
     (empty on the other ranks, which write nothing).
     """
-    import lightning
-
     model = parts.model
     checkpoint: dict[str, Any] = {
         MODEL_KEY: checkpoint_io.model_state_dict(model, full=full),

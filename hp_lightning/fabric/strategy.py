@@ -13,14 +13,11 @@ import atexit
 import sys
 import weakref
 from contextlib import AbstractContextManager, ExitStack, nullcontext
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
-import torch
 from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.strategies import ParallelStrategy
-from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -28,20 +25,19 @@ from typing_extensions import override
 from hp_lightning import checkpoint as hp_checkpoint
 from hp_lightning._lightning_private import BackwardSyncControl, FabricSubprocessScriptLauncher, PathLike
 from hp_lightning.checkpoint.collective import on_rank0
-from hp_lightning.core import devices
-from hp_lightning.core.accumulation import no_gradient_sync
-from hp_lightning.core.introspection import ShardingSummary
 from hp_lightning.core.materialize import move_unsharded_states
 from hp_lightning.core.options import HSDPOptions
-from hp_lightning.core.parallelize import ShardedModel
-from hp_lightning.core.prepare import prepare_model, prepared
 from hp_lightning.fabric import state as fabric_state
+from hp_lightning.fabric.fault_tolerance import start_fault_tolerance
 from hp_lightning.fabric.optimizers import ReplacedParameters, rebind_optimizer
 from hp_lightning.fabric.precision import HSDPPrecision, precision_from_fabric
-from hp_lightning.frontends.core import StrategyCore
+from hp_lightning.fabric.refusals import NO_CHECKPOINT_IO, refuse_fsdp1, refuse_trainer_options
+from hp_lightning.frontends.constructors import FabricConstructor
 from hp_lightning.ft.engine import FaultTolerantHSDP
 from hp_lightning.fully_shard import HSDPModule
-from hp_lightning.fully_shard.divergence import check_before_backward, gradients_stay_local
+from hp_lightning.fully_shard.divergence import check_before_backward
+from hp_lightning.recipe.parallelize import ShardedModel
+from hp_lightning.recipe.prepare import prepared
 
 if TYPE_CHECKING:
     from torch.optim.lr_scheduler import LRScheduler
@@ -49,7 +45,7 @@ if TYPE_CHECKING:
 __all__ = ["HSDPFabricStrategy", "HSDPStrategy"]
 
 
-class HSDPFabricStrategy(StrategyCore, ParallelStrategy):
+class HSDPFabricStrategy(FabricConstructor, ParallelStrategy):
     """FSDP / HSDP training with PyTorch FSDP2 under Lightning Fabric.
 
     ``Fabric(strategy="hsdp")`` shards every model passed to ``fabric.setup`` with the same plan
@@ -73,21 +69,7 @@ class HSDPFabricStrategy(StrategyCore, ParallelStrategy):
     _launcher_class = FabricSubprocessScriptLauncher
 
     def _refuse_options(self, options: HSDPOptions, lightning_args: dict[str, Any]) -> None:
-        if options.pipeline_parallel_size > 1:
-            raise ValueError(
-                f"HSDPStrategy(pipeline_parallel_size={options.pipeline_parallel_size}) is a Trainer option so far: "
-                f"the Trainer strategy runs the schedule inside its step. With Fabric, build the stage yourself: "
-                f"hp_lightning.PipelineStage(stage_module, stage_index, stage_num, group=mesh['pp'].get_group()) and "
-                f"torch.distributed.pipelining's schedules, and set pipeline_parallel_size=1 here."
-            )
-        if options.save_on_preemption:
-            raise ValueError(
-                "HSDPStrategy(save_on_preemption=True) is a Trainer option: it saves the ModelCheckpoint's 'last.ckpt' "
-                "at the end of an accumulation window, and a Fabric loop has neither. Leave it False with Fabric and "
-                "save from your loop, e.g. fabric.save(path, state) when your SIGTERM handler has set a flag."
-            )
-        if lightning_args["checkpoint_io"] is not None:
-            raise TypeError(_NO_CHECKPOINT_IO.format(got=type(lightning_args["checkpoint_io"]).__name__))
+        refuse_trainer_options(options, lightning_args["checkpoint_io"])
 
     def _init_front_end(self) -> None:
         self._backward_sync_control = _NoGradientSync(self)
@@ -111,23 +93,8 @@ class HSDPFabricStrategy(StrategyCore, ParallelStrategy):
 
     def _start_fault_tolerance(self, module: nn.Module, optimizers: list[Optimizer]) -> None:
         config = self.fault_tolerance_config
-        if config is None:
-            return
-        if self._fault_tolerance is not None or len(optimizers) != 1 or len(self._models) != 1:
-            raise ValueError(
-                f"HSDPStrategy(fault_tolerance=...) under Fabric supports one model and one optimizer (set up once); got "
-                f"{len(self._models)} model(s) and {len(optimizers)} optimizer(s) in this call"
-                f"{' after a previous one' if self._fault_tolerance is not None else ''}."
-            )
-        # The strategy's own fault watchdog (its fault_watchdog option) ends the group on a failure.
-        ft = FaultTolerantHSDP(config, module, optimizers[0], group_watchdog=False)
-        self._fault_tolerance = ft
-
-        def begin_step_at_first_forward(_module: nn.Module, _args: Any) -> None:
-            if not ft.in_step and torch.is_grad_enabled() and _module.training:
-                ft.begin_step()
-
-        module.register_forward_pre_hook(begin_step_at_first_forward)
+        if config is not None:
+            self._fault_tolerance = start_fault_tolerance(config, module, optimizers, models=len(self._models), running=self._fault_tolerance)
 
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
@@ -173,7 +140,7 @@ class HSDPFabricStrategy(StrategyCore, ParallelStrategy):
     @checkpoint_io.setter
     @override
     def checkpoint_io(self, io: CheckpointIO) -> None:
-        raise TypeError(_NO_CHECKPOINT_IO.format(got=type(io).__name__))
+        raise TypeError(NO_CHECKPOINT_IO.format(got=type(io).__name__))
 
     def _watchdog_started(self) -> None:
         assert self._watchdog is not None
@@ -198,9 +165,6 @@ class HSDPFabricStrategy(StrategyCore, ParallelStrategy):
         stack.enter_context(self.precision.module_init_context())
         return stack
 
-    def _init_device(self) -> Any:
-        return devices.cpu_device() if self.options.cpu_offload else self.root_device
-
     @override
     def setup_module(self, module: nn.Module) -> nn.Module:
         """Shard ``module`` in place with :meth:`sharding_plan` and initialize what is on the meta device.
@@ -212,21 +176,13 @@ class HSDPFabricStrategy(StrategyCore, ParallelStrategy):
         Raises:
             TypeError: for a module wrapped in FSDP1 (``FullyShardedDataParallel``).
         """
-        from torch.distributed.fsdp import FullyShardedDataParallel
-
-        if any(isinstance(m, FullyShardedDataParallel) for m in module.modules()):
-            raise TypeError(
-                f"{type(module).__name__} contains FullyShardedDataParallel (FSDP1) modules; HSDPStrategy shards with "
-                f"FSDP2. Pass the plain module (or one sharded with hp_lightning.fully_shard / torch's fully_shard)."
-            )
+        refuse_fsdp1(module)
         before = list(module.parameters())
-        prepare_model(module, self.parallel_mesh, self.sharding_plan(), init_device=self._init_device(), device=self.root_device)
-        self._after_sharding(module)
+        self._shard(module)
         self._replaced.record(before, module.parameters())
         if all(m is not module for m in self._models):
             self._models.append(module)
-        if self.options.sharding_report:
-            rank_zero_info(self.sharding_summary(module).table())
+        self._report_sharding(lambda: self.sharding_summary(module).table())
         return module
 
     @override
@@ -258,18 +214,7 @@ class HSDPFabricStrategy(StrategyCore, ParallelStrategy):
             ValueError: when no model was set up yet, or the optimizer holds parameters that
                 sharding replaced (it was created before ``fabric.setup_module(model)``).
         """
-        stale = self._replaced.stale(optimizer)
-        if not self._models or stale:
-            reason = (
-                "no model was set up yet" if not self._models
-                else f"it holds {len(stale)} of the model's parameters from before sharding, which the model no longer uses"
-            )
-            raise ValueError(
-                f"fabric.setup_optimizers(optimizer): {reason}. HSDPStrategy replaces the parameters when it shards "
-                f"the model, so create the optimizer afterwards: model = fabric.setup_module(model); "
-                f"optimizer = torch.optim.AdamW(model.parameters()); optimizer = fabric.setup_optimizers(optimizer). "
-                f"Or pass both to fabric.setup(model, optimizer), which points the optimizer at the sharded parameters."
-            )
+        self._replaced.refuse_stale(optimizer, models_set_up=bool(self._models))
         self._start_fault_tolerance(self._models[-1], [optimizer])
         return optimizer
 
@@ -279,17 +224,6 @@ class HSDPFabricStrategy(StrategyCore, ParallelStrategy):
         # allocates only them. Afterwards only unsharded state (buffers, whole parameters) moves.
         if prepared(module) is not None:
             move_unsharded_states(module, self.root_device)
-
-    def sharding_summary(self, module: Optional[nn.Module] = None) -> ShardingSummary:
-        """The per-unit table of what was sharded (a collective: every rank must call it).
-
-        Args:
-            module: a model this strategy set up (default: the last one).
-
-        Raises:
-            RuntimeError: before ``fabric.setup`` has sharded a model.
-        """
-        return self._summary(module if module is not None else (self._models[-1] if self._models else None))
 
     # ------------------------------------------------------------------ backward and clipping
 
@@ -355,8 +289,6 @@ class HSDPFabricStrategy(StrategyCore, ParallelStrategy):
             ValueError: for ``filter`` (the Trainer's layout stores whole states), for a
                 ``state`` without exactly one sharded model, or one using a reserved key.
         """
-        if storage_options is not None:
-            raise TypeError(f"HSDPStrategy.save_checkpoint does not take storage_options (no CheckpointIO plugin is used); got {storage_options!r}.")
         if filter is not None:
             raise ValueError(
                 f"fabric.save(..., filter=...) is not supported by HSDPStrategy: checkpoints hold whole model and optimizer "
@@ -364,10 +296,10 @@ class HSDPFabricStrategy(StrategyCore, ParallelStrategy):
                 f"save without it (hp_lightning.checkpoint.load_weights(..., strict=False) loads a subset later)."
             )
         parts = fabric_state.split_state(state, "fabric.save")
-        if self._fault_tolerance is not None and not self._fault_tolerance.writes_checkpoints:
-            return  # under fault tolerance one participating group writes; the others hold the same state
+        target = self._checkpoint_target(path, storage_options)
+        if target is None:
+            return
         self.reshard_all()
-        target = Path(self.broadcast(str(path)))
         checkpoint = fabric_state.to_checkpoint(parts, full=self.options.state_dict_type == "full")
         self._write_checkpoint(checkpoint, target, in_background=self.options.async_save)
 
@@ -404,8 +336,7 @@ class HSDPFabricStrategy(StrategyCore, ParallelStrategy):
                 model), an optimizer alone, or a ``state`` without exactly one sharded model.
             FileNotFoundError, KeyError, CorruptCheckpointError: as :func:`hp_lightning.checkpoint.load_checkpoint`.
         """
-        self.wait_for_checkpoint()
-        source = Path(self.broadcast(str(path)))
+        source = self._checkpoint_source(path)
         if not state:
             if source.is_dir():
                 raise ValueError(
@@ -438,14 +369,8 @@ class HSDPFabricStrategy(StrategyCore, ParallelStrategy):
 
     def _leave_at_exit(self) -> None:
         """At interpreter exit (Fabric has no teardown hook): report an uncaught error, else stop watching."""
-        fault_watchdog = self._watchdog
-        if fault_watchdog is None:
-            return
         failure = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
-        if isinstance(failure, BaseException):
-            fault_watchdog.report(failure)  # the other ranks stop instead of waiting for this one
-        else:
-            fault_watchdog.stop()
+        self._end_watching(failure if isinstance(failure, BaseException) else None)  # the other ranks stop instead of waiting
 
     @override
     def teardown(self) -> None:
@@ -459,13 +384,6 @@ class HSDPFabricStrategy(StrategyCore, ParallelStrategy):
         super().teardown()
 
 
-_NO_CHECKPOINT_IO = (
-    "The Fabric HSDPStrategy writes checkpoints with hp_lightning.checkpoint (sharded DCP directories or full files, "
-    "the Trainer's layout), so a CheckpointIO plugin would never be called; got {got}. Remove it from "
-    "Fabric(plugins=...) and choose the format with HSDPStrategy(state_dict_type='sharded' | 'full')."
-)
-
-
 class _NoGradientSync(BackwardSyncControl):
     """``fabric.no_backward_sync(model)``: the strategy's accumulation mode for non-final micro-batches."""
 
@@ -474,7 +392,7 @@ class _NoGradientSync(BackwardSyncControl):
 
     @override
     def no_backward_sync(self, module: nn.Module, enabled: bool) -> AbstractContextManager:
-        """Enter :func:`hp_lightning.core.accumulation.no_gradient_sync` with the strategy's mode (when ``enabled``).
+        """What a non-final micro-batch communicates, per the strategy's :attr:`accumulation_mode` (when ``enabled``).
 
         Raises:
             TypeError: for a module this strategy has not sharded.
@@ -486,12 +404,7 @@ class _NoGradientSync(BackwardSyncControl):
                 f"fabric.no_backward_sync(model) needs the model set up with HSDPStrategy; got a {type(module).__name__} "
                 f"that is not sharded. Call model = fabric.setup(model, ...) first."
             )
-        mode = self._strategy.accumulation_mode
-        stack = ExitStack()
-        stack.enter_context(no_gradient_sync(module, mode))
-        # Under "skip" these backward passes communicate nothing: the divergence check only records.
-        stack.enter_context(gradients_stay_local(module, mode == "skip"))
-        return stack
+        return self._strategy._non_final_micro_batch(module)
 
 
 #: The name this class had before the Trainer and Fabric strategies got distinct ones (kept working).

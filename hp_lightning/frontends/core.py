@@ -3,15 +3,18 @@
 Both front ends are ``class HSDPStrategy(StrategyCore, <Lightning's ParallelStrategy>)``. The core
 gives them:
 
-* their constructor: Lightning's own arguments (those of the ``ParallelStrategy`` the adapter
-  extends), then every field of :class:`~hp_lightning.core.options.HSDPOptions` as a keyword-only
-  argument with its type, default and documentation, so LightningCLI/jsonargparse read every
-  option through the class (built in ``__init_subclass__`` from the fields: an option is written
-  once, in :mod:`hp_lightning.core.options`);
+* what their constructors do (:meth:`StrategyCore._init_core`). The constructors themselves are
+  written out in :mod:`hp_lightning.frontends.constructors` (Lightning's own arguments, then every
+  field of :class:`~hp_lightning.core.options.HSDPOptions` as a keyword-only argument with its
+  type, default and documentation), generated from the fields by ``scripts/gen_signatures.py``, so
+  type checkers, editors and LightningCLI/jsonargparse read every option through the class while
+  each option is written once, in :mod:`hp_lightning.core.options`;
 * launch and the process group, the fault watchdog, the settings every rank must agree on, the
   mesh (its layout resolved once, before launch), the mesh properties and the collectives;
-* gradient accumulation modes, the shorter collective timeout after the first step, checkpoint
-  writes (sharded, full, in the background), teardown, registration and ``repr``.
+* sharding a model (:meth:`StrategyCore._shard`) and its summary, gradient accumulation modes
+  (what a non-final micro-batch communicates), the shorter collective timeout after the first
+  step, checkpoint paths and writes (sharded, full, in the background), the watchdog's end,
+  teardown, registration and ``repr``.
 
 An adapter keeps only the hooks its front end calls differently; a hook it must provide is a
 ``_``-method below that raises ``NotImplementedError``.
@@ -19,10 +22,7 @@ An adapter keeps only the hooks its front end calls differently; a hook it must 
 
 from __future__ import annotations
 
-import inspect
-import typing
-from contextlib import AbstractContextManager
-from dataclasses import MISSING, fields
+from contextlib import AbstractContextManager, ExitStack
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Optional, Union, cast
@@ -30,29 +30,67 @@ from typing import Any, Callable, ClassVar, Optional, Union, cast
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.distributed import group as _group
-from lightning.fabric.utilities.rank_zero import rank_zero_only, rank_zero_warn
+from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from lightning.fabric.utilities.seed import reset_seed
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+from torchmetrics import Metric
 
 from hp_lightning import checkpoint as hp_checkpoint
-from hp_lightning._lightning_private import all_gather_ddp_if_available, distributed_is_initialized, init_dist_connection, sync_ddp_if_available
+from hp_lightning._lightning_private import PathLike, all_gather_ddp_if_available, distributed_is_initialized, init_dist_connection, sync_ddp_if_available
 from hp_lightning.checkpoint import AsyncSaves
 from hp_lightning.core import agreement, devices, watchdog
-from hp_lightning.core.accumulation import check_mode
+from hp_lightning.core.accumulation import check_mode, no_gradient_sync
 from hp_lightning.core.introspection import ShardingSummary, summarize, units_in_order
 from hp_lightning.core.materialize import meta_init_context
 from hp_lightning.core.mesh import MeshLayout, ParallelMesh, build_parallel_mesh, describe, set_collective_timeout
-from hp_lightning.core.options import HSDPOptions, field_docs, field_types
-from hp_lightning.core.parallelize import ShardedModel, ShardingPlan
-from hp_lightning.core.prepare import prepared
+from hp_lightning.core.options import HSDPOptions
+from hp_lightning.core.watchdog import elastic
 from hp_lightning.frontends.precision import PrecisionCore
 from hp_lightning.ft.config import FaultTolerance
 from hp_lightning.fully_shard import HSDPModule
-from hp_lightning.fully_shard.divergence import divergence_check
+from hp_lightning.fully_shard.divergence import divergence_check, gradients_stay_local
+from hp_lightning.recipe.parallelize import ShardedModel, ShardingPlan
+from hp_lightning.recipe.prepare import prepare_model, prepared
 
 __all__ = ["StrategyCore"]
+
+
+def _gather_root_on_submodule_entry(root: nn.Module) -> None:
+    """Let a direct submodule of the sharded root run outside a step, as inside one (``pl_module.net(x)``).
+
+    Inside a step the root's own parameters (those of no sub-unit: an input projection, a head)
+    are gathered by the root's forward or the wrapped step method; a direct call into a
+    submodule from elsewhere (a callback's ``on_train_end``) would find them sharded and fail
+    with "mixed torch.Tensor and DTensor". A forward pre-hook on each direct child that uses such
+    parameters gathers them first with FSDP's public ``unshard()`` when one of them is still a
+    DTensor (FSDP2 registers the gathered tensors in place of the shards while they are
+    gathered). Inside a step that check is all it costs: one attribute read, no collective, no
+    sync. They stay gathered until the strategy reshards at the end of the stage. Meant for
+    inference (under ``torch.no_grad()``): a backward through such a call is not reduced across
+    ranks; train through the step methods.
+    """
+    if not isinstance(root, FSDPModule) or getattr(root, "_hp_entry_hooks", False):
+        return
+    in_units = {id(p) for m in root.modules() if m is not root and isinstance(m, FSDPModule) for p in m.parameters()}
+    for child in root.children():
+        witness = next(
+            ((m, n) for m in child.modules() for n, p in m.named_parameters(recurse=False) if id(p) not in in_units), None
+        )
+        if witness is None:
+            continue
+        module, name = witness
+
+        def gather_root(_: nn.Module, args: Any, module: nn.Module = module, name: str = name) -> None:
+            if isinstance(getattr(module, name), DTensor):  # still sharded: outside the root's forward
+                root.unshard()
+
+        child.register_forward_pre_hook(gather_root)
+    root._hp_entry_hooks = True  # type: ignore[assignment]  # once per root (fit, then test: the same module)
+
 
 _REGISTERED: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("hsdp", "HSDP over (nodes, devices per node) with FSDP2", {}),
@@ -77,12 +115,13 @@ class StrategyCore:
     _mesh_available: ClassVar[str] = "once the processes are set up"
     _mesh: Optional[ParallelMesh] = None
 
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        if "__init__" not in cls.__dict__ and not getattr(cls.__init__, "_takes_options", False):
-            cls.__init__ = _options_constructor(cls)  # type: ignore[method-assign]
-
     def _init_core(self, lightning_args: dict[str, Any], options: HSDPOptions) -> None:
+        """What both constructors do (:mod:`hp_lightning.frontends.constructors` calls it).
+
+        Args:
+            lightning_args: the arguments of the ``ParallelStrategy`` the front end extends.
+            options: every option, validated (in ``Trainer(...)`` / ``Fabric(...)``, before any process or group exists).
+        """
         self.options = options
         self._refuse_options(options, lightning_args)
         self._process_group_backend = options.process_group_backend
@@ -121,6 +160,10 @@ class StrategyCore:
 
     def _watchdog_started(self) -> None:
         """Right after the fault watchdog starts (before the first collective that could fail)."""
+
+    def _report_scope(self) -> dict[str, Any]:
+        """Extra arguments of :func:`~hp_lightning.core.introspection.summarize` (the Trainer's pipeline: this rank's stage)."""
+        return {}
 
     # ------------------------------------------------------------------ properties
 
@@ -262,7 +305,10 @@ class StrategyCore:
             device = self.root_device
             backend = self._process_group_backend or devices.process_group_backend(device.type, host_collectives=self.options.cpu_offload)
             device_id = device if devices.is_accelerator(device.type) else None
-            init_dist_connection(self.cluster_environment, backend, timeout=self.options.timeout, device_id=device_id)  # type: ignore[attr-defined]
+            environment = self.cluster_environment  # type: ignore[attr-defined]
+            # Under torchrun's agent store: keys of this attempt only, so a restart never meets the last one's.
+            store = elastic.attempt_store(environment.main_address, environment.main_port, self.options.timeout)
+            init_dist_connection(environment, backend, timeout=self.options.timeout, device_id=device_id, store=store)
         except Exception as exc:
             watchdog.print_once_per_job(exc)  # e.g. a backend that cannot start: the same on every rank
             raise
@@ -282,8 +328,9 @@ class StrategyCore:
     # ------------------------------------------------------------------ model
 
     def sharding_plan(self) -> ShardingPlan:
-        """The plan :func:`hp_lightning.core.parallelize.parallelize` applies, from this strategy's options."""
-        return self.options.sharding_plan(
+        """The plan :func:`hp_lightning.recipe.parallelize.parallelize` applies, from this strategy's options."""
+        return ShardingPlan.of(
+            self.options,
             derived_param_dtype=self._hsdp_precision.derived_param_dtype,
             derived_reduce_dtype=self._hsdp_precision.derived_reduce_dtype,
             device_type=self.root_device.type,
@@ -297,6 +344,20 @@ class StrategyCore:
         on_meta = empty_init is True or (empty_init is None and self.options.meta_init)
         return meta_init_context() if on_meta else otherwise
 
+    def _init_device(self) -> torch.device:
+        """Where whole parameters are created and initialized: the host under ``cpu_offload``, else the training device."""
+        return devices.cpu_device() if self.options.cpu_offload else self.root_device
+
+    def _shard(self, model: nn.Module) -> ShardedModel:
+        """Shard ``model`` in place with :meth:`sharding_plan`, initialize what is on the meta device, wire the step's checks.
+
+        Units the user sharded already (``configure_model``, Fabric code) are kept. Whole
+        parameters are initialized where they train, or on the host under ``cpu_offload``.
+        """
+        sharded = prepare_model(model, self.parallel_mesh, self.sharding_plan(), init_device=self._init_device(), device=self.root_device)
+        self._after_sharding(model)
+        return sharded
+
     def _after_sharding(self, model: nn.Module) -> None:
         """Point the model's divergence check at the step agreement; scope metrics to data parallel."""
         check = divergence_check(model)
@@ -304,12 +365,33 @@ class StrategyCore:
             check.agreement = self._agreement
             check.enabled = self.options.divergence_check != "off"
         self.scope_metrics_to_data_parallel(model)
+        _gather_root_on_submodule_entry(model)
 
-    def _summary(self, module: Optional[nn.Module], **scope: Any) -> ShardingSummary:
+    def _report_sharding(self, table: Callable[[], str]) -> None:
+        """``sharding_report=True``: log ``table()`` on rank 0 at setup (every rank builds it: it may gather)."""
+        if self.options.sharding_report:
+            rank_zero_info(table())
+
+    def _another_group_writes(self) -> bool:
+        """Under ``fault_tolerance`` one participating replica group writes (and removes) checkpoints; the others hold the same state."""
+        ft = getattr(self, "_fault_tolerance", None)  # each front end's own: the Trainer's callback, Fabric's engine
+        return ft is not None and not ft.writes_checkpoints
+
+    def sharding_summary(self, module: Optional[nn.Module] = None) -> ShardingSummary:
+        """The per-unit table of what was sharded (a collective: every rank must call it).
+
+        Args:
+            module: a model this strategy sharded (default: the last one; the Trainer has one).
+
+        Raises:
+            RuntimeError: before the strategy has sharded a model (setup).
+        """
+        roots = self._sharded_roots()
+        module = module if module is not None else (roots[-1] if roots else None)
         sharded: Optional[ShardedModel] = prepared(module) if module is not None else None
         if module is None or sharded is None or not isinstance(module, HSDPModule):
             raise RuntimeError("HSDPStrategy.sharding_summary() is available once the strategy has sharded the model (setup).")
-        mesh = self.parallel_mesh
+        mesh, scope = self.parallel_mesh, self._report_scope()
         return summarize(module, units_in_order(module, sharded.units), mesh.world, [*sharded.ignored, *sharded.replicated], self.root_device, **scope)
 
     def reshard_all(self) -> None:
@@ -331,10 +413,6 @@ class StrategyCore:
         ``process_group`` of its own keeps it.
         """
         if not self._tp_or_pp:
-            return
-        try:
-            from torchmetrics import Metric
-        except ImportError:
             return
         for metric in module.modules():
             if isinstance(metric, Metric) and metric.process_group is None:
@@ -358,6 +436,16 @@ class StrategyCore:
         previous = self._accumulation_mode
         self._accumulation_mode = check_mode(mode, "HSDPStrategy.set_accumulation_mode(...)")
         return previous
+
+    def _non_final_micro_batch(self, module: nn.Module) -> AbstractContextManager:
+        """What a non-final micro-batch of ``module`` communicates: :attr:`accumulation_mode` says.
+
+        Under ``"skip"`` its backward communicates nothing, so the divergence check only records.
+        """
+        stack = ExitStack()
+        stack.enter_context(no_gradient_sync(module, self._accumulation_mode))
+        stack.enter_context(gradients_stay_local(module, self._accumulation_mode == "skip"))
+        return stack
 
     def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
         output = super().optimizer_step(*args, **kwargs)  # type: ignore[misc]
@@ -410,6 +498,21 @@ class StrategyCore:
 
     # ------------------------------------------------------------------ checkpoints
 
+    def _checkpoint_target(self, filepath: PathLike, storage_options: Optional[Any]) -> Optional[Path]:
+        """Where every rank writes a save: rank 0's path; None where another replica group writes it (``fault_tolerance``).
+
+        Raises:
+            TypeError: for ``storage_options`` (no CheckpointIO plugin is involved).
+        """
+        if storage_options is not None:
+            raise TypeError(f"HSDPStrategy.save_checkpoint does not take storage_options (no CheckpointIO plugin is used); got {storage_options!r}.")
+        return None if self._another_group_writes() else Path(self.broadcast(str(filepath)))
+
+    def _checkpoint_source(self, path: PathLike) -> Path:
+        """Rank 0's ``path``, once a save in flight is published (never read what it is still writing)."""
+        self.wait_for_checkpoint()
+        return Path(self.broadcast(str(path)))
+
     def _write_checkpoint(self, checkpoint: dict[str, Any], path: Path, *, in_background: bool) -> None:
         """Write in the layout ``state_dict_type`` says, in the background when asked (after the one in flight)."""
         self._warn_ignored_params_in_checkpoint()
@@ -443,7 +546,59 @@ class StrategyCore:
         """
         self._async_saves.wait()
 
+    def save_hf(
+        self,
+        path: Union[str, Path],
+        module: Optional[nn.Module] = None,
+        *,
+        prefix: str = "",
+        config: Optional[Union[str, Path]] = None,
+        max_shard_size: Union[int, str] = "5GB",
+        dtype: Optional[str] = None,
+        overwrite: bool = False,
+    ) -> Path:
+        """Write the sharded model as a Hugging Face directory (``from_pretrained`` loads it); call on every rank.
+
+        Every rank writes its own shards (no gather), DCP's Hugging Face writer merges them into
+        whole-tensor safetensors files with ``model.safetensors.index.json``, and ``config.json``
+        / ``generation_config.json`` are copied from ``config``; tied weights are written once. An
+        existing non-empty ``path`` is refused unless ``overwrite=True`` replaces an earlier export
+        of ours (only the files it recorded). See :func:`hp_lightning.checkpoint.hf.save_hf`.
+
+        Args:
+            path: the output directory.
+            module: the module to write; None: the LightningModule (Trainer) or the one model set up (Fabric).
+            prefix: where the Hugging Face model sits inside ``module`` (``"net."`` for ``self.net``).
+            config: the Hugging Face directory (or ``config.json``) the model was built from.
+            max_shard_size: the largest safetensors file (``"5GB"``, ``"500MB"``, bytes).
+            dtype: cast floating tensors on write (``"bf16"``); None keeps the model's dtype.
+            overwrite: replace an earlier export of ours at ``path``.
+
+        Raises:
+            FileExistsError, ValueError: as :func:`hp_lightning.checkpoint.hf.save_hf`; ValueError
+                also when ``module`` is None and there is not exactly one model to write.
+        """
+        if module is None:
+            candidates = [m for m in [getattr(self, "lightning_module", None)] if isinstance(m, nn.Module)] or self._sharded_roots()
+            if len(candidates) != 1:
+                raise ValueError(f"save_hf needs module=... here: {len(candidates)} models are set up; pass the one to write.")
+            module = candidates[0]
+        self.wait_for_checkpoint()
+        return hp_checkpoint.save_hf(
+            module, Path(path), prefix=prefix, config=None if config is None else Path(config),
+            max_shard_size=max_shard_size, dtype=dtype, overwrite=overwrite,
+        )
+
     # ------------------------------------------------------------------ teardown, registration
+
+    def _end_watching(self, failure: Optional[BaseException]) -> None:
+        """An orderly end (None) stops the fault watchdog; a failure is posted for the other ranks (or, one caused by another rank's, ends quietly)."""
+        if self._watchdog is None:
+            return
+        if failure is None:
+            self._watchdog.stop()
+        else:
+            self._watchdog.report(failure)
 
     def _stop_background(self) -> None:
         """Finish (unless this rank failed: no collective then) and close saves; stop the watchdog."""
@@ -462,50 +617,3 @@ class StrategyCore:
         mesh = describe(self._mesh.world) if self._mesh is not None else f"mesh_shape={self.options.mesh_shape}"
         return f"{type(self).__name__}({mesh})"
 
-
-def _options_constructor(cls: type) -> Callable[..., None]:
-    """``__init__(self, <Lightning's ParallelStrategy arguments>, *, <every HSDPOptions field>)`` for ``cls``.
-
-    Lightning's arguments come from the ``ParallelStrategy`` that ``cls`` extends; the options,
-    with their types, defaults and docstrings, from :class:`~hp_lightning.core.options.HSDPOptions`.
-    The docstring lists every argument (Google style), which is where jsonargparse reads the help.
-    """
-    lightning_init = next(base.__dict__["__init__"] for base in cls.__mro__ if "__init__" in base.__dict__)
-    hints = typing.get_type_hints(lightning_init)
-    lightning = [p.replace(annotation=hints.get(name, p.annotation)) for name, p in inspect.signature(lightning_init).parameters.items()][1:]
-    types = field_types()
-    options = [
-        inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=types[f.name])
-        for f in fields(HSDPOptions)
-        if f.default is not MISSING
-    ]
-    signature = inspect.Signature([inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD), *lightning, *options])
-    lightning_names = [p.name for p in lightning]
-
-    def __init__(self: StrategyCore, *args: Any, **kwargs: Any) -> None:
-        bound = signature.bind(self, *args, **kwargs)  # a TypeError naming an unknown keyword
-        bound.apply_defaults()
-        values = dict(bound.arguments)
-        del values["self"]
-        lightning_args = {name: values.pop(name) for name in lightning_names}
-        # Validated here: this runs in Trainer(...) / Fabric(...) before any process or group exists.
-        self._init_core(lightning_args, HSDPOptions(**values))
-
-    docs = field_docs()
-    lines = [
-        "Every option of :class:`~hp_lightning.core.options.HSDPOptions`, checked here (before any process starts).",
-        "",
-        "Args:",
-        *(f"    {p.name}: set by the front end's connector." for p in lightning),
-        *(f"    {name}: {docs[name]}" for name in (p.name for p in options)),
-        "",
-        "Raises:",
-        "    TypeError / ValueError: for any option of the wrong type or value, naming it.",
-    ]
-    __init__.__signature__ = signature  # type: ignore[attr-defined]
-    __init__.__annotations__ = {p.name: p.annotation for p in signature.parameters.values() if p.annotation is not p.empty}
-    __init__.__doc__ = "\n".join(lines)
-    __init__.__qualname__ = f"{cls.__qualname__}.__init__"
-    __init__.__module__ = cls.__module__
-    __init__._takes_options = True  # type: ignore[attr-defined]
-    return __init__

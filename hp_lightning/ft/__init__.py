@@ -3,9 +3,11 @@
 The engine (no Lightning): :class:`FaultTolerance` (the option), :class:`FaultTolerantHSDP`
 (Manager, replicate all-reduce hooks, quorum and commit), :class:`TrainingState` (what heals),
 :class:`ParticipantBatches` (each step's data share), :func:`start_lighthouse` and the
-``python -m hp_lightning.ft lighthouse`` command. torchft itself is imported only when used.
+``python -m hp_lightning.ft lighthouse`` command, and :func:`init_process_group` (a replica group's
+process group, fresh per ``torchrun --max-restarts`` attempt). torchft itself is imported only when used.
 """
 
+from hp_lightning.core.watchdog.elastic import init_process_group
 from hp_lightning.ft.config import LIGHTHOUSE_ENV, FaultTolerance, check_lighthouse_reachable, require_torchft
 from hp_lightning.ft.data import ParticipantBatches
 from hp_lightning.ft.engine import FaultTolerantHSDP, Participation
@@ -21,6 +23,7 @@ __all__ = [
     "Stateful",
     "TrainingState",
     "check_lighthouse_reachable",
+    "init_process_group",
     "require_torchft",
     "start_lighthouse",
 ]

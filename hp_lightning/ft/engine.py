@@ -33,6 +33,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from hp_lightning.core.devices import CPU, CUDA
+from hp_lightning.core.watchdog import elastic
 from hp_lightning.ft.config import FaultTolerance, check_lighthouse_reachable, require_torchft
 from hp_lightning.ft.state import Stateful, TrainingState
 
@@ -50,11 +51,14 @@ class Participation:
         rank: this group's rank among the participating groups (what selects its data share).
         count: how many groups take part (what gradients are averaged over).
         step: committed optimizer steps so far, the same on every participant (the data position).
+        healed: whether this group copied a live peer's state at this step's quorum (a returning
+            group's first step, or the first step under ``init_sync``).
     """
 
     rank: int
     count: int
     step: int
+    healed: bool = False
 
 
 def _units(model: nn.Module) -> list[FSDPModule]:
@@ -158,9 +162,19 @@ class FaultTolerantHSDP:
                 f"on {device_type!r}, which has none yet. Train on {CPU!r} or {CUDA!r}, or without fault tolerance."
             )
         lighthouse = config.lighthouse_address()
-        check_lighthouse_reachable(lighthouse, config.connect_timeout)
+        try:
+            check_lighthouse_reachable(lighthouse, config.connect_timeout)
+        except ConnectionError:
+            # A wrong address fails every attempt alike: under torchrun, end the job instead of retrying.
+            elastic.end_job_without_restart(f"fault_tolerance: no lighthouse reachable at {lighthouse}.")
+            raise
         torchft = require_torchft()
+        from torchft.manager import MANAGER_ADDR_KEY, REPLICA_ID_KEY
         from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
+
+        # torchft's Manager exchanges these unprefixed in MASTER_ADDR:MASTER_PORT's store; a restarted
+        # attempt (torchrun --max-restarts, whose agent store outlives the attempt) must not read the dead one's.
+        elastic.clear_stale_keys((MANAGER_ADDR_KEY, REPLICA_ID_KEY), group_rank=group_rank)
 
         timeout = timedelta(seconds=config.timeout)
         cross_group_pg = ProcessGroupNCCL(timeout=timeout) if device_type == CUDA else ProcessGroupGloo(timeout=timeout)
@@ -257,12 +271,16 @@ class FaultTolerantHSDP:
 
         Call before forward. Returns where this group stands, from which its data share follows.
         """
+        heals = self.state.heals
         self.manager.start_quorum()
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
         self._in_step = True
         rank = self.manager.participating_rank()
-        self.participation = Participation(rank=-1 if rank is None else rank, count=self.manager.num_participants(), step=self.step)
+        self.participation = Participation(
+            rank=-1 if rank is None else rank, count=self.manager.num_participants(), step=self.step,
+            healed=self.state.heals != heals,
+        )
         return self.participation
 
     def commit(self) -> bool:

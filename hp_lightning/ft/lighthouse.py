@@ -17,7 +17,7 @@ from typing import Any
 
 from hp_lightning.ft.config import require_torchft
 
-__all__ = ["DEFAULT_BIND", "main", "start_lighthouse"]
+__all__ = ["DEFAULT_BIND", "main", "reachable_address", "start_lighthouse"]
 
 DEFAULT_BIND = "127.0.0.1:29510"
 
@@ -60,6 +60,24 @@ def start_lighthouse(
     )
 
 
+def reachable_address(bind: str, served: str) -> str:
+    """The address groups should use: the bound host with the port actually served.
+
+    torchft's ``LighthouseServer.address()`` names the machine's host name, which is not where a
+    loopback-bound lighthouse (the default) is reachable. A specific bound host is the address;
+    only a wildcard bind (``0.0.0.0``, ``::``) is reachable by the host name torchft reports.
+
+    Args:
+        bind: the ``host:port`` the server was asked to bind (port 0: any free one).
+        served: what ``LighthouseServer.address()`` returns (``http://<hostname>:<port>``).
+    """
+    host = bind.rpartition(":")[0].strip("[]")
+    port = served.rpartition(":")[2]
+    if host in ("0.0.0.0", "::", ""):
+        return served
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m hp_lightning.ft", description="hp_lightning fault tolerance (torchft).")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -91,7 +109,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    print(f"lighthouse listening on {args.bind}; groups connect with TORCHFT_LIGHTHOUSE={server.address()}", flush=True)
+    address = reachable_address(args.bind, server.address())
+    print(f"lighthouse listening on {args.bind}; groups connect with TORCHFT_LIGHTHOUSE={address}", flush=True)
     stop.wait()
     server.shutdown()
     return 0

@@ -9,13 +9,16 @@ and keeps Lightning's own bookkeeping in step with the commit decision:
   schedulers;
 - the optimizer's ``step(closure)`` runs Lightning's closure (forward, backward: the cross-group
   average happens in FSDP2's all-reduce hook), then votes and steps the real optimizer only if
-  committed;
-- ``on_train_batch_end``: after an uncommitted step, the schedulers go back to the snapshot and
-  Lightning's optimizer-step counter (``trainer.global_step``) is taken back by one, so both agree
-  with torchft's step.
+  committed; after a vote that did not commit it takes back the optimizer step Lightning is
+  counting, before Lightning completes it, so ``trainer.global_step`` equals torchft's step in
+  every later hook;
+- ``on_train_batch_end``: after an uncommitted step, the schedulers go back to the snapshot
+  (Lightning steps them after the optimizer step, where no hook runs in between). The uncommitted
+  step's batch is not trained again (torchft's semantics), said in one info line.
 
-Healed with the weights: optimizer state, LR schedulers and ``trainer.global_step``. Scope, refused
-loudly otherwise: automatic optimization, one optimizer, ``accumulate_grad_batches=1``. Data:
+Healed with the weights: optimizer state, LR schedulers and ``trainer.global_step``. Requirements,
+checked at fit start (refused with a message otherwise): automatic optimization, one optimizer,
+``accumulate_grad_batches=1``. Data:
 Lightning's loader prefetches a batch before the quorum is known, so the Trainer path splits data
 by the *fixed* replica group (:func:`replica_group_sampler`, torchft's semantics: a dead group's
 share is skipped while it is down), not by participants as :class:`ParticipantBatches` does.
@@ -23,11 +26,13 @@ share is skipped while it is down), not by participants as :class:`ParticipantBa
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from hp_lightning.ft.config import FaultTolerance
@@ -44,10 +49,14 @@ class CommittingOptimizer(torch.optim.Optimizer):
     schedulers built on the wrapped optimizer keep working.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, ft: FaultTolerantHSDP) -> None:
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, ft: FaultTolerantHSDP, on_uncommitted: Callable[[], None] | None = None
+    ) -> None:
         # No Optimizer.__init__: this object owns no parameters of its own.
         self.optimizer = optimizer
         self.ft = ft
+        #: Called right after a vote that did not commit, before the caller counts the step.
+        self.on_uncommitted = on_uncommitted
         self.last_committed: bool | None = None
 
     @property
@@ -85,7 +94,17 @@ class CommittingOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self.last_committed = self.ft.commit()
+        if not self.last_committed and self.on_uncommitted is not None:
+            self.on_uncommitted()
         return loss
+
+
+def _log_participation(previous: Participation | None, now: Participation) -> None:
+    """One info line (group rank 0) when the quorum changes or this group heals; nothing on an ordinary step."""
+    if now.healed:
+        rank_zero_info(f"fault_tolerance: healed from a live replica group at step {now.step} ({now.count} group(s) take part).")
+    elif previous is not None and previous.count != now.count:
+        rank_zero_info(f"fault_tolerance: step {now.step}: {now.count} replica group(s) take part (was {previous.count}).")
 
 
 class _SchedulersState:
@@ -104,7 +123,21 @@ class _SchedulersState:
 
 def _optimizer_step_progress(trainer: Trainer) -> Any:
     """Lightning's counter behind ``trainer.global_step`` under automatic optimization (Lightning 2.x)."""
-    return trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.step.total
+    return trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.step
+
+
+def _uncount_step(trainer: Trainer) -> None:
+    """Take back the optimizer step Lightning is counting, from inside ``optimizer.step`` (an uncommitted step).
+
+    Lightning counts a step as *ready* before the optimizer step and *completed* right after it
+    returns (``trainer.global_step`` is the completed total). Taking both back here, before the
+    return, leaves the counters where they were once Lightning adds its completion: every hook
+    after it (``on_train_batch_end`` of every callback included) reads torchft's step.
+    """
+    progress = _optimizer_step_progress(trainer)
+    for tracker in (progress.total, progress.current):
+        tracker.ready -= 1
+        tracker.completed -= 1
 
 
 class _LoopProgress:
@@ -236,7 +269,7 @@ class FaultToleranceCallback(Callback):
             group_watchdog=False,
         )
         self._schedulers = schedulers
-        self._optimizer = CommittingOptimizer(trainer.optimizers[0], self.ft)
+        self._optimizer = CommittingOptimizer(trainer.optimizers[0], self.ft, on_uncommitted=lambda: _uncount_step(trainer))
         trainer.strategy.optimizers = [self._optimizer]
 
     def before_batch(self, trainer: Trainer, batch: Any) -> Any:
@@ -254,7 +287,9 @@ class FaultToleranceCallback(Callback):
             if held is not None:
                 self._data.epoch, self._data.index = held[0], held[1] - 1
         self._data.advance(trainer.current_epoch)
+        previous = self.participation
         self.participation = self.ft.begin_step()  # a returning group's counters, data position, weights heal here
+        _log_participation(previous, self.participation)
         self._in_step = True
         self._schedulers_before = self._schedulers.state_dict()
         position = (self._data.epoch, self._data.index)
@@ -312,12 +347,15 @@ class FaultToleranceCallback(Callback):
         assert self._optimizer is not None
         self._in_step = False
         if self._optimizer.last_committed is False:
-            # Not applied: Lightning stepped its schedulers and counted the step; take both back.
+            # Not applied: Lightning stepped its schedulers after the step; take that back (the step
+            # counter was taken back inside the step already, see _uncount_step).
             assert self._schedulers_before is not None
             self._schedulers.load_state_dict(self._schedulers_before)
-            progress = _optimizer_step_progress(trainer)
-            progress.ready -= 1
-            progress.completed -= 1
+            rank_zero_info(
+                f"fault_tolerance: step {trainer.global_step} was not committed (a replica group failed during it); its "
+                f"batch (epoch {self._data.epoch}, index {self._data.index}) is not trained again, as with torchft's own "
+                f"sampler: this epoch ends one optimizer step early."
+            )
 
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:

@@ -64,6 +64,8 @@ class TrainingState:
         self.extra: dict[str, Stateful] = dict(extra or {})
         for name, obj in self.extra.items():
             self._check_stateful(name, obj)
+        #: How many times a peer's state was loaded into this one (each heal adds one).
+        self.heals = 0
 
     @staticmethod
     def _check_stateful(name: str, obj: Any) -> None:
@@ -139,6 +141,7 @@ class TrainingState:
             raise ValueError(f"Healing from a peer replica group: the peer sent no state for {missing}.")
         for name, obj in self.extra.items():
             obj.load_state_dict(state["extra"][name])
+        self.heals += 1
 
 
 def _from_transport_optimizer(opt: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:

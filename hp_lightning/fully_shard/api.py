@@ -20,7 +20,6 @@ seed                       here
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, cast
 
@@ -32,9 +31,15 @@ from torch.distributed.fsdp import FSDPModule, UnshardHandle
 from torch.distributed.fsdp import fully_shard as _torch_fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+from hp_lightning.core._torch_private import managed_params
+from hp_lightning.core.checks import REDUCE_OPS, validate_scaling_factor
+from hp_lightning.core.devices import is_accelerator
+from hp_lightning.core.materialize import link_construction
+from hp_lightning.core.mesh import build_device_mesh, default_device_type
 from hp_lightning.fully_shard.errors import ArgumentTypeError
 from hp_lightning.fully_shard.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from hp_lightning.fully_shard.replicate import ReplicatedParamSync
+from hp_lightning.parallel.expert import expert_parallel_size, find_expert_modules
 
 __all__ = [
     "ArgumentTypeError",
@@ -47,30 +52,10 @@ __all__ = [
     "validate_scaling_factor",
 ]
 
-#: Gradient reduce ops: "avg" divides the summed gradients by the data-parallel size.
-REDUCE_OPS = ("avg", "sum")
-
-
 def _require_bool(value: Any, what: str) -> bool:
     if not isinstance(value, bool):
         raise ArgumentTypeError(f"{what} expects a bool (True or False); got {type(value).__name__} {value!r}.")
     return value
-
-
-def validate_scaling_factor(factor: Any, owner: str) -> float | None:
-    """Check a gradient scaling factor: a finite number > 0, or None (no scaling).
-
-    Raises:
-        TypeError: for anything but a real number or None (bools included).
-        ValueError: for zero, negative, NaN or infinite factors.
-    """
-    if factor is None:
-        return None
-    if isinstance(factor, bool) or not isinstance(factor, (int, float)):
-        raise ArgumentTypeError(f"{owner} expects a finite number > 0 or None (no scaling); got {type(factor).__name__} {factor!r}.")
-    if not math.isfinite(factor) or factor <= 0:
-        raise ValueError(f"{owner} expects a finite number > 0 or None (no scaling); got {factor!r}.")
-    return float(factor)
 
 
 def _require_fsdp_modules(modules: Any, what: str) -> list[FSDPModule]:
@@ -240,7 +225,6 @@ class HSDPModule(_ShardedModule):
         """
         if self._hp_mesh.size(self._hp_mesh.ndim - 1) != 1:
             return False
-        from hp_lightning.core._torch_private import managed_params
 
         dtypes = {policy.reduce_dtype or policy.param_dtype or param.dtype for param, policy, _ in managed_params(self)}
         risky = sorted(str(d) for d in dtypes if d not in (torch.float32, torch.bfloat16))
@@ -328,8 +312,6 @@ def _device_type(device: Any) -> str | None:
 
 
 def _default_mesh(device_type: str | None = None) -> DeviceMesh:
-    from hp_lightning.core.mesh import build_device_mesh, default_device_type
-
     if not dist.is_initialized():
         raise RuntimeError(
             "fully_shard(mesh=None) builds a 1-D mesh over the default process group, but "
@@ -347,8 +329,6 @@ def _host_offload_for(mesh: DeviceMesh, offload_policy: OffloadPolicy) -> Offloa
     accelerator device when none is available". There the shards already live on the host, so the
     same policy without pinning keeps exactly the same numbers.
     """
-    from hp_lightning.core.devices import is_accelerator
-
     if isinstance(offload_policy, CPUOffloadPolicy) and offload_policy.pin_memory and not is_accelerator(mesh.device_type):
         return dataclasses.replace(offload_policy, pin_memory=False)
     return offload_policy
@@ -488,9 +468,6 @@ def fully_shard(
 
     # Sharding by hand inside a recorded meta-device build (configure_model): remember which
     # recorded tensors these parameters are, before FSDP replaces them, so setup can initialize them.
-    from hp_lightning.core.materialize import link_construction
-    from hp_lightning.parallel.expert import find_expert_modules
-
     for m in modules:
         link_construction(m)
 
@@ -526,8 +503,6 @@ def fully_shard(
 
 def _attach_controls(module: nn.Module, mesh: DeviceMesh, replicated: ReplicatedParamSync | None) -> HSDPModule:
     """Make a sharded ``module`` an :class:`HSDPModule` with the controls at their defaults ("avg", no scaling)."""
-    from hp_lightning.parallel.expert import expert_parallel_size
-
     unit = _extend_with_controls(module)
     unit._hp_mesh = mesh
     unit._hp_replicated = replicated

@@ -7,8 +7,6 @@ HyperParallel raises ``ValueError`` for every bad argument; Python convention (a
 
 from __future__ import annotations
 
+from hp_lightning.core.checks import ArgumentTypeError  # defined with the option checks that raise it
+
 __all__ = ["ArgumentTypeError"]
-
-
-class ArgumentTypeError(TypeError, ValueError):
-    """An argument of the wrong type: a ``TypeError`` that ``except ValueError`` also catches."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
-from hp_lightning.fully_shard.errors import ArgumentTypeError
+from hp_lightning.core.checks import DTYPE_NAMES, parse_dtype
 
 __all__ = [
     "CPUOffloadPolicy",
@@ -21,52 +21,6 @@ __all__ = [
     "build_mp_policy",
     "parse_dtype",
 ]
-
-#: Accepted spellings of the floating dtypes FSDP computes or reduces in.
-DTYPE_NAMES: dict[str, torch.dtype] = {
-    "bf16": torch.bfloat16,
-    "bfloat16": torch.bfloat16,
-    "fp16": torch.float16,
-    "float16": torch.float16,
-    "half": torch.float16,
-    "fp32": torch.float32,
-    "float32": torch.float32,
-    "float": torch.float32,
-    "32": torch.float32,
-    "fp64": torch.float64,
-    "float64": torch.float64,
-}
-
-
-def parse_dtype(value: str | torch.dtype | None, *, name: str) -> torch.dtype | None:
-    """Turn ``"bf16"`` / ``torch.bfloat16`` / ``None`` into a ``torch.dtype`` (or None).
-
-    Args:
-        value: a dtype, one of :data:`DTYPE_NAMES`, or None (inherit).
-        name: the option's name, for the error message.
-
-    Raises:
-        TypeError: for anything that is not a string, a dtype or None.
-        ValueError: for an unknown string or a non-floating dtype.
-    """
-    if value is None:
-        return None
-    if isinstance(value, torch.dtype):
-        dtype = value
-    elif isinstance(value, str):
-        key = value.strip().lower().removeprefix("torch.")
-        if key not in DTYPE_NAMES:
-            raise ValueError(
-                f"{name} must be one of {sorted(DTYPE_NAMES)} or None; got {value!r}. "
-                f"Use for example {name}='bf16'."
-            )
-        dtype = DTYPE_NAMES[key]
-    else:
-        raise ArgumentTypeError(f"{name} must be a string like 'bf16', a torch.dtype or None; got {type(value).__name__} {value!r}.")
-    if not dtype.is_floating_point:
-        raise ValueError(f"{name} must be a floating dtype; got {dtype}. Use 'bf16', 'fp16' or 'fp32'.")
-    return dtype
-
 
 def build_mp_policy(
     param_dtype: str | torch.dtype | None = None,

@@ -44,6 +44,8 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+from hp_lightning.core.materialize import link_construction
+
 __all__ = ["ExpertParallel", "check_expert_split", "expert_parallel_size", "find_expert_modules"]
 
 _EP_ATTR = "_hp_expert_parallel_mesh"
@@ -117,8 +119,6 @@ class ExpertParallel:
                     f"such as an activation are fine)."
                 )
         routed = _takes_router_choice(module)
-        from hp_lightning.core.materialize import link_construction
-
         link_construction(module)  # inside a recorded meta build: keep each parameter's construction
         for name, param in list(module.named_parameters(recurse=False)):
             sharded = distribute_tensor(param.data, device_mesh, [Shard(0)], src_data_rank=None if param.is_meta else 0)

@@ -21,83 +21,18 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any, Optional
 
 from torch import nn
-from torch.distributed.pipelining import (
-    Schedule1F1B,
-    ScheduleDualPipeV,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleInterleavedZeroBubble,
-    ScheduleLoopedBFS,
-    ScheduleZBVZeroBubble,
-)
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining.schedules import generate_stage_to_rank_mapping
 
-
-@dataclass(frozen=True)
-class ScheduleSpec:
-    """What a schedule needs: torch's class, whether it takes a list of stages, their placement.
-
-    Attributes:
-        cls: torch's schedule class.
-        multi: the class takes a list of this rank's stages (``PipelineScheduleMulti``).
-        style: ``"loop"`` or ``"v"`` (see the module docstring).
-        stages_per_rank: the ``pipeline_stages_per_rank`` values it runs with (None: any >= 1).
-    """
-
-    cls: type
-    multi: bool
-    style: str = "loop"
-    stages_per_rank: Optional[tuple[int, ...]] = None
-
-
-#: Schedule names (YAML) to what torch runs.
-SCHEDULE_SPECS: dict[str, ScheduleSpec] = {
-    "gpipe": ScheduleSpec(ScheduleGPipe, multi=False, stages_per_rank=(1,)),
-    "1f1b": ScheduleSpec(Schedule1F1B, multi=False, stages_per_rank=(1,)),
-    "interleaved_1f1b": ScheduleSpec(ScheduleInterleaved1F1B, multi=True),
-    "looped_bfs": ScheduleSpec(ScheduleLoopedBFS, multi=True),
-    "interleaved_zb": ScheduleSpec(ScheduleInterleavedZeroBubble, multi=True),
-    "zbv": ScheduleSpec(ScheduleZBVZeroBubble, multi=True, style="v", stages_per_rank=(2,)),
-    "dualpipev": ScheduleSpec(ScheduleDualPipeV, multi=True, style="v", stages_per_rank=(2,)),
-}
-
-#: Schedule names to torch's classes.
-SCHEDULES: dict[str, type] = {name: spec.cls for name, spec in SCHEDULE_SPECS.items()}
-
-
-def check_schedule(schedule: str, pp: int, stages_per_rank: int, microbatches: int) -> None:
-    """Refuse a schedule that cannot run with these sizes (before any process group exists).
-
-    Raises:
-        ValueError: a stage count per rank the schedule does not take, or a micro-batch count
-            it cannot split into rounds (naming the sizes and a fix).
-    """
-    if pp <= 1:
-        return
-    spec = SCHEDULE_SPECS[schedule]
-    where = f"HSDPStrategy(pipeline_schedule={schedule!r}, pipeline_stages_per_rank={stages_per_rank})"
-    if spec.stages_per_rank is not None and stages_per_rank not in spec.stages_per_rank:
-        if spec.multi:
-            fix = f"set pipeline_stages_per_rank={spec.stages_per_rank[0]} (and {pp * spec.stages_per_rank[0] - 1} split points, or 'auto')"
-        else:
-            fix = "use interleaved_1f1b, looped_bfs or interleaved_zb for several stages per rank, or set pipeline_stages_per_rank=1"
-        raise ValueError(f"{where}: {schedule} runs exactly {spec.stages_per_rank[0]} stage(s) per rank; got {stages_per_rank}. Fix: {fix}.")
-    stages = pp * stages_per_rank
-    if schedule == "1f1b" and microbatches < pp:
-        raise ValueError(f"{where}: 1f1b needs at least as many micro-batches as stages ({pp}); got pipeline_microbatches={microbatches}.")
-    if schedule in ("interleaved_1f1b", "interleaved_zb"):
-        rounds = max(1, microbatches // pp)
-        if microbatches % rounds:
-            raise ValueError(
-                f"{where}: {schedule} runs the micro-batches in rounds of {pp} (one per rank), so pipeline_microbatches "
-                f"must be a multiple of max(1, microbatches // {pp}) = {rounds}; got {microbatches}. Use a multiple of {pp}."
-            )
-    if schedule == "dualpipev" and microbatches < stages:
-        raise ValueError(f"{where}: dualpipev needs at least as many micro-batches as stages ({stages}); got pipeline_microbatches={microbatches}.")
+# Re-exported: the schedule table and its check live with the option checks, below the options.
+from hp_lightning.core._torch_private import prefetch_targets
+from hp_lightning.core.checks import SCHEDULE_SPECS
+from hp_lightning.core.checks import SCHEDULES as SCHEDULES
+from hp_lightning.core.checks import ScheduleSpec as ScheduleSpec
+from hp_lightning.core.checks import check_schedule as check_schedule
 
 
 def stages_of_rank(schedule: str, pp_rank: int, pp: int, stages_per_rank: int) -> list[int]:
@@ -205,10 +140,6 @@ def keep_prefetch_inside_stages(stage_modules: Sequence[nn.Module]) -> None:
     Each stage is its own FSDP root, gathered when the schedule runs it: a unit of stage 0 must
     not all-gather a unit of stage 2 whose root is not running.
     """
-    from torch.distributed.fsdp import FSDPModule
-
-    from hp_lightning.core._torch_private import prefetch_targets
-
     stage_of = {id(m): s for s, root in enumerate(stage_modules) for m in root.modules() if isinstance(m, FSDPModule) and m is not root}
     for unit_id, stage in list(stage_of.items()):
         unit = next(m for m in stage_modules[stage].modules() if id(m) == unit_id)

@@ -20,66 +20,20 @@ from __future__ import annotations
 
 import fnmatch
 from collections.abc import Mapping
-from typing import Any, Callable, Union
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 from torch.distributed.tensor.parallel import parallelize_module as _torch_parallelize_module
+
+from hp_lightning.core.checks import TP_STYLES, StyleSpec, validate_tp_plan
+from hp_lightning.core.materialize import link_construction
 
 __all__ = ["TP_STYLES", "hf_tp_plan", "parallelize_module", "resolve_tp_plan", "tp_applied", "validate_tp_plan"]
 
-StyleSpec = Union[str, ParallelStyle]
-
-#: Style names accepted in plans (Hugging Face's names) → the torch style each stands for.
-TP_STYLES: dict[str, Callable[[], ParallelStyle]] = {
-    # Linear: weight split on output features; input replicated, output sharded on the last dim.
-    "colwise": ColwiseParallel,
-    # Linear: weight split on input features; input sharded on the last dim, output all-reduced.
-    "rowwise": RowwiseParallel,
-    # Colwise, then the output gathered (e.g. an LM head whose logits every rank needs).
-    "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
-    # Embedding split on the vocabulary; token ids replicated, output all-reduced.
-    "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),
-    # Norms and dropout on sequence-sharded activations.
-    "sequence_parallel": SequenceParallel,
-}
-
 #: Module types torch's colwise/rowwise styles support.
 _SPLITTABLE = (nn.Linear, nn.Embedding)
-
-
-def validate_tp_plan(plan: Any, owner: str = "HSDPStrategy(tp_plan=...)") -> dict[str, StyleSpec] | None:
-    """Check a plan's form (a mapping of non-empty glob → style name or ParallelStyle), before any process exists.
-
-    Raises:
-        TypeError: not a mapping, or keys/values of the wrong type.
-        ValueError: an unknown style name.
-    """
-    if plan is None:
-        return None
-    if not isinstance(plan, Mapping):
-        raise TypeError(
-            f"{owner} expects a mapping of module-name glob to style name; got {type(plan).__name__} {plan!r}. "
-            f"Example: {{'blocks.*.attn.qkv': 'colwise', 'blocks.*.attn.proj': 'rowwise'}}."
-        )
-    out: dict[str, StyleSpec] = {}
-    for pattern, style in plan.items():
-        if not isinstance(pattern, str) or not pattern:
-            raise TypeError(f"{owner} keys are non-empty module-name globs; got {pattern!r}.")
-        if isinstance(style, str):
-            if style not in TP_STYLES:
-                raise ValueError(
-                    f"{owner} maps {pattern!r} to the unknown style {style!r}; known styles: {sorted(TP_STYLES)}."
-                )
-        elif not isinstance(style, ParallelStyle):
-            raise TypeError(
-                f"{owner} maps {pattern!r} to {type(style).__name__} {style!r}; expected a style name "
-                f"({sorted(TP_STYLES)}) or a torch ParallelStyle."
-            )
-        out[pattern] = style
-    return out
 
 
 def _style(spec: StyleSpec) -> ParallelStyle:
@@ -298,8 +252,6 @@ def parallelize_module(module: nn.Module, device_mesh: DeviceMesh, parallelize_p
             f"parallelize_module expects the 1-D tensor-parallel sub-mesh (mesh['tp']); got "
             f"{type(device_mesh).__name__} {getattr(device_mesh, 'shape', '')}."
         )
-    from hp_lightning.core.materialize import link_construction
-
     link_construction(module)
     if isinstance(parallelize_plan, ParallelStyle):
         return _torch_parallelize_module(module, device_mesh, parallelize_plan)

@@ -210,7 +210,7 @@ def plan(
             entry.runs = runs
             scored = []
             for run in runs:
-                calls = step_calls(run, candidate, cluster, divergence_check=spec.strategy_args.get("divergence_check", True) not in (False, "off"))
+                calls = step_calls(run, candidate, cluster)
                 scored.append((estimate(run, candidate, cluster), step_time(run, calls, candidate, cluster, workload), calls))
             memory, _, _ = max(scored, key=lambda s: s[0].peak)
             _, time, calls = max(scored, key=lambda s: s[1].total)

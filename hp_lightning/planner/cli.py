@@ -8,7 +8,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from hp_lightning.planner.api import plan, smallest_cluster_message
 from hp_lightning.planner.candidates import GBIT, Cluster, Search, Workload
+from hp_lightning.planner.model import ModelBuildError
+from hp_lightning.planner.report import details, table
+from hp_lightning.planner.validate import run_validation
 
 
 def _size(text: str) -> float:
@@ -77,10 +81,6 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from hp_lightning.planner.api import plan
-    from hp_lightning.planner.model import ModelBuildError
-    from hp_lightning.planner.report import details, table
-
     args = parser().parse_args(argv)
     if args.model is None:
         parser().error("name the model: a class path, a LightningCLI YAML, or a Hugging Face config.json")
@@ -118,8 +118,6 @@ def main(argv: list[str] | None = None) -> int:
         print(details(result.find(args.show), cluster))
     best = result.best
     if best is None:
-        from hp_lightning.planner.api import smallest_cluster_message
-
         print(f"error: {smallest_cluster_message(result)}", file=sys.stderr)
         return 3
     print()
@@ -130,8 +128,6 @@ def main(argv: list[str] | None = None) -> int:
         args.yaml.write_text(block)
         print(f"written to {args.yaml}")
     if args.validate:
-        from hp_lightning.planner.validate import run_validation
-
         entry = best if args.validate == "best" else result.find(args.validate)
         print(run_validation(result, entry, steps=args.steps))
     return 0

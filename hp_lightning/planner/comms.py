@@ -30,11 +30,11 @@ from hp_lightning.planner.candidates import Candidate, Cluster
 from hp_lightning.planner.simulate import RankRun
 
 
-def control_calls(run: RankRun, candidate: Candidate, cluster: Cluster, *, divergence_check: bool = True) -> list[CollectiveCall]:
-    """The strategy's own per-step collectives on this rank (see the module docstring)."""
+def control_calls(run: RankRun, candidate: Candidate, cluster: Cluster) -> list[CollectiveCall]:
+    """The strategy's own per-step collectives on this rank (see the module docstring; ``divergence_check`` as the run's options resolve it)."""
     world = tuple(range(cluster.world_size))
     if candidate.pp == 1:
-        flags = 1 + (2 * run.divergence_slots if divergence_check else 0)
+        flags = 1 + (2 * run.divergence_slots if run.divergence_check else 0)
         return [CollectiveCall("all_reduce", world, 4 * flags, torch.int32)]
     stride = cluster.world_size // candidate.pp
     pipeline_group = tuple(run.rank % stride + i * stride for i in range(candidate.pp))
@@ -46,9 +46,9 @@ def control_calls(run: RankRun, candidate: Candidate, cluster: Cluster, *, diver
     ]
 
 
-def step_calls(run: RankRun, candidate: Candidate, cluster: Cluster, *, divergence_check: bool = True) -> list[CollectiveCall]:
+def step_calls(run: RankRun, candidate: Candidate, cluster: Cluster) -> list[CollectiveCall]:
     """Every collective this rank issues in one steady-state optimizer step."""
-    return [*run.calls, *control_calls(run, candidate, cluster, divergence_check=divergence_check)]
+    return [*run.calls, *control_calls(run, candidate, cluster)]
 
 
 def link_of(ranks: tuple[int, ...], cluster: Cluster) -> str:

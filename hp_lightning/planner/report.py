@@ -6,6 +6,8 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from hp_lightning.planner.comms import traffic
+
 if TYPE_CHECKING:
     from hp_lightning.planner.api import PlanResult
 
@@ -45,8 +47,6 @@ def table(result: PlanResult, limit: int = 20) -> str:
 
 def details(entry: Any, cluster: Any) -> str:
     """One candidate in full: per-rank memory, and calls/bytes per collective and link class."""
-    from hp_lightning.planner.comms import traffic
-
     if entry.error is not None:
         return f"{entry.candidate.name}: cannot run: {entry.error}"
     m, t = entry.memory, entry.time

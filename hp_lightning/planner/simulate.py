@@ -6,7 +6,7 @@ setup and in its second optimizer step:
 1. joins a *fake* process group of the cluster's world size as that rank, builds the candidate's
    :class:`~hp_lightning.core.mesh.ParallelMesh` (the strategy's own code);
 2. builds the model on the meta device, cuts its pipeline stage, and applies
-   :func:`hp_lightning.core.parallelize.parallelize` with the plan ``HSDPOptions`` makes of the
+   :func:`hp_lightning.recipe.parallelize.parallelize` with the plan ``HSDPOptions`` makes of the
    candidate's strategy arguments: the units, meshes, placements, padding and dtypes are torch
    FSDP2's own, nothing is re-derived;
 3. allocates the local shards as *fake* tensors and runs two optimizer steps (forward, backward,
@@ -29,18 +29,16 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from hp_lightning.core import devices
-from hp_lightning.core._torch_private import TorchDispatchMode, managed_params, tree_flatten
+from hp_lightning.core._torch_private import TorchDispatchMode, local_tensor, managed_params, reshards_after_forward, tree_flatten
 from hp_lightning.core.accumulation import no_gradient_sync
 from hp_lightning.core.diagnostics import CollectiveCall, CollectiveCounter
 from hp_lightning.core.introspection import unit_names
 from hp_lightning.core.mesh import build_parallel_mesh
 from hp_lightning.core.options import HSDPOptions
-from hp_lightning.core.parallelize import parallelize
-from hp_lightning.parallel.pipeline import split_stage
+from hp_lightning.parallel.pipeline import hold_gathered, plan_cut
 from hp_lightning.planner import _private
 from hp_lightning.planner.candidates import (
     PRECISIONS,
@@ -50,6 +48,7 @@ from hp_lightning.planner.candidates import (
     Workload,
 )
 from hp_lightning.planner.model import ModelBuildError, ModelSpec, step_loss
+from hp_lightning.recipe.parallelize import ShardingPlan, parallelize
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -82,7 +81,7 @@ class LiveBytes(TorchDispatchMode):
     @staticmethod
     def _storage(tensor: Any) -> Any:
         if isinstance(tensor, DTensor):
-            tensor = tensor._local_tensor
+            tensor = local_tensor(tensor)
         return tensor.untyped_storage() if isinstance(tensor, torch.Tensor) else None
 
     def track(self, tensor: Any) -> None:
@@ -173,6 +172,7 @@ class RankRun:
     stage_numel: int  # parameters of this rank's stage, unsharded and before TP (for FLOPs)
     block_numel: int  # of those, inside the blocks (what activation checkpointing recomputes)
     divergence_slots: int  # parameters the strategy's per-step divergence check compares
+    divergence_check: bool  # the options' divergence_check, as the strategy resolves it ("per_step")
     tokens: int  # tokens this rank processes per optimizer step
     stage_io_bytes: tuple[int, int] = (0, 0)  # bytes of one pipeline micro-batch into / out of this stage
     gloo_peak_bytes: int = 0  # the peak on CPU ranks (gloo), whose collectives stage through temporaries
@@ -243,17 +243,18 @@ def simulate_rank(
     args = strategy_args_for(candidate, workload, facts, spec)
     args.pop("cpu_offload", None)  # offload moves state to the host; collectives and shapes are the same
     options = HSDPOptions(**args)
-    plan = options.sharding_plan(derived_param_dtype=None, derived_reduce_dtype=None, device_type=devices.CPU)
+    plan = ShardingPlan.of(options, device_type=devices.CPU)
     fake = _private.fake_tensor_mode()
     with _private.fake_process_group(rank, cluster.world_size), _quiet():
-        layout = candidate.layout(cluster)
+        # The strategy's own steps: the mesh sizes from the options, the stage cut, the recipe, the pipeline's gathering.
+        layout = options.layout(world_size=cluster.world_size, num_nodes=cluster.nodes, devices_per_node=cluster.devices)
         mesh = build_parallel_mesh(devices.CPU, layout)
         module = spec.build()
         if PRECISIONS[workload.precision][2]:
             module.to(torch.bfloat16)
         stage = mesh.pp.get_local_rank() if mesh.pp is not None else 0
         if candidate.pp > 1:
-            split_stage(module, list(candidate.pipeline_split_points or ()), stage)
+            plan_cut(module, options, stage).apply(module)
         unique = {id(p): p for p in module.parameters()}
         stage_numel = sum(p.numel() for p in unique.values())
         block_ids = {id(p) for name in facts.block_names if _has(module, name) for p in module.get_submodule(name).parameters()}
@@ -262,10 +263,8 @@ def simulate_rank(
             sharded = parallelize(module, mesh, plan)
         except (ValueError, TypeError) as exc:
             raise ModelBuildError(f"{candidate.name}: hp_lightning refuses this plan for the model: {exc}") from exc
-        if candidate.pp > 1 and getattr(options, "pipeline_keep_gathered", False):
-            # As the strategy's pipeline steps do: the stage stays gathered from its first micro-batch's
-            # forward to the step's gradient reduction (one all-gather per unit and step).
-            cast(FSDPModule, module).set_reshard_after_forward(False)
+        if candidate.pp > 1:
+            hold_gathered([module], options)
         slots = divergence_slots(module, sharded.replicated)
         names = unit_names(module)
         units = []
@@ -284,8 +283,6 @@ def simulate_rank(
                     if p.device_mesh.mesh_dim_names[i] not in ("tp", "ep"):
                         ranks *= p.device_mesh.size(i)
                 gathered += local.numel() * ranks * dtype.itemsize
-            from hp_lightning.core._torch_private import reshards_after_forward
-
             units.append(UnitFact(names.get(id(unit), type(unit).__name__), sharded_bytes, gathered, reshards_after_forward(unit)))
         with fake:
             module.to_empty(device=devices.cpu_device())
@@ -336,7 +333,7 @@ def simulate_rank(
             rank=rank, stage=stage, calls=list(counter.calls), params_bytes=params_bytes, grads_bytes=grads,
             optimizer_bytes=optimizer_bytes, start_bytes=start, peak_bytes=live.peak,
             gloo_peak_bytes=max(live.peak, gloo_peak[0]), units=units,
-            stage_numel=stage_numel, block_numel=block_numel, divergence_slots=slots,
+            stage_numel=stage_numel, block_numel=block_numel, divergence_slots=slots, divergence_check=options.divergence_check == "per_step",
             tokens=dp_batch * workload.seq_len * workload.accumulation, stage_io_bytes=io_bytes,
         )
         if candidate.pp > 1:

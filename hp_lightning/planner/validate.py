@@ -41,13 +41,17 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal, cast
 
+import lightning.pytorch as pl
 import torch
 from torch.distributed.tensor import DTensor
 
 from hp_lightning.core import devices
+from hp_lightning.core._torch_private import local_tensor
 from hp_lightning.core.diagnostics import CollectiveCall, CollectiveCounter, HeapSampler
 from hp_lightning.planner.candidates import Cluster, Workload
-from hp_lightning.planner.model import ModelSpec
+from hp_lightning.planner.comms import step_calls
+from hp_lightning.planner.model import ModelSpec, _import
+from hp_lightning.strategies.hsdp import HSDPStrategy
 
 
 def live_tensor_bytes() -> int:
@@ -63,7 +67,7 @@ def live_tensor_bytes() -> int:
     for obj in gc.get_objects():
         if not issubclass(type(obj), torch.Tensor):  # type(): no __class__ lookups on lazy modules
             continue
-        tensor = obj._local_tensor if isinstance(obj, DTensor) else obj
+        tensor = local_tensor(obj) if isinstance(obj, DTensor) else obj
         if tensor.device.type != devices.CPU or tensor.layout != torch.strided:
             continue
         storage = tensor.untyped_storage()
@@ -129,11 +133,6 @@ def measure_rank(spec: ModelSpec, strategy_args: dict[str, Any], cluster: Cluste
         ValueError: fewer than 2 steps (the first is not the steady state).
         RuntimeError: no glibc ``mallinfo2`` here (the CPU memory method needs it).
     """
-    import lightning.pytorch as pl
-
-    import hp_lightning
-    from hp_lightning.planner.model import _import
-
     if steps < 2:
         raise ValueError(f"--validate needs at least 2 optimizer steps (the first builds the optimizer state and is not measured); got steps={steps}.")
     sampler = HeapSampler(rss=False)
@@ -172,7 +171,7 @@ def measure_rank(spec: ModelSpec, strategy_args: dict[str, Any], cluster: Cluste
         module = _import(spec.class_path)(**dict(spec.init_args))
         precision = {"32": "32-true", "bf16-mixed": "32-true", "bf16-true": "bf16-true"}[workload.precision]
         trainer = pl.Trainer(
-            accelerator=devices.CPU, devices=cluster.devices, num_nodes=cluster.nodes, strategy=hp_lightning.HSDPStrategy(**strategy_args),
+            accelerator=devices.CPU, devices=cluster.devices, num_nodes=cluster.nodes, strategy=HSDPStrategy(**strategy_args),
             max_steps=steps, accumulate_grad_batches=workload.accumulation, precision=cast(Literal["32-true", "bf16-true"], precision),
             logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
             limit_val_batches=0, callbacks=[probes],
@@ -259,8 +258,6 @@ def run_validation(result: Any, entry: Any, steps: int = 2, timeout: float = 600
 
 def predicted_for_rank(entry: Any, cluster: Cluster, rank: int) -> tuple[list[CollectiveCall], int]:
     """The plan's calls and CPU (gloo) peak for ``rank``: its stage's simulated rank, re-addressed to ``rank``'s groups."""
-    from hp_lightning.planner.comms import step_calls
-
     stride = cluster.world_size // entry.candidate.pp
     run = entry.runs[rank // stride] if entry.candidate.pp > 1 else entry.runs[0]
     calls = step_calls(run, entry.candidate, cluster)

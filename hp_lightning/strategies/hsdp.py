@@ -4,54 +4,49 @@ What both front ends share (options, launch, process group, mesh, collectives, a
 timeouts, checkpoint writes) is in the core; this module keeps what only the Trainer calls:
 ``setup`` with its optimizers and callbacks, the step methods (run by
 :mod:`hp_lightning.strategies.pipeline_steps`, directly or through a pipeline schedule), the loop
-boundaries, preemption, data loaders, and the Trainer's checkpoint hooks.
+boundaries, preemption, data loaders, and the Trainer's checkpoint hooks. Helpers that are not
+hooks are functions of :mod:`~hp_lightning.strategies.preemption` and :mod:`~hp_lightning.strategies.trainer_loop`.
 """
 
 from __future__ import annotations
 
-import signal
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
-from lightning.fabric.plugins.environments import SLURMEnvironment
-from lightning.fabric.utilities.data import has_len
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor, nn
 from torch.optim import Optimizer
-from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from hp_lightning import checkpoint as hp_checkpoint
 from hp_lightning._lightning_private import (
     PathLike,
-    Stateful,
     TrainerSubprocessScriptLauncher,
     before_resume,
     replace_sigterm_broadcast,
-    should_accumulate,
 )
-from hp_lightning.core import agreement, devices
+from hp_lightning.core import agreement
 from hp_lightning.core.accumulation import ACCUMULATION_MODES
-from hp_lightning.core.introspection import ShardingSummary
 from hp_lightning.core.materialize import move_unsharded_states
 from hp_lightning.core.options import STATE_DICT_TYPES
-from hp_lightning.core.parallelize import ShardedModel
 from hp_lightning.core.preemption import Preempted, PreemptionWatch
-from hp_lightning.core.prepare import prepare_model
+from hp_lightning.frontends.constructors import TrainerConstructor
 from hp_lightning.frontends.core import StrategyCore
 from hp_lightning.ft.data import PositionedLoader
 from hp_lightning.ft.lightning import FaultToleranceCallback
 from hp_lightning.fully_shard import HSDPModule
 from hp_lightning.fully_shard.divergence import divergence_check
-from hp_lightning.strategies.pipeline_steps import DirectSteps, PipelineSteps, split_batch
+from hp_lightning.recipe.parallelize import ShardedModel
+from hp_lightning.strategies.pipeline_steps import DirectSteps, PipelineSteps
 from hp_lightning.strategies.precision import HSDPPrecision, precision_from_lightning
-from hp_lightning.strategies.preemption import PreemptionStop, preemption_checkpoint_path
+from hp_lightning.strategies.preemption import add_preemption_stop, fold_lightning_sigterm, install_eval_preemption
+from hp_lightning.strategies.trainer_loop import add_fault_tolerance, mid_window_save_warning, resumable_training_loader
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -59,7 +54,7 @@ if TYPE_CHECKING:
 __all__ = ["ACCUMULATION_MODES", "STATE_DICT_TYPES", "HSDPStrategy"]
 
 
-class HSDPStrategy(StrategyCore, ParallelStrategy):
+class HSDPStrategy(TrainerConstructor, ParallelStrategy):
     """FSDP / HSDP training with PyTorch FSDP2 under the Lightning Trainer.
 
     ``Trainer(strategy="hsdp")`` shards every LightningModule: each repeated block becomes a
@@ -151,50 +146,19 @@ class HSDPStrategy(StrategyCore, ParallelStrategy):
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
         self._steps.before_sharding(trainer)  # under PP: this rank never holds the other stages
-        # Units the user sharded in configure_model are kept; everything else is sharded here,
-        # and whatever is still on the meta device is allocated and initialized.
-        self._sharded = prepare_model(
-            self.model,
-            self.parallel_mesh,
-            self.sharding_plan(),
-            init_device=devices.cpu_device() if self.options.cpu_offload else self.root_device,
-            device=self.root_device,
-        )
+        self._sharded = self._shard(self.model)  # the units the user sharded in configure_model are kept
         self.barrier()
-        self._after_sharding(self.model)
         self._steps.after_sharding()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
-            self._add_preemption_stop(trainer)
-            self._add_fault_tolerance(trainer)
+            add_preemption_stop(trainer, self._preemption, self._agreement, self.cluster_environment, save=self.options.save_on_preemption)
+            config = self.fault_tolerance_config
+            self._fault_tolerance = add_fault_tolerance(trainer, config) if config is not None else None
             # Lightning's per-batch SIGTERM broadcast (a world collective and a device read each
             # micro-batch) gives way to the once-per-step agreement PreemptionStop acts on.
-            replace_sigterm_broadcast(trainer, lambda: self._fold_lightning_sigterm(trainer))
+            replace_sigterm_broadcast(trainer, lambda: fold_lightning_sigterm(trainer, self._preemption))
         self.setup_precision_plugin()
-        if self.options.sharding_report:
-            rank_zero_info(self.sharding_summary().table())
-
-    def _add_preemption_stop(self, trainer: pl.Trainer) -> None:
-        if self.options.save_on_preemption:
-            preemption_checkpoint_path(trainer)  # refuse a setup that could not save, now
-        environment = self.cluster_environment
-        requeue = environment.requeue_signal if isinstance(environment, SLURMEnvironment) and environment.auto_requeue else None
-        self._preemption.signals = (signal.SIGTERM,) if requeue is None else (signal.SIGTERM, requeue)
-        if not any(isinstance(cb, PreemptionStop) for cb in trainer.callbacks):  # type: ignore[attr-defined]  # set by Lightning's connector, not declared on Trainer
-            trainer.callbacks.append(PreemptionStop(self._agreement, save=self.options.save_on_preemption, requeue_signal=requeue))  # type: ignore[attr-defined]  # as above
-
-    def _add_fault_tolerance(self, trainer: pl.Trainer) -> None:
-        config = self.fault_tolerance_config
-        if config is None:
-            return
-        callbacks = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning's connector, not declared on Trainer
-        if any(isinstance(cb, FaultToleranceCallback) for cb in callbacks):
-            raise ValueError(
-                "HSDPStrategy(fault_tolerance=...) adds its own FaultToleranceCallback; the Trainer has one already. Remove "
-                "it from callbacks=[...] (the option is the way to turn fault tolerance on)."
-            )
-        self._fault_tolerance = FaultToleranceCallback(config)
-        callbacks.append(self._fault_tolerance)
+        self._report_sharding(lambda: self.sharding_summary().table())
 
     @property
     def fault_tolerance(self) -> Optional[FaultToleranceCallback]:
@@ -213,9 +177,8 @@ class HSDPStrategy(StrategyCore, ParallelStrategy):
             batch = self._fault_tolerance.before_batch(self.lightning_module.trainer, batch)
         return super().batch_to_device(batch, device, dataloader_idx)
 
-    def sharding_summary(self) -> ShardingSummary:
-        """The per-unit table of what was sharded (a collective: every rank must call it)."""
-        return self._summary(self.model if self.sharded_model is not None else None, **self._steps.report_scope())
+    def _report_scope(self) -> dict[str, Any]:
+        return self._steps.report_scope()
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
@@ -271,10 +234,6 @@ class HSDPStrategy(StrategyCore, ParallelStrategy):
         with self._steps.block_backward_sync():
             yield
 
-    def _pipeline_batch(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
-        """(input, target) of a step's batch (:func:`~hp_lightning.strategies.pipeline_steps.split_batch`)."""
-        return split_batch(self.lightning_module, args, kwargs)
-
     #: Lightning's name for :meth:`~hp_lightning.frontends.core.StrategyCore.all_reduce`.
     reduce = StrategyCore.all_reduce
 
@@ -290,15 +249,6 @@ class HSDPStrategy(StrategyCore, ParallelStrategy):
         if check is not None:
             check.forget_window()  # a new run starts a new accumulation window
 
-    def _fold_lightning_sigterm(self, trainer: pl.Trainer) -> None:
-        """Before each training batch, where Lightning broadcast its SIGTERM flag: no collective.
-
-        A SIGTERM that Lightning's own handler caught (before ours took over at ``on_train_start``)
-        is handed to the step's agreement, so every rank acts on it at the same batch.
-        """
-        if trainer.received_sigterm and not self._preemption.received:
-            self._preemption.received = signal.SIGTERM
-
     @override
     def on_validation_start(self) -> None:
         self._install_eval_preemption()
@@ -312,13 +262,7 @@ class HSDPStrategy(StrategyCore, ParallelStrategy):
         self._install_eval_preemption()
 
     def _install_eval_preemption(self) -> None:
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if trainer is not None and trainer.state.fn != TrainerFn.FITTING:
-            # No training batch to agree at: stop this rank now; the watchdog stops the others.
-            def stop(signum: int) -> None:
-                raise Preempted(signum, "during evaluation")
-
-            self._preemption.install(on_signal=stop)
+        install_eval_preemption(self.lightning_module.trainer if self.lightning_module is not None else None, self._preemption)
 
     @override
     def on_validation_end(self) -> None:
@@ -359,41 +303,22 @@ class HSDPStrategy(StrategyCore, ParallelStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: PathLike, storage_options: Optional[Any] = None) -> None:
-        if storage_options is not None:
-            raise TypeError(f"HSDPStrategy.save_checkpoint does not take storage_options; got {storage_options!r}.")
-        if self._fault_tolerance is not None and not self._fault_tolerance.writes_checkpoints:
-            return  # under fault tolerance one participating group writes; the others hold the same state
-        path = Path(self.broadcast(str(filepath)))
+        path = self._checkpoint_target(filepath, storage_options)
+        if path is None:
+            return
         if self._mesh is not None:  # a data loader's position is per data-parallel rank (see loader_resume_warning)
             checkpoint = {**checkpoint, hp_checkpoint.DATA_PARALLEL_KEY: self._mesh.dp_size}
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        self._warn_mid_window_save(trainer)
+        if not getattr(self, "_warned_mid_window", False) and (warning := mid_window_save_warning(trainer, self.lightning_module)):
+            self._warned_mid_window = True  # once per run
+            rank_zero_warn(warning)
         fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
         self._write_checkpoint(checkpoint, path, in_background=self.options.async_save and fitting)
-
-    def _warn_mid_window_save(self, trainer: Optional[pl.Trainer]) -> None:
-        """Once per run: a save inside an accumulation window does not hold the window's gradients so far."""
-        module = self.lightning_module
-        if trainer is None or module is None or getattr(self, "_warned_mid_window", False):
-            return
-        if trainer.state.fn != TrainerFn.FITTING or trainer.sanity_checking or not module.automatic_optimization:
-            return
-        if trainer.accumulate_grad_batches == 1 or not should_accumulate(trainer):
-            return
-        self._warned_mid_window = True
-        rank_zero_warn(
-            f"A checkpoint was saved inside a gradient-accumulation window (accumulate_grad_batches="
-            f"{trainer.accumulate_grad_batches}, at global step {trainer.global_step}): the gradients accumulated in this "
-            f"window so far are not in it, so a resume from it continues with the next batch and steps without them (it "
-            f"differs from the uninterrupted run). Save at window ends: ModelCheckpoint(every_n_train_steps=...), or a "
-            f"val_check_interval that is a multiple of accumulate_grad_batches."
-        )
 
     @override
     def load_checkpoint(self, checkpoint_path: PathLike, weights_only: Optional[bool] = None) -> dict[str, Any]:
         assert self.model is not None and self.lightning_module is not None
-        self.wait_for_checkpoint()  # never read what a save in flight is still writing
-        path = Path(self.broadcast(str(checkpoint_path)))
+        path = self._checkpoint_source(checkpoint_path)
         rest = hp_checkpoint.load_checkpoint(
             path,
             self.model,
@@ -422,21 +347,12 @@ class HSDPStrategy(StrategyCore, ParallelStrategy):
             # The data position heals with the weights: the loader must say which batch each step holds.
             self._fault_tolerance.loader = PositionedLoader(dataloader)
             return self._fault_tolerance.loader
-        if not (training and self.options.resumable_dataloaders and isinstance(dataloader, DataLoader) and has_len(dataloader)):
-            return dataloader
-        if isinstance(dataloader, Stateful):
-            return dataloader
-        rank_zero_info(
-            "HSDPStrategy(resumable_dataloaders=True) wraps the training DataLoader in hp_lightning.ResumableLoader, so a "
-            "mid-epoch resume continues the epoch. torchdata's StatefulDataLoader is checkpointed by Lightning itself "
-            "and is not wrapped."
-        )
-        return hp_checkpoint.ResumableLoader(dataloader)
+        return resumable_training_loader(dataloader) if training and self.options.resumable_dataloaders else dataloader
 
     @override
     def remove_checkpoint(self, filepath: PathLike) -> None:
-        if self._fault_tolerance is not None and not self._fault_tolerance.writes_checkpoints:
-            return  # the writing group removes its own (see save_checkpoint)
+        if self._another_group_writes():
+            return
         if self.is_global_zero:  # held back until the save in flight (if any) is published
             self._async_saves.remove(Path(filepath))
 
@@ -445,13 +361,9 @@ class HSDPStrategy(StrategyCore, ParallelStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         self._failed = True  # teardown then leaves an unfinished async save unpublished: no collective
-        if self._watchdog is None:
-            return
-        if isinstance(exception, Preempted) and exception.detail != "during evaluation":
-            self._watchdog.stop()  # every rank stops here together: an orderly end, not a failure
-            return
-        # Post this rank's failure for the others, or (a consequence of another rank's) exit quietly.
-        self._watchdog.report(exception)
+        # A preemption in training stops every rank here together: an orderly end, not a failure.
+        orderly = isinstance(exception, Preempted) and exception.detail != "during evaluation"
+        self._end_watching(None if orderly else exception)
 
     @override
     def teardown(self) -> None:

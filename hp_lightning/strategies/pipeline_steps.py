@@ -11,7 +11,7 @@ strategy.
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, ExitStack, nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any, Callable, Optional, cast
 
 import torch
@@ -26,24 +26,20 @@ from torch.distributed.fsdp import FSDPModule
 from torch.optim import Optimizer
 
 from hp_lightning import checkpoint as hp_checkpoint
-from hp_lightning.core.accumulation import no_gradient_sync
-from hp_lightning.core.units import auto_units, select_modules
-from hp_lightning.fully_shard import fully_shard
-from hp_lightning.fully_shard.divergence import gradients_stay_local
 from hp_lightning.parallel.pipeline import (
     AUTO,
     PipelineRunner,
     StagePlan,
     gather_stages_on_rank0,
+    hold_gathered,
+    plan_cut,
     plan_table,
-    resolve_split_points,
-    split_stage,
-    stage_plan,
     stage_reports,
     stays_on_every_stage,
 )
 from hp_lightning.parallel.pipeline_hf import adapt_hf_decoder_stages, find_hf_decoders, refuse_hf_models_the_adapter_cannot_run
 from hp_lightning.parallel.pipeline_schedules import keep_prefetch_inside_stages, rank_of_stage, stage_pieces, stage_view, stages_of_rank
+from hp_lightning.recipe.parallelize import planned_units, shard_stage_root
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -83,12 +79,8 @@ class DirectSteps:
 
     def block_backward_sync(self) -> AbstractContextManager:
         """Non-final micro-batches communicate what the accumulation mode says; under ``"skip"`` the divergence check only records."""
-        model, mode = self.strategy.model, self.strategy.accumulation_mode
-        assert model is not None
-        stack = ExitStack()
-        stack.enter_context(no_gradient_sync(model, mode))
-        stack.enter_context(gradients_stay_local(model, mode == "skip"))
-        return stack
+        assert self.strategy.model is not None
+        return self.strategy._non_final_micro_batch(self.strategy.model)
 
     def model_state_dict(self, full: bool) -> dict[str, Any]:
         model = self.strategy.model
@@ -143,23 +135,20 @@ class PipelineSteps(DirectSteps):
         pp_mesh = strategy.parallel_mesh.pp
         assert pp_mesh is not None, "PipelineSteps runs only with pipeline_parallel_size > 1"
         options = strategy.options
-        stages = stages_of_rank(options.pipeline_schedule, pp_mesh.get_local_rank(), pp, options.pipeline_stages_per_rank)
         if module.__dict__.get("_hp_pipeline_stage") is not None:  # cut by an earlier fit/validate/predict
             self.elsewhere = module.__dict__["_hp_pipeline_elsewhere"]
             self._views = module.__dict__["_hp_pipeline_views"]
             self.plan = module.__dict__["_hp_pipeline_plan"]
             return
         before = set(module.state_dict(keep_vars=True))
-        assert options.pipeline_split_points is not None, "HSDPOptions resolves pipeline_split_points=None to 'auto' under a pipeline"
         # 'auto' reads parameter sizes only (the meta-device model, before the cut): the same points on every rank.
-        num_stages = pp * options.pipeline_stages_per_rank
-        split_points = resolve_split_points(module, options.pipeline_split_points, num_stages)
-        self.plan = stage_plan(module, split_points)  # refuses split points that are not modules
+        cut = plan_cut(module, options, pp_mesh.get_local_rank())  # refuses split points that are not modules
+        split_points, stages, num_stages, self.plan = cut.split_points, cut.stages, cut.num_stages, cut.plan
         # A cut HF model the stage forward cannot run fails here, on every rank alike, not at the first step.
         refuse_hf_models_the_adapter_cannot_run(module, split_points, where)
         per_stage = [list(plan.units) for plan in self.plan]
         hf_decoders = find_hf_decoders(module)  # found whole, before the cut
-        kept, removed = split_stage(module, split_points, stages)
+        kept, removed = cut.apply(module)
         self.elsewhere = frozenset(before - set(module.state_dict(keep_vars=True)))
         # A Hugging Face causal LM runs this stage's part of its own forward (the user's forward unchanged).
         adapted = adapt_hf_decoder_stages(module, hf_decoders)
@@ -177,8 +166,7 @@ class PipelineSteps(DirectSteps):
             f"{kept}; the other ranks hold {len(removed)} more unit(s)"
             + (f"; Hugging Face stage forward: {adapted}" if hf_decoders else "")
         )
-        if options.sharding_report:
-            rank_zero_info(self.plan_table())
+        strategy._report_sharding(self.plan_table)
 
     def _several_stages(self, module: LightningModule, per_stage: list[list[str]], stages: list[int]) -> list[torch.nn.Module]:
         """One module per stage of this rank, sharing the LightningModule's units (each becomes its own FSDP root).
@@ -191,21 +179,13 @@ class PipelineSteps(DirectSteps):
         strategy = self.strategy
         plan = strategy.sharding_plan()
         held = [unit for stage in stages for unit in per_stage[stage]]
-        recipe = select_modules(module, plan.shard_modules) if plan.shard_modules else auto_units(module)
-        recipe = [*recipe, *(m for m in module.modules() if isinstance(m, FSDPModule))]
+        recipe = [*planned_units(module, plan), *(m for m in module.modules() if isinstance(m, FSDPModule))]
         views = []
         for stage in stages:
             mine = per_stage[stage]
             pieces = stage_pieces(module, mine, recipe)
-            if pieces:
-                fully_shard(
-                    pieces if len(pieces) > 1 else pieces[0],
-                    mesh=strategy.parallel_mesh.dp,
-                    reshard_after_forward=False,
-                    mp_policy=plan.mp_policy,
-                    offload_policy=plan.offload_policy,
-                    comm_fusion=plan.comm_fusion,
-                )
+            if pieces:  # every option of the plan, as the recipe's units get them
+                shard_stage_root(module, pieces if len(pieces) > 1 else pieces[0], strategy.parallel_mesh.dp, plan)
             views.append(stage_view(module, [u for u in held if u not in mine and not stays_on_every_stage(module, u)]))
         return views
 
@@ -222,13 +202,11 @@ class PipelineSteps(DirectSteps):
         if self._views:
             plan = strategy.sharding_plan()
             for view in self._views:
-                if not isinstance(view, FSDPModule):
-                    fully_shard(view, mesh=mesh.dp, reshard_after_forward=False, mp_policy=plan.mp_policy, offload_policy=plan.offload_policy)
+                if not isinstance(view, FSDPModule):  # each stage its own root, with the whole plan
+                    shard_stage_root(strategy.lightning_module, view, mesh.dp, plan)
             keep_prefetch_inside_stages(self._views)
             modules = self._views
-        if options.pipeline_keep_gathered:
-            for stage_module in modules:
-                cast(FSDPModule, stage_module).set_reshard_after_forward(False)
+        hold_gathered(modules, options)
         self.runner = PipelineRunner(
             modules if len(modules) > 1 else modules[0],
             stage_index=stages if len(stages) > 1 else stages[0],

@@ -16,16 +16,19 @@ requeue (the ``hpc_ckpt`` save and ``scontrol requeue``) at that batch.
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, cast
 
+from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from hp_lightning._lightning_private import should_accumulate, slurm_save_and_requeue
 from hp_lightning.core.agreement import StepAgreement
-from hp_lightning.core.preemption import Preempted
+from hp_lightning.core.preemption import Preempted, PreemptionWatch
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -48,6 +51,40 @@ def preemption_checkpoint_path(trainer: pl.Trainer) -> Path:
             "ModelCheckpoint callback, or set save_on_preemption=False."
         )
     return Path(callback.dirpath) / f"{callback.CHECKPOINT_NAME_LAST}{callback.FILE_EXTENSION}"
+
+
+def add_preemption_stop(trainer: pl.Trainer, watch: PreemptionWatch, agreement: StepAgreement, environment: Any, *, save: bool) -> None:
+    """Watch SIGTERM (and SLURM's requeue signal under auto-requeue) and add :class:`PreemptionStop` to ``trainer`` once.
+
+    Raises:
+        ValueError: for ``save`` on a trainer without a ``ModelCheckpoint``, at setup rather than at the signal.
+    """
+    if save:
+        preemption_checkpoint_path(trainer)  # refuse a setup that could not save, now
+    requeue = environment.requeue_signal if isinstance(environment, SLURMEnvironment) and environment.auto_requeue else None
+    watch.signals = (signal.SIGTERM,) if requeue is None else (signal.SIGTERM, requeue)
+    if not any(isinstance(cb, PreemptionStop) for cb in trainer.callbacks):  # type: ignore[attr-defined]  # set by Lightning's connector, not declared on Trainer
+        trainer.callbacks.append(PreemptionStop(agreement, save=save, requeue_signal=requeue))  # type: ignore[attr-defined]  # as above
+
+
+def fold_lightning_sigterm(trainer: pl.Trainer, watch: PreemptionWatch) -> None:
+    """Before each training batch, where Lightning broadcast its SIGTERM flag: no collective.
+
+    A SIGTERM that Lightning's own handler caught (before ours took over at ``on_train_start``)
+    is handed to the step's agreement, so every rank acts on it at the same batch.
+    """
+    if trainer.received_sigterm and not watch.received:
+        watch.received = signal.SIGTERM
+
+
+def install_eval_preemption(trainer: Optional[pl.Trainer], watch: PreemptionWatch) -> None:
+    """Outside fit (validate, test, predict) there is no training batch to agree at: a signal stops this rank at once, the watchdog the others."""
+    if trainer is not None and trainer.state.fn != TrainerFn.FITTING:
+
+        def stop(signum: int) -> None:
+            raise Preempted(signum, "during evaluation")
+
+        watch.install(on_signal=stop)
 
 
 class PreemptionStop(Callback):

@@ -262,7 +262,9 @@ def bad_input_worker(tmp: str) -> dict[str, Any]:
             shutil.copytree(root / "good", root / case)
             edit(root / case)
         for case, edit in (("truncated_unsummed", lambda d: _truncate(d / "__0_0.distcp")),
-                           ("altered_unsummed", lambda d: _flip_byte(d / "__1_0.distcp"))):
+                           ("altered_unsummed", lambda d: _flip_byte(d / "__1_0.distcp")),
+                           ("crafted_dtype", _point_at_float64),
+                           ("fifo_shard", _fifo_in_lightning_layout)):
             shutil.copytree(root / "good_sizes_only", root / case)
             edit(root / case)
         shutil.copy(root / "good.ckpt", root / "truncated.ckpt")
@@ -295,6 +297,9 @@ def bad_input_worker(tmp: str) -> dict[str, Any]:
         # and the CRC-32s recorded at save name a same-size alteration.
         "truncated_unsummed": _outcome(load("truncated_unsummed")),
         "altered_unsummed": _outcome(load("altered_unsummed")),
+        # Crafted, not damaged (the manifest signed again): refused by the readers themselves, on both ranks, no hang.
+        "crafted_dtype": _outcome(load("crafted_dtype")),
+        "fifo_shard": _outcome(load("fifo_shard")),
         "newer_format": _outcome(load("newer_format")),
         "truncated_full": _outcome(load("truncated.ckpt")),
         "altered_full": _outcome(load("altered.ckpt")),
@@ -350,6 +355,41 @@ def bad_input_worker(tmp: str) -> dict[str, Any]:
     return out
 
 
+def _point_at_float64(root: Path) -> None:
+    """One chunk of DCP's index pointed at an appended archive of its shape in float64, the manifest signed again."""
+    import dataclasses
+    import pickle
+
+    from hp_lightning.checkpoint.layout import DCP_METADATA_FILE, MANIFEST_FILE, file_record
+
+    with open(root / DCP_METADATA_FILE, "rb") as f:
+        metadata = pickle.load(f)  # noqa: S301 - the test's own file
+    key = next(k for k in metadata.storage_data if k.fqn.endswith("blocks.0.fc1.weight"))
+    chunk = next(c for c in metadata.state_dict_metadata[key.fqn].chunks if tuple(c.offsets) == tuple(key.offset))
+    buffer = io.BytesIO()
+    torch.save(torch.zeros(tuple(chunk.sizes), dtype=torch.float64), buffer)
+    shard = root / metadata.storage_data[key].relative_path
+    offset = shard.stat().st_size
+    with open(shard, "ab") as f:
+        f.write(buffer.getvalue())
+    metadata.storage_data[key] = dataclasses.replace(metadata.storage_data[key], offset=offset, length=len(buffer.getvalue()))
+    with open(root / DCP_METADATA_FILE, "wb") as f:
+        pickle.dump(metadata, f)
+    manifest = json.loads((root / MANIFEST_FILE).read_text())
+    manifest["files"] = {name: file_record(root / name, checksum=False) for name in manifest["files"]}
+    (root / MANIFEST_FILE).write_text(json.dumps(manifest))
+
+
+def _fifo_in_lightning_layout(root: Path) -> None:
+    """Lightning's layout (no manifest, a meta.pt without hp_lightning's record) whose second shard file is a FIFO."""
+    (root / "hp_lightning.json").unlink()
+    meta = torch.load(root / "meta.pt", weights_only=False)
+    meta.pop("hp_lightning")
+    torch.save(meta, root / "meta.pt")
+    (root / "__1_0.distcp").unlink()
+    os.mkfifo(root / "__1_0.distcp")
+
+
 def _bump_version(manifest: Path) -> None:
     record = json.loads(manifest.read_text())
     record["format_version"] = 99
@@ -372,6 +412,8 @@ EXPECTED_ERRORS = {
     "truncated_unsummed": ("CorruptCheckpointError", ["__0_0.distcp", "truncated"]),
     # The default's CRC-32s catch a same-size alteration too (before, only checkpoint_checksums=True did).
     "altered_unsummed": ("CorruptCheckpointError", ["__1_0.distcp", "altered or replaced", "CRC-32"]),
+    "crafted_dtype": ("CorruptCheckpointError", ["crafted_dtype", "blocks.0.fc1.weight", "torch.float64 tensor where the index declares torch.float32"]),
+    "fifo_shard": ("CorruptCheckpointError", ["fifo_shard", "__1_0.distcp", "is a FIFO, not a regular file"]),
     "newer_format": ("ValueError", ["hp_lightning.json", "format 99", "Upgrade"]),
     "truncated_full": ("CorruptCheckpointError", ["truncated.ckpt", "truncated"]),
     "altered_full": ("CorruptCheckpointError", ["altered.ckpt", "CRC-32"]),

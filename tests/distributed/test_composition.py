@@ -390,8 +390,9 @@ def _seed_snippets() -> dict:
     # Meta-device construction + TP + FSDP equals the model built on the CPU.
     from hp_lightning.core.materialize import meta_init_context
     from hp_lightning.core.mesh import MeshLayout, build_parallel_mesh
-    from hp_lightning.core.parallelize import ShardingPlan
-    from hp_lightning.core.prepare import prepare_model
+    from hp_lightning.core.options import HSDPOptions
+    from hp_lightning.recipe.parallelize import ShardingPlan
+    from hp_lightning.recipe.prepare import prepare_model
 
     cpu = {"init_device": torch.device("cpu"), "device": torch.device("cpu")}
     composed = build_parallel_mesh("cpu", MeshLayout(dp=(2,), tp=2))
@@ -400,12 +401,12 @@ def _seed_snippets() -> dict:
     torch.manual_seed(2)
     with meta_init_context():
         meta = Net()
-    prepare_model(meta, composed, ShardingPlan(tp_plan=tp_plan), **cpu)
+    prepare_model(meta, composed, ShardingPlan.of(HSDPOptions(tp_plan=tp_plan)), **cpu)
     out["meta"] = max(float((v.full_tensor() - real[k]).abs().max()) for k, v in meta.state_dict().items() if isinstance(v, DTensor))
     # Refused at setup, on every rank, before any collective: no plan at all, a pattern matching nothing.
     out["errors"] = []
-    for plan in (ShardingPlan(), ShardingPlan(tp_plan={"layers.*.fc": "colwise"}),
-                 ShardingPlan(tp_plan=tp_plan, replicate_params=["blocks.0.fc.weight"])):
+    for plan in (ShardingPlan(), ShardingPlan.of(HSDPOptions(tp_plan={"layers.*.fc": "colwise"})),
+                 ShardingPlan.of(HSDPOptions(tp_plan=tp_plan, replicate_params=["blocks.0.fc.weight"]))):
         try:
             prepare_model(Net(), composed, plan, **cpu)
         except ValueError as exc:

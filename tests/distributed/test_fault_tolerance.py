@@ -20,6 +20,7 @@ import signal
 import sys
 import time
 import traceback
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -29,12 +30,12 @@ import torch
 os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust core logs every quorum at info level
 pytest.importorskip("torchft", reason="fault tolerance needs the 'ft' extra (torchft)")
 
-from tests.helpers import TinyNet, free_port, full_params, make_dataset, max_rel_diff, rank_context, run_distributed
+from tests.helpers import TinyNet, full_params, make_dataset, max_rel_diff, rank_context, run_distributed
 
 GROUP_WORLD = 2
 GLOBAL_BATCH = 8  # splits evenly over 1 or 2 participating groups x 2 ranks
 LR = 1e-2
-FT_TIMEOUT = 10.0  # collectives, commit vote, state transfer (seconds)
+FT_TIMEOUT = 30.0  # collectives, commit vote, state transfer (seconds): generous, the machine may be loaded
 
 
 # ---------------------------------------------------------------- shared model/data recipe
@@ -118,9 +119,10 @@ def _run_group_rank(body: Any, group: int, group_rank: int, master_port: int, li
     result_path = Path(out_dir) / f"result_g{group}_r{group_rank}.pkl"
     progress_path = Path(out_dir) / f"progress_g{group}_r{group_rank}.jsonl"
     os.environ.setdefault("RUST_LOG", "warn")
+    # The group's store is served by the harness (as torchrun's agent serves it): every rank is a client.
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master_port), RANK=str(group_rank), NODE_RANK="0",
                       WORLD_SIZE=str(GROUP_WORLD), LOCAL_RANK=str(group_rank), LOCAL_WORLD_SIZE=str(GROUP_WORLD),
-                      OMP_NUM_THREADS="1")
+                      OMP_NUM_THREADS="1", TORCHELASTIC_USE_AGENT_STORE="True")
     torch.set_num_threads(1)
     try:
         status = ("ok", body(group, group_rank, lighthouse, out_dir, max_steps, min_replicas, progress_path))
@@ -184,11 +186,45 @@ def _lightning_rank(group: int, group_rank: int, lighthouse: str, out_dir: str, 
             return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     class HarnessLink(Callback):
+        """Writes a progress line per step; checks ``global_step`` == torchft's step in every training hook."""
+
+        def __init__(self) -> None:
+            self.steps_off: list[tuple[str, int, int]] = []  # (hook, trainer.global_step, torchft's step)
+            self.healed_at: list[int] = []
+
+        def _check(self, trainer, hook: str) -> None:
+            engine = trainer.strategy.fault_tolerance.ft
+            if trainer.global_step != engine.step:
+                self.steps_off.append((hook, trainer.global_step, engine.step))
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self._check(trainer, "on_train_batch_start")
+            if trainer.strategy.fault_tolerance.participation.healed:
+                self.healed_at.append(trainer.global_step)
+
+        def on_before_zero_grad(self, trainer, pl_module, optimizer):
+            self._check(trainer, "on_before_zero_grad")
+
+        def on_before_backward(self, trainer, pl_module, loss):
+            self._check(trainer, "on_before_backward")
+            if (group, group_rank) == (1, 1) and (Path(out_dir) / "kill_in_backward").exists():
+                # Mid-step, before this group's gradients reach the cross-group all-reduce: the
+                # survivor's step cannot commit (its uncommitted step is then certain, not luck).
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        def on_after_backward(self, trainer, pl_module):
+            self._check(trainer, "on_after_backward")
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            self._check(trainer, "on_before_optimizer_step")
+
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self._check(trainer, "on_train_batch_end")
             ft = trainer.strategy.fault_tolerance
             with open(progress_path, "a") as f:
                 f.write(json.dumps({"step": trainer.global_step, "participants": ft.participation.count,
                                     "committed": ft.last_committed, "position": ft.positions[-1],
+                                    "steps_off": self.steps_off[-3:],
                                     "epoch": trainer.current_epoch, "batch_idx": batch_idx,
                                     # the samples this rank trained on (its share of the global batch)
                                     "x0": batch[0][0, 0].item(), "t": time.time()}) + "\n")
@@ -205,7 +241,8 @@ def _lightning_rank(group: int, group_rank: int, lighthouse: str, out_dir: str, 
     resume_file = Path(out_dir) / "resume_from"  # a full restart of every group from one checkpoint
     ckpt_path = resume_file.read_text() if resume_file.exists() else None
     folder = Path(out_dir) / ("ckpt" if ckpt_path is None else "ckpt_resumed")
-    callbacks = [HarnessLink()] if scheduled else [ModelCheckpoint(dirpath=folder, every_n_train_steps=2, save_top_k=-1)]
+    link = HarnessLink()
+    callbacks = [link] if scheduled else [ModelCheckpoint(dirpath=folder, every_n_train_steps=2, save_top_k=-1)]
     trainer = Trainer(devices=GROUP_WORLD, strategy=hp_lightning.HSDPStrategy(fault_tolerance=config),
                       max_steps=max_steps or 10_000, callbacks=callbacks,
                       **trainer_kwargs(enable_checkpointing=not scheduled))
@@ -213,7 +250,8 @@ def _lightning_rank(group: int, group_rank: int, lighthouse: str, out_dir: str, 
     ft = trainer.strategy.fault_tolerance
     out = {"full": full_params(model), "global_step": trainer.global_step, "ft_step": ft.final_step,
            "state": _local_state(model, trainer.optimizers[0]), "positions": ft.positions,
-           "epoch": trainer.current_epoch, "lr": [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs]}
+           "epoch": trainer.current_epoch, "lr": [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs],
+           "steps_off": link.steps_off, "healed_at": link.healed_at}
     return out
 
 
@@ -273,18 +311,30 @@ class _Cluster:
 
     def __init__(self, out_dir: Path, min_replicas: int) -> None:
         from hp_lightning.ft import start_lighthouse
+        from hp_lightning.ft.lighthouse import reachable_address
 
         self.out_dir = out_dir
         self.min_replicas = min_replicas
-        self.lighthouse = start_lighthouse("127.0.0.1:0", min_replicas=min_replicas, join_timeout_ms=2000, quorum_tick_ms=10,
-                                           heartbeat_timeout_ms=1000)
-        port = self.lighthouse.address().rsplit(":", 1)[1]
-        self.address = f"http://127.0.0.1:{port}"
+        # Generous: a live group that is slow under load (a 2-core machine shared with other work) must
+        # not be left out of a quorum (join) or taken for dead (heartbeat); the survivors' stall after
+        # a kill is the heartbeat timeout.
+        self.lighthouse = start_lighthouse("127.0.0.1:0", min_replicas=min_replicas, join_timeout_ms=10_000, quorum_tick_ms=10,
+                                           heartbeat_timeout_ms=3000)
+        # What `python -m hp_lightning.ft lighthouse` prints: the bound host with the port served.
+        self.address = reachable_address("127.0.0.1:0", self.lighthouse.address())
+        assert self.address.startswith("http://127.0.0.1:") and not self.address.endswith(":0"), self.address
         self.procs: dict[tuple[int, int], Any] = {}
+        self.stores: list[Any] = []
 
     def start_group(self, group: int, max_steps: int | None, target: Any = None) -> None:
+        import torch.distributed as dist
+
         ctx = rank_context()
-        port = free_port()
+        # The group's rendezvous store, bound here on port 0 (no free_port() guess another process
+        # could take before the group's rank 0 binds it: EADDRINUSE under load).
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=300))
+        self.stores.append(store)
+        port = store.port
         for r in range(GROUP_WORLD):
             (self.out_dir / f"result_g{group}_r{r}.pkl").unlink(missing_ok=True)
             (self.out_dir / f"progress_g{group}_r{r}.jsonl").unlink(missing_ok=True)
@@ -391,8 +441,12 @@ def test_no_fault_equals_plain_hsdp_2x2(tmp_path: Path, front_end: str) -> None:
         _assert_bit_identical(out["state"], results[(1 - group, rank)]["state"], f"g{group}r{rank}")
 
 
-def _kill_and_heal(tmp_path: Path, target: Any) -> tuple[dict, float, float, int]:
-    """Run both groups, SIGKILL group 1's rank 1, check the survivor goes on, restart group 1, stop together."""
+def _kill_and_heal(tmp_path: Path, target: Any, *, mid_step: bool = False) -> tuple[dict, float, float, int]:
+    """Run both groups, SIGKILL group 1's rank 1, check the survivor goes on, restart group 1, stop together.
+
+    ``mid_step``: the victim kills itself in its next ``on_before_backward`` (Lightning targets), so
+    the survivor's step at that moment is certainly uncommitted; otherwise the harness kills it.
+    """
     cluster = _Cluster(tmp_path, min_replicas=1)
     try:
         cluster.start_group(0, None, target)
@@ -402,7 +456,13 @@ def _kill_and_heal(tmp_path: Path, target: Any) -> tuple[dict, float, float, int
         victim = cluster.procs[(1, 1)]
         cluster.expected_dead = {(1, 0), (1, 1)}
         killed_at = time.time()
-        os.kill(victim.pid, signal.SIGKILL)
+        if mid_step:
+            (tmp_path / "kill_in_backward").touch()
+            victim.join(60)
+            assert victim.exitcode == -signal.SIGKILL, f"the victim did not kill itself mid-step: {victim.exitcode}"
+            (tmp_path / "kill_in_backward").unlink()
+        else:
+            os.kill(victim.pid, signal.SIGKILL)
         # The rest of the dead group ends on its own (its collectives fail), within a bound.
         cluster.procs[(1, 0)].join(15)  # well inside the survivors' quorum_timeout (30 s)
         assert not cluster.procs[(1, 0)].is_alive(), "group 1's surviving rank hangs after its peer was killed"
@@ -462,12 +522,17 @@ def _first_sample(group: int, rank: int, epoch: int, index: int) -> float:
 
 def test_lightning_sigkill_counters_schedulers_and_data_agree_after_heal(tmp_path: Path) -> None:
     """The same under Lightning: global_step, loop progress, LR scheduler, data position and weights heal."""
-    results, _, _, stop_at = _kill_and_heal(tmp_path, _lightning_group_rank_main)
+    results, _, _, stop_at = _kill_and_heal(tmp_path, _lightning_group_rank_main, mid_step=True)
     for rank in range(GROUP_WORLD):
         survivor, healed = results[(0, rank)], results[(1, rank)]
         for out in (survivor, healed):
             # An uncommitted step (the survivor's, when the peer died) is not counted by Lightning.
             assert out["global_step"] == out["ft_step"] == stop_at, (out["global_step"], out["ft_step"], stop_at)
+            # ... and in every training hook of every step (the uncommitted and the healing one included).
+            assert out["steps_off"] == [], out["steps_off"]
+        assert healed["healed_at"] and healed["healed_at"][0] > 0, healed["healed_at"]
+        # The survivor may have healed while both groups started up, never from the restarted group.
+        assert all(step < healed["healed_at"][0] for step in survivor["healed_at"]), (survivor["healed_at"], healed["healed_at"])
         _assert_bit_identical(survivor["state"], healed["state"], f"rank {rank}")
         _assert_bit_identical(survivor["full"], healed["full"], f"rank {rank} full")
         assert survivor["lr"] == healed["lr"] and survivor["lr"][0]["last_epoch"] == stop_at, (survivor["lr"], healed["lr"])
@@ -476,6 +541,8 @@ def test_lightning_sigkill_counters_schedulers_and_data_agree_after_heal(tmp_pat
         positions = [tuple(p) for p in survivor["positions"]]
         for before, after in zip(positions, positions[1:]):
             assert after == ((before[0], before[1] + 1) if before[1] + 1 < BATCHES_PER_EPOCH else (before[0] + 1, 0)), positions
+    lines = [json.loads(x) for x in (tmp_path / "progress_g0_r0.jsonl").read_text().splitlines() if x.strip()]
+    assert any(line["committed"] is False for line in lines), "the survivor's step during the mid-step kill committed"
     progress = {(g, r): _progress_by_step(tmp_path, g, r) for g in (0, 1) for r in range(GROUP_WORLD)}
     for rank in range(GROUP_WORLD):
         survivor, restarted = progress[(0, rank)], progress[(1, rank)]

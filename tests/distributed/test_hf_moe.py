@@ -52,7 +52,7 @@ def gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def run_sharded(mesh: Any, plan: Any) -> dict[str, Any]:
     """This rank's data-parallel slice through the sharded model: its logits and the whole gradients."""
     from hp_lightning.core.diagnostics import CollectiveCounter
-    from hp_lightning.core.prepare import prepare_model
+    from hp_lightning.recipe.prepare import prepare_model
 
     model = tiny_mixtral()
     cpu = torch.device("cpu")
@@ -76,7 +76,8 @@ def worker() -> dict[str, Any]:
     import torch.distributed as dist
 
     from hp_lightning.core.mesh import MeshLayout, build_parallel_mesh
-    from hp_lightning.core.parallelize import ShardingPlan
+    from hp_lightning.core.options import HSDPOptions
+    from hp_lightning.recipe.parallelize import ShardingPlan
 
     dist.init_process_group("gloo")
     out: dict[str, Any] = {}
@@ -87,7 +88,7 @@ def worker() -> dict[str, Any]:
     except ValueError as exc:
         out["hf_plan"] = str(exc)
     attention = {f"model.layers.*.self_attn.{p}_proj": "colwise" for p in "qkv"} | {"model.layers.*.self_attn.o_proj": "rowwise"}
-    out["tp"] = run_sharded(tp_mesh, ShardingPlan(tp_plan=attention))
+    out["tp"] = run_sharded(tp_mesh, ShardingPlan.of(HSDPOptions(tp_plan=attention)))
     out["ep"] = run_sharded(build_parallel_mesh("cpu", MeshLayout(dp=(4,), ep=2)), ShardingPlan())
     return out
 

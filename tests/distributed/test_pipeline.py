@@ -204,8 +204,16 @@ class Manual(PipelinedModule):
         self.automatic_optimization = False
 
 
+class ThreePartBatch(PipelinedModule):
+    """Batches of (input, target, mask) and no ``pipeline_batch``: which part is the target is not guessed."""
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        loader = super().train_dataloader()
+        return torch.utils.data.DataLoader([(x, y, torch.ones(())) for x, y in loader.dataset], batch_size=loader.batch_size, sampler=loader.sampler)
+
+
 def refused_setups() -> dict[str, str]:
-    """What PP cannot run: each refused at setup, the same on every rank, before the stages communicate."""
+    """What PP cannot run: each refused at setup (a batch it cannot split: at the first step), the same on every rank, before the stages communicate."""
     import hp_lightning
 
     cases: dict[str, tuple[type, Any, dict[str, Any]]] = {
@@ -215,14 +223,28 @@ def refused_setups() -> dict[str, str]:
         "bad_split": (PipelinedModule, ["net.block.2"], {}),
         # 2 x 3 = 6 stages, one block each at least, from a model of 4 blocks.
         "auto_too_few_blocks": (PipelinedModule, "auto", dict(pipeline_schedule="interleaved_1f1b", pipeline_stages_per_rank=3)),
+        "three_part_batch": (ThreePartBatch, SPLIT, {}),
+        # Parameter globs and module specs are written against the whole model: each names parameters or
+        # modules of one stage only (net.head on stage 1, net.inp on stage 0), and is empty on the other;
+        # one that matches nothing anywhere is refused.
+        "globs_of_one_stage": (PipelinedModule, SPLIT, dict(
+            ignored_params=["net.head.bias"], shard_placement={"net.inp.weight": 1},
+            shard_modules=["net.inp", "net.blocks.*"], activation_checkpointing=["net.head"],
+        )),
+        "glob_of_no_stage": (PipelinedModule, SPLIT, dict(ignored_params=["net.head.bias", "net.tail.*"])),
+        "module_spec_of_no_stage": (PipelinedModule, SPLIT, dict(activation_checkpointing=["net.head", "net.tail"])),
     }
     out = {}
     for name, (cls, split, extra) in cases.items():
         strategy = hp_lightning.HSDPStrategy(mesh_shape=[2], pipeline_parallel_size=2, pipeline_split_points=split, fault_watchdog=False, **extra)
         trainer = Trainer(devices=4, strategy=strategy, max_steps=1, **trainer_kwargs(limit_val_batches=0))
         try:
-            trainer.fit(cls())
-            out[name] = "no error"
+            model = cls()
+            trainer.fit(model)
+            sharded = strategy.sharded_model
+            assert sharded is not None
+            placements = {n: str(p.placements) for n, p in model.named_parameters() if n == "net.inp.weight"}
+            out[name] = f"no error; ignored={sharded.ignored} placements={placements}"
         except (ValueError, TypeError) as exc:
             out[name] = f"{type(exc).__name__}: {exc}"
     return out
@@ -375,10 +397,23 @@ def test_what_a_pipeline_cannot_run_is_refused_at_setup(runs: list[dict[str, Any
         "manual": r"ValueError: .*manual optimization cannot; set automatic_optimization=True",
         "bad_split": r"ValueError: Pipeline split points \['net.block.2'\] are not modules.*net.blocks.2",
         "auto_too_few_blocks": r"ValueError: .*'auto'\): 6 stages .* need at least one block each, but 'net.blocks' holds 4",
+        "three_part_batch": r"TypeError: Pipeline: cannot tell input from target in a list of 3 .*define pipeline_batch",
+        "glob_of_no_stage": r"ValueError: ignored_params pattern 'net.tail.\*' matches no parameter",
+        "module_spec_of_no_stage": r"ValueError: activation_checkpointing entry 'net.tail' matches no submodule",
     }
     for rank in runs:
         for case, pattern in expected.items():
             assert re.search(pattern, rank["refused"][case]), (case, rank["refused"][case])
+
+
+def test_parameter_globs_of_another_stage_are_empty_on_this_one(runs: list[dict[str, Any]]) -> None:
+    # Ranks 0, 1 hold stage 0 (net.inp, blocks 0-1), ranks 2, 3 stage 1 (blocks 2-3, net.head).
+    for rank, run in enumerate(runs):
+        if rank < 2:
+            expected = "no error; ignored=[] placements={'net.inp.weight': '(Shard(dim=1),)'}"
+        else:
+            expected = "no error; ignored=['net.head.bias'] placements={}"
+        assert run["refused"]["globs_of_one_stage"] == expected, run["refused"]["globs_of_one_stage"]
 
 
 def test_seed_pipeline_stage_call_matches_one_process(runs: list[dict[str, Any]]) -> None:

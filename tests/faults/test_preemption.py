@@ -30,7 +30,8 @@ def expect_clean_preemption(run: FaultRun) -> None:
 
 @pytest.mark.parametrize(
     ("fault", "launcher"),
-    [("sigterm_rank", "lightning"), ("sigterm_job", "torchrun"), ("sigterm_job", "slurm")],
+    # SIGTERM to one rank under Lightning's launcher: test_sigterm_to_one_rank_saves_and_resumes_to_the_exact_step.
+    [("sigterm_job", "torchrun"), ("sigterm_job", "slurm")],
 )
 def test_sigterm_stops_every_rank_at_the_same_step(tmp_path, fault, launcher):
     run = launch(tmp_path, "--fault", fault, "--rank", "1", "--step", "2", launcher=launcher)
@@ -46,12 +47,14 @@ def test_sigterm_stops_every_rank_at_the_same_step(tmp_path, fault, launcher):
     assert not list(tmp_path.glob("finished.*")), "training went on after the preemption"
 
 
-def test_sigterm_to_the_job_saves_and_resumes_to_the_exact_step(tmp_path):
+def test_sigterm_to_one_rank_saves_and_resumes_to_the_exact_step(tmp_path):
     preempted, reference = tmp_path / "preempted", tmp_path / "reference"
-    # With async_save: the preemption save must still be published before the job ends.
-    run = launch(preempted, "--fault", "sigterm_job", "--rank", "1", "--step", "2", "--save-on-preemption", "--async-save", "--dump", launcher="lightning")
+    # SIGTERM to rank 1 alone, under Lightning's launcher: every rank stops at the same step. With
+    # async_save: the preemption save must still be published before the job ends.
+    run = launch(preempted, "--fault", "sigterm_rank", "--rank", "1", "--step", "2", "--save-on-preemption", "--async-save", "--dump", launcher="lightning")
     expect_clean_preemption(run)
     assert run.returncode == PREEMPTED_EXIT_CODE, run.tail()
+    assert not list(preempted.glob("finished.*")), "training went on after the preemption"
     assert f"saved {preempted / 'ckpts' / 'last.ckpt'} (resume with ckpt_path='last')" in run.output, run.tail()
     assert sorted(p.name for p in (preempted / "ckpts").iterdir()) == ["last.ckpt"]  # published whole, nothing partial
 

@@ -206,3 +206,20 @@ def test_custom_callback_holds_only_the_last_unit(tmp_path):
     # 4 blocks; training: only the last stays gathered after forward; validation: none does.
     assert counts["train"] == ["0/4", "0/4", "0/4", "4/4"]
     assert all(cell.startswith("0/") for cell in counts["validate"])
+
+
+@pytest.mark.slow
+def test_hf_finetune_loads_trains_and_publishes_a_from_pretrained_directory(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from examples.hf_finetune import make_pretrained, rule_tokens
+
+    make_pretrained(tmp_path / "tiny")
+    run_script_in_ranks(EXAMPLES / "hf_finetune.py", ["--pretrained", "tiny", "--out", "run", "--steps", "6"], tmp_path, 2)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["last_loss"] < summary["first_loss"] - 0.2, summary
+    tokens = rule_tokens(16, seed=1)
+    before, after = (AutoModelForCausalLM.from_pretrained(tmp_path / d) for d in ("tiny", "run/hf"))
+    with torch.no_grad():
+        losses = [m(input_ids=tokens, labels=tokens).loss.item() for m in (before, after)]
+    assert losses[1] < losses[0] - 0.2, losses  # the fine-tuned weights came back, every tensor loaded

@@ -41,6 +41,8 @@ def _check(out: Path, reference, world: int, proc: subprocess.CompletedProcess) 
     result = torch.load(out)
     assert result["world"] == world and result["mesh"] == (world,)
     assert max_rel_diff(result["params"], reference) <= 1e-5
+    # pl_module.net(x) from a callback's on_train_end (outside the loop) works as inside it.
+    assert torch.allclose(result["submodule_output"], result["submodule_expected"], rtol=1e-5, atol=1e-6)
 
 
 def test_script_with_trainer_devices_4_uses_lightning_subprocess_launcher(tmp_path, reference):
@@ -60,3 +62,41 @@ def test_script_under_torchrun(tmp_path, reference):
     proc = subprocess.run(cmd, env=_env(), cwd=tmp_path, timeout=300, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     _check(out, reference, world=2, proc=proc)
+
+
+RESTART_SCRIPT = ROOT / "tests" / "scripts" / "restart_train.py"
+
+
+def test_torchrun_max_restarts_resumes_from_last_checkpoint_exactly(tmp_path):
+    """``torchrun --standalone --max-restarts=1``: rank 1 is SIGKILLed mid-fit (step 2 of 4); torchrun
+    restarts both ranks in place, the new attempt forms its process group (a fresh rendezvous in the
+    agent's store, which outlives the dead attempt), resumes from the newest checkpoint and ends
+    bitwise equal to an uninterrupted run of the same recipe (run afterwards in the same processes)."""
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which("torchrun")
+    assert torchrun is not None, "torchrun ships with torch and must be on PATH next to the interpreter"
+    cmd = [torchrun, "--standalone", "--nproc-per-node", "2", "--max-restarts", "1", str(RESTART_SCRIPT), str(tmp_path), "2"]
+    proc = subprocess.run(cmd, env=_env(), cwd=tmp_path, timeout=400, capture_output=True, text=True)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-4000:]
+    result = torch.load(tmp_path / "result.pt")
+    assert result["attempt"] == 1, "the job did not go through torchrun's restart"
+    assert result["resumed_from"] == str(tmp_path / "ckpt" / "epoch=0-step=2.ckpt"), result["resumed_from"]
+    assert result["steps"] == result["reference_steps"] == 4
+    assert result["params"].keys() == result["reference"].keys()
+    for name, value in result["params"].items():
+        assert torch.equal(value, result["reference"][name]), f"{name}: resumed run differs from the uninterrupted one"
+    assert "Connection refused" not in output and "connectFullMesh" not in output, output[-4000:]
+
+
+def test_torchrun_wrong_lighthouse_ends_the_job_instead_of_restarting(tmp_path):
+    """``--max-restarts=100`` and a lighthouse address nothing listens at: one attempt, a clear error, no retry."""
+    pytest.importorskip("torchft", reason="fault tolerance needs the 'ft' extra (torchft)")
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which("torchrun")
+    assert torchrun is not None
+    script = ROOT / "tests" / "scripts" / "ft_no_lighthouse.py"
+    cmd = [torchrun, "--standalone", "--nproc-per-node", "2", "--max-restarts", "100", str(script), str(tmp_path), str(free_port())]
+    proc = subprocess.run(cmd, env=_env(), cwd=tmp_path, timeout=300, capture_output=True, text=True)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0, output[-4000:]
+    assert sorted(p.name for p in tmp_path.glob("attempt.*")) == ["attempt.0.0", "attempt.0.1"], output[-4000:]
+    assert "no lighthouse reachable at http://127.0.0.1:" in output and "No restart can fix this" in output, output[-4000:]

@@ -143,7 +143,7 @@ class Injector(Callback):
             raise RuntimeError(f"injected fault in a callback on rank {a.rank} at step {a.step}")
 
     def on_train_end(self, trainer, pl_module):
-        (a := self.args).out.joinpath(f"finished.{trainer.global_rank}").write_text(str(trainer.global_step))
+        self.args.out.joinpath(f"finished.{trainer.global_rank}").write_text(str(trainer.global_step))
 
 
 class FaultyData(torch.utils.data.Dataset):

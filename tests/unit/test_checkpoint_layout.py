@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hp_lightning.checkpoint import CorruptCheckpointError, classify, recover, save_checkpoint
+from hp_lightning.checkpoint import CorruptCheckpointError, classify, layout, recover, save_checkpoint
 from hp_lightning.checkpoint.layout import (
     FORMAT_VERSION,
     MANIFEST_FILE,
@@ -55,7 +55,7 @@ def test_sharded_checkpoint_has_a_manifest_covering_every_file(tmp_path: Path) -
     assert classify(path) is CheckpointKind.HP_SHARDED
     manifest = read_manifest(path)
     assert manifest["format_version"] == FORMAT_VERSION and manifest["world_size"] == 1
-    on_disk = sorted(p.name for p in path.iterdir() if p.name != MANIFEST_FILE)
+    on_disk = sorted(p.name for p in path.iterdir() if p.name not in (MANIFEST_FILE, layout.TOKEN_FILE))
     assert sorted(manifest["files"]) == on_disk
     assert {".metadata", "meta.pt"} <= set(on_disk)
     for name, record in manifest["files"].items():

@@ -75,16 +75,6 @@ def test_parameters_on_the_way_to_a_split_point_are_refused() -> None:
         stage_units(net, ["blocks.2"])
 
 
-def test_a_batch_that_is_not_an_input_target_pair_is_refused_not_truncated() -> None:
-    from hp_lightning import HSDPStrategy
-
-    strategy = HSDPStrategy()
-    x, y, mask = torch.zeros(2, 8), torch.zeros(2, 4), torch.ones(2)
-    assert strategy._pipeline_batch(((x, y),), {})[1] is y
-    with pytest.raises(TypeError, match="cannot tell input from target in a tuple of 3.*pipeline_batch"):
-        strategy._pipeline_batch(((x, y, mask),), {})
-
-
 class EncoderLM(nn.Module):
     """torch's own ``nn.TransformerEncoder`` between an embedding and a head (a user's model, not ours)."""
 

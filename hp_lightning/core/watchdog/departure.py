@@ -85,8 +85,10 @@ class Departure:
             pass
 
     def _hold_store_if_mine(self) -> None:
-        """Leaving takes the store down when it lives in this process: first let the others read the failure."""
-        if self._board.store_host_rank == self.rank:
+        """Leaving takes the store down when it lives in this process, and under torchrun's agent store (no
+        rank hosts it) the agent stops every other rank as soon as this one exits: either way, first let the
+        others read the failure, so each says why it stops."""
+        if self._board.store_host_rank in (self.rank, None):
             self._board.hold_until_read(min(self._exit_grace, 3 * self._poll_interval + 1))
 
     def end_if_lingering(self) -> None:

@@ -12,9 +12,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from hp_lightning.core import agreement
 from hp_lightning.core.materialize import link_construction, materialize, move_unsharded_states, refuse_metrics_on_meta
 from hp_lightning.core.mesh import ParallelMesh
-from hp_lightning.core.parallelize import ShardedModel, ShardingPlan, parallelize
 from hp_lightning.core.units import zero_units_warning
 from hp_lightning.fully_shard import divergence
+from hp_lightning.recipe.parallelize import ShardedModel, ShardingPlan, parallelize
 
 _PREPARED = "_hp_sharded_model"
 
@@ -29,7 +29,7 @@ def prepare_model(
 ) -> ShardedModel:
     """Shard ``model`` per ``plan``, then allocate and initialize what is still on the meta device.
 
-    In this order: the recipe (:func:`~hp_lightning.core.parallelize.parallelize`; units the
+    In this order: the recipe (:func:`~hp_lightning.recipe.parallelize.parallelize`; units the
     user sharded already are kept), a check that every rank built the same model and units
     (before the first collective that depends on them), materialization of meta tensors (always,
     also when the user sharded everything), then whole parameters and buffers moved to ``device``.

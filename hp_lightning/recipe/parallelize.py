@@ -18,6 +18,12 @@
 
 Materialization of meta-device parameters is a separate step (:func:`materialize`), run after
 the model is sharded, so that no rank ever allocates the whole model.
+
+The plan is the options themselves (:class:`ShardingPlan` holds the user's
+:class:`~hp_lightning.core.options.HSDPOptions` and the two FSDP policies they resolve to for
+this run), and :func:`shard_module` is the one place that calls ``fully_shard``: the recipe's
+units and root, and the pipeline's stage roots, all pass the whole plan through it, so a new
+sharding option is read in one place and reaches every sharded module.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
@@ -36,11 +43,22 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import parallelize_module as torch_parallelize_module
 from torch.utils.checkpoint import checkpoint
 
+from hp_lightning.core import devices
 from hp_lightning.core._torch_private import prefetch_targets, wrap_as_forward
 from hp_lightning.core.mesh import ParallelMesh
+from hp_lightning.core.options import HSDPOptions
 from hp_lightning.core.units import UnitSpec, auto_units, bottom_up, select_modules, select_params, side_units
-from hp_lightning.fully_shard import HSDPModule, MixedPrecisionPolicy, OffloadPolicy, adopt_sharded, fully_shard
+from hp_lightning.fully_shard import (
+    CPUOffloadPolicy,
+    HSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    adopt_sharded,
+    build_mp_policy,
+    fully_shard,
+)
 from hp_lightning.parallel.expert import ExpertParallel, check_expert_split, find_expert_modules
+from hp_lightning.parallel.pipeline.cut import whole_model_modules, whole_model_params
 from hp_lightning.parallel.tensor import hf_tp_plan, resolve_tp_plan, tp_applied
 
 #: Methods of a LightningModule that run a forward pass and so must gather the root's parameters.
@@ -51,23 +69,64 @@ AUTO_FORWARD_METHODS = ("generate",)
 
 @dataclass(frozen=True)
 class ShardingPlan:
-    """Everything :func:`parallelize` needs besides the model and the mesh (all validated)."""
+    """What :func:`parallelize` applies: the options as the user set them, and the FSDP policies they resolve to.
 
-    shard_modules: Sequence[UnitSpec] | None = None
-    reshard_after_forward: bool = True
+    There is no second list of sharding fields: the recipe reads ``plan.options`` (the sharding
+    group, and ``tp_plan`` / ``expert_modules`` of the parallel group). Only the two policies are
+    resolved here, because they depend on the run as well as the options (the front end's
+    ``precision=``, the device): build them with :meth:`of`.
+    """
+
+    options: HSDPOptions = field(default_factory=HSDPOptions)
     mp_policy: MixedPrecisionPolicy = field(default_factory=MixedPrecisionPolicy)
     offload_policy: OffloadPolicy = field(default_factory=OffloadPolicy)
-    activation_checkpointing: Sequence[UnitSpec] | None = None
-    ignored_params: Sequence[str] | None = None
-    replicate_params: Sequence[str] | None = None
-    shard_placement: Mapping[str, int] | None = None
-    comm_fusion: bool = False
-    prefetch: int = 1
-    reduce_op: str = "avg"
-    gradient_scaling_factor: float | None = None
-    forward_methods: Sequence[str] | None = None
-    tp_plan: Mapping[str, Any] | None = None
-    expert_modules: Sequence[str] | None = None
+
+    def __post_init__(self) -> None:
+        """Refuse policies that contradict the options (a plan built by hand must not drop ``param_dtype`` silently).
+
+        Raises:
+            ValueError: ``param_dtype`` / ``reduce_dtype`` / ``cpu_offload`` set in the options but not in the policies.
+        """
+        wrong = [
+            f"{name}={want} but mp_policy.{name}={got}"
+            for name, want, got in (
+                ("param_dtype", self.options.param_dtype, self.mp_policy.param_dtype),
+                ("reduce_dtype", self.options.reduce_dtype, self.mp_policy.reduce_dtype),
+            )
+            if want is not None and want != got
+        ]
+        if self.options.cpu_offload != isinstance(self.offload_policy, CPUOffloadPolicy):
+            wrong.append(f"cpu_offload={self.options.cpu_offload} but offload_policy={type(self.offload_policy).__name__}")
+        if wrong:
+            raise ValueError(f"ShardingPlan: the policies contradict the options ({'; '.join(wrong)}). Build the plan with ShardingPlan.of(options, ...).")
+
+    @classmethod
+    def of(
+        cls,
+        options: HSDPOptions,
+        *,
+        derived_param_dtype: torch.dtype | None = None,
+        derived_reduce_dtype: torch.dtype | None = None,
+        device_type: str = devices.CPU,
+    ) -> ShardingPlan:
+        """The plan for ``options`` in this run.
+
+        Args:
+            options: the strategy's options.
+            derived_param_dtype / derived_reduce_dtype: what the front end's precision setting
+                implies; the ``param_dtype`` / ``reduce_dtype`` options override them.
+            device_type: the device the model trains on (pinned host memory needs an accelerator).
+        """
+        return cls(
+            options=options,
+            mp_policy=build_mp_policy(
+                param_dtype=options.param_dtype or derived_param_dtype,
+                reduce_dtype=options.reduce_dtype or derived_reduce_dtype,
+            ),
+            # Pinned host memory speeds up host<->device copies but needs an accelerator runtime.
+            offload_policy=CPUOffloadPolicy(pin_memory=devices.is_accelerator(device_type)) if options.cpu_offload else OffloadPolicy(),
+        )
+
 
 #: Module-name glob that finds experts when ``expert_modules`` is not given (torchtitan's and HF's naming).
 DEFAULT_EXPERT_MODULES = ("*experts",)
@@ -86,7 +145,7 @@ class ShardedModel:
 def apply_tensor_parallel(model: nn.Module, mesh: ParallelMesh, plan: ShardingPlan) -> list[str]:
     """Split the planned layers over the ``tp`` dim; returns the module names it parallelized.
 
-    The plan is ``plan.tp_plan`` or, without one, the Hugging Face models' own
+    The plan is ``plan.options.tp_plan`` or, without one, the Hugging Face models' own
     ``base_model_tp_plan``. Nothing is applied when the user did TP in ``configure_model``.
 
     Raises:
@@ -94,7 +153,7 @@ def apply_tensor_parallel(model: nn.Module, mesh: ParallelMesh, plan: ShardingPl
     """
     if mesh.tp is None or tp_applied(model, mesh.tp):
         return []
-    tp_plan = plan.tp_plan or hf_tp_plan(model)
+    tp_plan = plan.options.tp_plan or hf_tp_plan(model)
     if not tp_plan:
         raise ValueError(
             f"tensor_parallel_size={mesh.layout.tp}, but there is no TP plan: {type(model).__name__} contains no "
@@ -115,7 +174,7 @@ def apply_expert_parallel(model: nn.Module, mesh: ParallelMesh, plan: ShardingPl
     """
     if mesh.ep is None:
         return []
-    patterns = tuple(plan.expert_modules or DEFAULT_EXPERT_MODULES)
+    patterns = tuple(plan.options.expert_modules or DEFAULT_EXPERT_MODULES)
     named = [(n, m) for n, m in model.named_modules() if n and any(fnmatch.fnmatchcase(n, p) for p in patterns)]
     already = find_expert_modules(model)
     if not named and not already:
@@ -140,7 +199,7 @@ def apply_activation_checkpointing(model: nn.Module, specs: Sequence[UnitSpec] |
     """
     if not specs:
         return []
-    blocks = select_modules(model, specs, option="activation_checkpointing")
+    blocks = select_modules(model, specs, option="activation_checkpointing", whole_model=whole_model_modules(model))
     for block in blocks:
         inner = block.forward
 
@@ -153,12 +212,17 @@ def apply_activation_checkpointing(model: nn.Module, specs: Sequence[UnitSpec] |
 
 
 def _placement_fn(model: nn.Module, shard_placement: Mapping[str, int] | None):
-    """Map parameter-name globs to ``Shard(dim)``; first matching pattern wins."""
+    """Map parameter-name globs to ``Shard(dim)``; first matching pattern wins.
+
+    Each pattern must match a parameter of the whole model (under a pipeline, one another stage
+    holds counts: :func:`~hp_lightning.parallel.pipeline.cut.whole_model_params`).
+    """
     if not shard_placement:
         return None
     names = {id(p): n for n, p in model.named_parameters()}
+    whole = whole_model_params(model) or frozenset(names.values())
     for pattern in shard_placement:
-        if not any(fnmatch.fnmatchcase(n, pattern) for n in names.values()):
+        if not any(fnmatch.fnmatchcase(n, pattern) for n in whole):
             raise ValueError(
                 f"shard_placement pattern {pattern!r} matches no parameter; names look like "
                 f"{list(names.values())[:6]}."
@@ -216,19 +280,14 @@ def shard_units(
     units include the user's, in bottom-up order. Expert modules are units on ``mesh.expert_dp``.
     """
     user_units = _user_units(model)
-    planned = select_modules(model, plan.shard_modules) if plan.shard_modules else auto_units(model)
+    planned = planned_units(model, plan)
     expert_ids = {id(m) for m in experts}
     # Automatic plans only: large embeddings / head (+ final norm) as units, each group led by its first module.
-    groups = {} if plan.shard_modules or user_units else {id(g[0]): g for g in side_units(model, planned)}
+    groups = {} if plan.options.shard_modules or user_units else {id(g[0]): g for g in side_units(model, planned)}
     last_group = max(groups, key=lambda key: order_of(model, groups[key][0]), default=None)
     leaders = [g[0] for g in groups.values()]
     units = bottom_up(model, {id(m): m for m in [*planned, *experts, *user_units, *leaders] if m is not model}.values())
-    ignored = _drop_already_sharded(select_params(model, plan.ignored_params, "ignored_params"), "ignored_params")
-    replicated = _drop_already_sharded(select_params(model, plan.replicate_params, "replicate_params"), "replicate_params")
-    both = {n for n, _ in ignored} & {n for n, _ in replicated}
-    if both:
-        raise ValueError(f"Parameters {sorted(both)} match both ignored_params and replicate_params; pick one.")
-    placement = _placement_fn(model, plan.shard_placement)
+    ignored, replicated, placement = _parameter_rules(model, plan)
     # Parameters of the user's units belong to those units already.
     assigned: set[int] = {id(p) for unit in user_units for p in unit.parameters()}
 
@@ -246,18 +305,118 @@ def shard_units(
         # The root's parameters, and the last unit's (the head), are needed again as soon as
         # backward starts: keep them gathered.
         keep = unit is model or (id(unit) == last_group and _is_head(members))
-        fully_shard(
+        shard_module(
             members if len(members) > 1 else unit,
-            mesh=mesh.expert_dp if id(unit) in expert_ids and mesh.expert_dp is not None else mesh.dp,
-            reshard_after_forward=False if keep else plan.reshard_after_forward,
-            shard_placement_fn=placement,
-            mp_policy=plan.mp_policy,
-            offload_policy=plan.offload_policy,
-            ignored_params=unit_ignored or None,
-            replicate_params=unit_replicated or None,
-            comm_fusion=plan.comm_fusion,
+            mesh.expert_dp if id(unit) in expert_ids and mesh.expert_dp is not None else mesh.dp,
+            plan,
+            placement=placement,
+            ignored=unit_ignored,
+            replicated=unit_replicated,
+            keep_gathered=keep,
         )
     return units, [n for n, _ in ignored], [n for n, _ in replicated]
+
+
+def planned_units(model: nn.Module, plan: ShardingPlan) -> list[nn.Module]:
+    """The modules ``shard_modules`` names, or the automatic blocks without it (not yet sharded or ordered)."""
+    if not plan.options.shard_modules:
+        return auto_units(model)
+    return select_modules(model, plan.options.shard_modules, whole_model=whole_model_modules(model))
+
+
+def _parameter_rules(model: nn.Module, plan: ShardingPlan) -> tuple[list[tuple[str, nn.Parameter]], list[tuple[str, nn.Parameter]], Any]:
+    """The plan's per-parameter options resolved on ``model``: (ignored, replicated, placement function).
+
+    Under a pipeline ``model`` is this rank's stage: a glob that matches only another stage's
+    parameters selects nothing here, and only one that matches nothing in the whole model is refused.
+
+    Raises:
+        ValueError: a glob that matches nothing, or a parameter both ignored and replicated.
+    """
+    options = plan.options
+    ignored = _drop_already_sharded(select_params(model, _globs_here(model, options.ignored_params), "ignored_params"), "ignored_params")
+    replicated = _drop_already_sharded(select_params(model, _globs_here(model, options.replicate_params), "replicate_params"), "replicate_params")
+    both = {n for n, _ in ignored} & {n for n, _ in replicated}
+    if both:
+        raise ValueError(f"Parameters {sorted(both)} match both ignored_params and replicate_params; pick one.")
+    return ignored, replicated, _placement_fn(model, plan.options.shard_placement)
+
+
+def _globs_here(model: nn.Module, patterns: Sequence[str] | None) -> Sequence[str] | None:
+    """``patterns`` without those that match only parameters of the stages cut away from ``model``.
+
+    A pattern that matches a parameter here, or none in the whole model (or anything but a list
+    of strings), is kept: :func:`~hp_lightning.core.units.select_params` selects or refuses it.
+    """
+    whole = whole_model_params(model)
+    if whole is None or patterns is None or isinstance(patterns, str) or not isinstance(patterns, Sequence):
+        return patterns
+    here = [name for name, _ in model.named_parameters()]
+
+    def elsewhere_only(pattern: object) -> bool:
+        return isinstance(pattern, str) and not any(fnmatch.fnmatchcase(n, pattern) for n in here) and any(fnmatch.fnmatchcase(n, pattern) for n in whole)
+
+    return [pattern for pattern in patterns if not elsewhere_only(pattern)]
+
+
+def shard_module(
+    target: nn.Module | list[nn.Module],
+    mesh: DeviceMesh,
+    plan: ShardingPlan,
+    *,
+    placement: Any = None,
+    ignored: set[nn.Parameter] | frozenset[nn.Parameter] = frozenset(),
+    replicated: set[nn.Parameter] | frozenset[nn.Parameter] = frozenset(),
+    keep_gathered: bool = False,
+) -> None:
+    """``fully_shard`` ``target`` with every plan-wide option: the one call site of ``fully_shard`` in the engine.
+
+    What differs per module is an argument (the parameter sets it owns, the placement function
+    resolved on the model it belongs to, whether it stays gathered after forward); everything
+    else comes from ``plan``, so a module sharded anywhere (a unit, the root, a pipeline stage's
+    root) follows the same options.
+
+    Args:
+        target: the module, or the modules that form one unit.
+        mesh: the data-parallel mesh to shard over.
+        plan: the options and policies.
+        placement: the shard-dim function (from ``shard_placement``; None: dim 0).
+        ignored / replicated: the ``ignored_params`` / ``replicate_params`` this unit owns.
+        keep_gathered: keep the parameters gathered after forward whatever
+            ``reshard_after_forward`` says (a root, the head: needed again as backward starts).
+    """
+    fully_shard(
+        target,
+        mesh=mesh,
+        reshard_after_forward=False if keep_gathered else plan.options.reshard_after_forward,
+        shard_placement_fn=placement,
+        mp_policy=plan.mp_policy,
+        offload_policy=plan.offload_policy,
+        ignored_params=set(ignored) or None,
+        replicate_params=set(replicated) or None,
+        comm_fusion=plan.options.comm_fusion,
+    )
+
+
+def shard_stage_root(model: nn.Module, target: nn.Module | list[nn.Module], mesh: DeviceMesh, plan: ShardingPlan) -> None:
+    """Shard a pipeline stage's root (its pieces no unit owns, or a view of its units) with the whole plan.
+
+    ``model`` is the module the parameter globs are written against (the LightningModule, cut to
+    this rank's stages); ``target`` gets the ``ignored_params`` it holds and the placement rules.
+    A stage root stays gathered after forward (its parameters are needed again as backward starts).
+    """
+    ignored, replicated, placement = _parameter_rules(model, plan)
+    members = target if isinstance(target, list) else [target]
+    mine = {id(p) for m in members for p in m.parameters()}
+    shard_module(
+        target,
+        mesh,
+        plan,
+        placement=placement,
+        ignored={p for _, p in ignored if id(p) in mine},
+        replicated={p for _, p in replicated if id(p) in mine},
+        keep_gathered=True,
+    )
 
 
 def order_of(model: nn.Module, module: nn.Module) -> int:
@@ -306,30 +465,31 @@ def wire_prefetch(units: list[HSDPModule], depth: int) -> None:
 
 def apply_reduction(root: HSDPModule, plan: ShardingPlan) -> None:
     """Reduce op and scaling factor, applied recursively to every unit."""
-    if plan.reduce_op != "avg":
-        root.set_reduce_op_type(plan.reduce_op)
-    if plan.gradient_scaling_factor is not None:
-        root.set_gradient_scaling_factor(plan.gradient_scaling_factor)
+    if plan.options.reduce_op != "avg":
+        root.set_reduce_op_type(plan.options.reduce_op)
+    if plan.options.gradient_scaling_factor is not None:
+        root.set_gradient_scaling_factor(plan.options.gradient_scaling_factor)
 
 
-def parallelize(model: nn.Module, mesh: ParallelMesh | DeviceMesh, plan: ShardingPlan) -> ShardedModel:
+def parallelize(model: nn.Module, mesh: ParallelMesh | DeviceMesh, plan: ShardingPlan | HSDPOptions) -> ShardedModel:
     """Parallelize ``model`` in place following the fixed order in this module's docstring."""
     mesh = ParallelMesh.of(mesh)
+    plan = plan if isinstance(plan, ShardingPlan) else ShardingPlan.of(plan)
     # 1. Tensor parallelism, then 2. expert parallelism: both before FSDP shards their DTensors.
     apply_tensor_parallel(model, mesh, plan)
     experts = apply_expert_parallel(model, mesh, plan) or find_expert_modules(model)
     # 3. Activation checkpointing before sharding.
-    apply_activation_checkpointing(model, plan.activation_checkpointing)
+    apply_activation_checkpointing(model, plan.options.activation_checkpointing)
     # 4 + 5. Units bottom-up, then the root.
     units, ignored, replicated = shard_units(model, mesh, plan, experts)
     root = model
     if not isinstance(root, HSDPModule):  # pragma: no cover - shard_units always shards or adopts the root
         raise RuntimeError(f"parallelize left the root {type(root).__name__} unsharded.")
     # 6. Step and generate methods gather the root's parameters.
-    register_forward_methods(root, plan.forward_methods)
+    register_forward_methods(root, plan.options.forward_methods)
     # 7. Prefetch in forward order (units came bottom-up; reverse pre-order reversed is pre-order).
     forward_order = list(reversed(units))
-    wire_prefetch([u for u in forward_order if u is not root], plan.prefetch)  # type: ignore[misc]
+    wire_prefetch([u for u in forward_order if u is not root], plan.options.prefetch)  # type: ignore[misc]
     # 8. Reduction semantics.
     apply_reduction(root, plan)
     return ShardedModel(root=root, units=forward_order, ignored=ignored, replicated=replicated)  # type: ignore[arg-type]

@@ -1,0 +1,709 @@
+"""Hugging Face in, Hugging Face out: safetensors directories read into, and written from, a sharded model.
+
+A Hugging Face model directory holds ``config.json`` and either one ``model.safetensors`` or
+several ``model-0000i-of-0000N.safetensors`` shards listed by ``model.safetensors.index.json``.
+
+* :func:`load_hf_weights` (what :func:`hp_lightning.checkpoint.load_weights` calls for such a
+  directory): rank 0 reads the headers only (through ``safetensors``) and checks them against the
+  directory and the model; every rank then agrees, and DCP's public
+  ``HuggingFaceStorageReader`` reads on each rank only the slices of the tensors that rank holds
+  (``safe_open(...).get_slice(name)[rows]`` over a memory map: the pages of its own rows, never
+  the whole file).
+* :func:`save_hf` (``strategy.save_hf``): every rank writes its own part with DCP's public
+  ``HuggingFaceStorageWriter`` (``save_distributed=True, enable_consolidation=True``), which then
+  merges the parts into whole-tensor shards on rank 0, file by file, without any rank holding the
+  whole model in memory.
+* :func:`export_hf` (``python -m hp_lightning.checkpoint export-hf``): a sharded directory or a
+  full file, read by the project's own readers, written with the same writer in one process.
+
+Every output is staged under a temporary name and renamed into place; an existing non-empty
+directory is refused unless ``overwrite=True``, and even then only the files an earlier export of
+ours wrote (listed in its ``.hp_lightning_export.json``) are replaced; nothing else is deleted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import DefaultLoadPlanner, HuggingFaceStorageReader, HuggingFaceStorageWriter
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+from hp_lightning.checkpoint import layout
+from hp_lightning.checkpoint.collective import agree, on_every_rank, on_rank0, rank, warn_rank0
+from hp_lightning.checkpoint.layout import MODEL_KEY, CorruptCheckpointError, UnsafeCheckpointError
+from hp_lightning.checkpoint.read import read_full_file, read_sharded
+from hp_lightning.fully_shard.policies import parse_dtype
+
+__all__ = [
+    "HF_INDEX_FILE",
+    "HF_SINGLE_FILE",
+    "export_hf",
+    "is_hf_directory",
+    "load_hf_weights",
+    "parse_size",
+    "save_hf",
+]
+
+HF_INDEX_FILE = "model.safetensors.index.json"
+HF_SINGLE_FILE = "model.safetensors"
+SUFFIX = ".safetensors"
+#: Files copied from ``config=`` next to the weights (the ones ``from_pretrained`` reads besides them).
+CONFIG_FILES = ("config.json", "generation_config.json")
+#: What an export of ours records in its directory: a token and the files it wrote (the only ones an
+#: ``overwrite=True`` export may later replace).
+EXPORT_RECORD = ".hp_lightning_export.json"
+#: DCP's writer leaves each rank's part here before consolidating (its fixed sub-directory name).
+_PARTS_DIR = "sharded"
+#: The output-embedding keys Hugging Face drops when ``tie_word_embeddings`` ties them to the input
+#: embedding (``_tied_weights_keys`` of the causal-LM heads).
+TIED_OUTPUT_KEYS = ("lm_head.weight",)
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+# ---------------------------------------------------------------- recognizing and inspecting a directory
+
+
+def is_hf_directory(path: Path) -> bool:
+    """Whether ``path`` is a Hugging Face weights directory (an index or ``*.safetensors`` and no DCP index).
+
+    A DCP checkpoint (``.metadata``) is never taken for one, even if it holds safetensors files.
+    """
+    path = Path(path)
+    if not path.is_dir() or (path / ".metadata").exists():
+        return False
+    return (path / HF_INDEX_FILE).exists() or any(p.name.endswith(SUFFIX) for p in path.iterdir())
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """One tensor of the directory, as its file's header declares it (``dtype``: torch's name, e.g. ``"bfloat16"``)."""
+
+    file: str
+    shape: tuple[int, ...]
+    dtype: str
+
+
+def _regular_file(path: Path, directory: Path, why: str) -> None:
+    """``path`` must be a regular file (not a link) directly inside ``directory``."""
+    if path.is_symlink():
+        raise UnsafeCheckpointError(
+            f"Hugging Face directory {str(directory)!r}: {path.name!r} ({why}) is a symbolic link to {os.readlink(path)!r}; "
+            f"only regular files inside the directory are read (a link may lead anywhere). A hub cache snapshot links its "
+            f"blobs: download with `huggingface-cli download REPO --local-dir DIR` (real files) or copy it with `cp -rL`."
+        )
+    if not path.exists():
+        raise CorruptCheckpointError(
+            f"Hugging Face directory {str(directory)!r}: {path.name!r} ({why}) is missing. Copy the whole model directory again."
+        )
+    if not path.is_file():
+        raise UnsafeCheckpointError(f"Hugging Face directory {str(directory)!r}: {path.name!r} ({why}) is not a regular file.")
+
+
+def _index_files(directory: Path) -> tuple[Optional[dict[str, str]], Optional[int]]:
+    """The index's ``weight_map`` (tensor -> file name), every name checked to be a file inside ``directory``,
+    and its declared ``total_size``; (None, None) without an index."""
+    index = directory / HF_INDEX_FILE
+    if not (index.exists() or index.is_symlink()):
+        return None, None
+    _regular_file(index, directory, "the index")
+    try:
+        data = json.loads(index.read_text())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise CorruptCheckpointError(f"{str(index)!r} is not valid JSON ({exc}). Copy the model directory again.") from exc
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+        raise CorruptCheckpointError(
+            f"{str(index)!r} has no 'weight_map' of tensor names to file names (got {type(weight_map).__name__}). "
+            f"Copy the model directory again."
+        )
+    for name in sorted(set(weight_map.values())):
+        # A plain file name, nothing else: a link is then refused by _regular_file, naming its target.
+        if name in ("", ".", "..") or "/" in name or "\\" in name or os.sep in name or not name.endswith(SUFFIX):
+            raise UnsafeCheckpointError(
+                f"{str(index)!r} names {name!r} as a weights file: expected a '*{SUFFIX}' file directly inside "
+                f"{str(directory)!r}. An index may not lead outside its directory; this one is refused."
+            )
+    metadata = data.get("metadata")
+    total = metadata.get("total_size") if isinstance(metadata, dict) else None
+    return weight_map, total if isinstance(total, int) else None
+
+
+def _inspect(directory: Path) -> dict[str, _Entry]:
+    """Every tensor of the directory with its file, shape and dtype, from the headers alone, cross-checked.
+
+    ``safetensors`` parses each header and refuses a file whose declared data does not end exactly
+    at the file's end (a truncated or padded shard); the index must list exactly the files present
+    (DCP's reader reads every ``*.safetensors`` file of the directory, so a stray one would be read
+    too), name each tensor's real file, and its ``total_size`` (when given) must equal the bytes
+    the headers declare.
+
+    Raises:
+        CorruptCheckpointError: a missing, truncated or unreadable shard, or an index that disagrees.
+        UnsafeCheckpointError: a link, or an index naming a file outside the directory.
+    """
+    from safetensors import safe_open  # safetensors is optional (hp-lightning[safetensors])
+
+    directory = Path(directory)
+    weight_map, total = _index_files(directory)
+    present = sorted(p.name for p in directory.iterdir() if p.name.endswith(SUFFIX))
+    files = sorted(set(weight_map.values())) if weight_map is not None else present
+    if not files:
+        raise CorruptCheckpointError(f"Hugging Face directory {str(directory)!r} holds no '*{SUFFIX}' file.")
+    for name in files:
+        _regular_file(directory / name, directory, "listed in the index" if weight_map is not None else "a weights file")
+    stray = sorted(set(present) - set(files))
+    if stray:
+        raise CorruptCheckpointError(
+            f"Hugging Face directory {str(directory)!r}: {stray} are not listed in {HF_INDEX_FILE} (left from another "
+            f"model or export?). Every '*{SUFFIX}' file of the directory is read, so they would mix in: remove or move them."
+        )
+    entries: dict[str, _Entry] = {}
+    declared = 0
+    for name in files:
+        try:
+            with safe_open(str(directory / name), framework="pt") as f:
+                for key in f.keys():
+                    if key in entries:
+                        raise CorruptCheckpointError(
+                            f"Hugging Face directory {str(directory)!r}: tensor {key!r} is in both {entries[key].file!r} and "
+                            f"{name!r}. Export it again (a DCP sharded save's parts are not a Hugging Face directory)."
+                        )
+                    view = f.get_slice(key)
+                    shape, dtype = tuple(int(s) for s in view.get_shape()), _TORCH_DTYPES.get(str(view.get_dtype()).upper())
+                    if dtype is None:
+                        raise CorruptCheckpointError(
+                            f"Hugging Face directory {str(directory)!r}: {name!r} stores {key!r} as {view.get_dtype()!r}, "
+                            f"a dtype torch cannot hold ({sorted(_TORCH_DTYPES)} are read)."
+                        )
+                    entries[key] = _Entry(name, shape, dtype)
+                    declared += _numel(shape) * getattr(torch, dtype).itemsize
+        except CorruptCheckpointError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - safetensors raises its own error type for a bad header or size
+            raise CorruptCheckpointError(
+                f"Hugging Face directory {str(directory)!r}: {name!r} is not a readable safetensors file "
+                f"({type(exc).__name__}: {exc}); truncated or damaged? Copy it again."
+            ) from exc
+    if weight_map is not None:
+        wrong = [f"{k!r} -> {v!r} (holds it: {entries[k].file if k in entries else 'no file'})" for k, v in weight_map.items() if k not in entries or entries[k].file != v]
+        unlisted = sorted(set(entries) - set(weight_map))
+        if wrong or unlisted:
+            raise CorruptCheckpointError(
+                f"{str(directory / HF_INDEX_FILE)!r} disagrees with its files: {wrong[:6]}"
+                f"{'; tensors not in the index: ' + str(unlisted[:6]) if unlisted else ''}. Copy the model directory again."
+            )
+        if total is not None and total != declared:
+            raise CorruptCheckpointError(
+                f"{str(directory / HF_INDEX_FILE)!r} declares total_size {total} bytes but its files' headers declare "
+                f"{declared}. Copy the model directory again."
+            )
+    return entries
+
+
+#: safetensors' dtype names -> torch's (what the header declares, as ``safe_open`` reports it).
+_TORCH_DTYPES = {"BOOL": "bool", "U8": "uint8", "I8": "int8", "F8_E5M2": "float8_e5m2", "F8_E4M3": "float8_e4m3fn", "I16": "int16",
+                 "U16": "uint16", "F16": "float16", "BF16": "bfloat16", "I32": "int32", "U32": "uint32", "F32": "float32",
+                 "I64": "int64", "U64": "uint64", "F64": "float64"}
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+# ---------------------------------------------------------------- loading
+
+
+def _tie_groups(module: nn.Module) -> list[list[str]]:
+    """Names sharing one parameter (tied weights), each group in the whole model's order; singletons left out.
+
+    A pipeline stage cut by hp_lightning also knows the ties it shares with other stages (GPT-2's
+    ``lm_head`` on the last stage, its embedding on the first): those groups list every name, so
+    the last stage loads the embedding's tensor into its ``lm_head`` and writes none of it.
+    """
+    groups: dict[int, list[str]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(param), []).append(name)
+    across = [list(getattr(tie, "names", ())) for tie in module.__dict__.get("_hp_pipeline_ties", ())]
+    local = [names for names in groups.values() if len(names) > 1 and not any(set(names) <= set(group) for group in across)]
+    return [*across, *local]
+
+
+def _plan_load(
+    entries: Mapping[str, _Entry],
+    module_state: Mapping[str, Any],
+    ties: list[list[str]],
+    *,
+    prefix: str,
+    strict: bool,
+    allow_cast: bool,
+    elsewhere: Collection[str],
+    source: str,
+) -> tuple[dict[str, str], list[str], list[str]]:
+    """Which file tensor goes into which module key; (mapping hf -> module key, missing, unexpected).
+
+    Raises:
+        ValueError: missing / unexpected keys (when strict), a shape mismatch, or a dtype cast not allowed.
+    """
+    ours = {k[len(prefix):]: k for k in module_state if k.startswith(prefix)}
+    if not ours:
+        raise ValueError(
+            f"Hugging Face weights {source}: no module key starts with prefix {prefix!r} (the module's keys look like "
+            f"{list(module_state)[:3]}). Pass the attribute holding the Hugging Face model, e.g. prefix='net.', or none."
+        )
+    elsewhere_hf = {k[len(prefix):] for k in elsewhere if k.startswith(prefix)}
+    alias_of: dict[str, list[str]] = {}
+    for group in ties:
+        names = [n[len(prefix):] for n in group if n.startswith(prefix)]
+        for n in names:
+            alias_of[n] = names
+    mapping: dict[str, str] = {}
+    satisfied: set[str] = set()
+    for hf_key, module_key in ours.items():
+        if hf_key in satisfied:
+            continue
+        group = alias_of.get(hf_key, [hf_key])
+        held = [n for n in group if n in entries]
+        if held:  # a tied group loads once, from the first of its names the file holds (Hugging Face omits the copies)
+            mapping[held[0]] = ours.get(held[0], module_key)
+            satisfied.update(group)
+    missing = sorted(k for k in ours if k not in satisfied)
+    tied_extra = {n for group in alias_of.values() for n in group if n in entries and n in satisfied}
+    unexpected = sorted(k for k in entries if k not in ours and k not in elsewhere_hf and k not in tied_extra)
+    if strict and (missing or unexpected):
+        hint = _prefix_hint(list(ours), list(entries), prefix)
+        raise ValueError(
+            f"Hugging Face weights {source} do not fit the module"
+            f"{' under prefix ' + repr(prefix) if prefix else ''}: "
+            f"{len(missing)} module key(s) missing from the files {missing[:6]}, {len(unexpected)} file key(s) the module "
+            f"lacks {unexpected[:6]}.{hint} Pass strict=False to load the keys that match and keep the rest as initialized."
+        )
+    shapes, casts = [], []
+    for hf_key, module_key in mapping.items():
+        entry, target = entries[hf_key], module_state[module_key]
+        if tuple(target.shape) != entry.shape:
+            shapes.append(f"{hf_key!r} in {entry.file!r}: file {list(entry.shape)} vs module {list(target.shape)}")
+        if entry.dtype != str(target.dtype).removeprefix("torch."):
+            casts.append(f"{hf_key!r}: file {entry.dtype} vs module {str(target.dtype).removeprefix('torch.')}")
+    if shapes:
+        raise ValueError(
+            f"Hugging Face weights {source}: shapes differ from the module's for {len(shapes)} tensor(s): {shapes[:6]}. "
+            f"Build the module from the same config (hidden size, vocabulary, heads) as the checkpoint."
+        )
+    if casts and not allow_cast:
+        raise ValueError(
+            f"Hugging Face weights {source}: dtypes differ from the module's for {len(casts)} tensor(s): {casts[:4]}; loading "
+            f"would cast them silently. Build the module in the file's dtype, or pass allow_cast=True to cast on load."
+        )
+    return mapping, missing, unexpected
+
+
+def _prefix_hint(module_keys: list[str], file_keys: list[str], prefix: str) -> str:
+    """A likely prefix when the names differ by one, e.g. the LightningModule attribute ``net.``."""
+    files = set(file_keys)
+    for key in module_keys:
+        parts = key.split(".")
+        for i in range(1, len(parts)):
+            if ".".join(parts[i:]) in files:
+                guess = prefix + ".".join(parts[:i]) + "."
+                return f" The module's keys look like {prefix + key!r}, the files' like {'.'.join(parts[i:])!r}: pass prefix={guess!r}."
+    return ""
+
+
+def load_hf_weights(
+    module: nn.Module,
+    path: Path,
+    *,
+    prefix: str = "",
+    strict: bool = True,
+    allow_cast: bool = False,
+    elsewhere: Collection[str] = (),
+) -> None:
+    """Load a Hugging Face safetensors directory into a (sharded) module, each rank reading its own slices.
+
+    Call it on every rank after the model is sharded and materialized (e.g. in ``on_fit_start``);
+    :func:`hp_lightning.checkpoint.load_weights` calls it for a Hugging Face directory. Rank 0 reads
+    the headers and checks them (files, index, sizes) and every rank compares them with its module
+    (keys, shapes, dtypes) before any tensor is read, so a refusal is raised on every rank alike.
+    The read itself is DCP's: each rank reads the rows of the tensors it holds (FSDP, HSDP, TP,
+    EP shards, a pipeline stage's own layers), through a memory map, never the whole file.
+
+    Args:
+        module: the module to fill (``self`` of a LightningModule, or any sharded ``nn.Module``).
+        path: the directory (``model.safetensors``, or shards with or without the index).
+        prefix: where the Hugging Face model sits inside ``module``: ``"net."`` when the
+            LightningModule holds it as ``self.net``. Module keys outside it are left alone.
+        strict: a module key the files lack, or a file key the module lacks, is an error; else both
+            are reported and skipped. Tied weights (``lm_head`` tied to the input embedding) count as
+            present when the file holds either name: Hugging Face stores them once.
+        allow_cast: load tensors whose dtype differs from the module's (e.g. a bf16 checkpoint into
+            an fp32 model), cast on copy. Off by default: a silent cast is a silent precision change.
+        elsewhere: module keys other ranks hold (a pipeline's other stages): neither missing nor
+            unexpected here. Found on a LightningModule cut by ``HSDPStrategy`` without being passed.
+
+    Raises:
+        CorruptCheckpointError: a missing, truncated or damaged shard, or an index that disagrees with its files.
+        UnsafeCheckpointError: a symbolic link, or an index naming a file outside the directory.
+        ValueError: keys, shapes or dtypes that do not fit the module, or a module still on the meta device.
+    """
+    path = Path(path)
+    source = repr(str(path))
+    elsewhere = set(elsewhere) | set(module.__dict__.get("_hp_pipeline_elsewhere", ()))
+    entries = on_rank0(lambda: _inspect(path))
+    module_state: dict[str, Any] = {}
+
+    def compare() -> tuple[dict[str, str], list[str], list[str]]:
+        module_state.update(get_model_state_dict(module))
+        on_meta = [k for k, v in module_state.items() if k.startswith(prefix) and getattr(v, "is_meta", False)]
+        if on_meta:
+            raise ValueError(
+                f"load_weights({source}): the module is still on the meta device ({on_meta[:4]}); loading into it would "
+                f"keep nothing. Call it once the strategy has sharded and materialized the model (on_fit_start, or after "
+                f"fabric.setup), or materialize it yourself first (module.to_empty(device=...))."
+            )
+        return _plan_load(
+            entries, module_state, _tie_groups(module), prefix=prefix, strict=strict, allow_cast=allow_cast, elsewhere=elsewhere, source=source
+        )
+
+    mapping, missing, unexpected = on_every_rank(compare)
+    if missing:
+        warn_rank0(f"Hugging Face weights {source}: {len(missing)} module key(s) not in the files, kept as initialized: {missing[:8]}")
+    if unexpected:
+        warn_rank0(f"Hugging Face weights {source}: {len(unexpected)} file key(s) the module lacks, ignored: {unexpected[:8]}")
+    request = {hf_key: module_state[module_key] for hf_key, module_key in mapping.items()}
+    error: Optional[BaseException] = None
+    try:
+        dcp.load(
+            request,
+            storage_reader=HuggingFaceStorageReader(str(path)),
+            planner=DefaultLoadPlanner(allow_partial_load=True),
+            no_dist=not dist.is_initialized(),
+        )
+    except Exception as exc:  # noqa: BLE001 - DCP's own collectives already ran; report it as this checkpoint's error
+        error = CorruptCheckpointError(f"Hugging Face weights {source} could not be read: {type(exc).__name__}: {exc}")
+    if error is not None:
+        raise error
+    loaded = {mapping_key: request[hf_key] for hf_key, mapping_key in mapping.items()}
+    set_model_state_dict(module, loaded, options=StateDictOptions(strict=False))
+
+
+# ---------------------------------------------------------------- writing
+
+
+def parse_size(value: Union[int, str]) -> int:
+    """``"5GB"`` (10^9), ``"500MiB"`` (2^20 each), ``"50KB"`` or a byte count -> bytes.
+
+    Raises:
+        ValueError: anything else, or a size below one byte.
+    """
+    if isinstance(value, int) and not isinstance(value, bool):
+        size = value
+    else:
+        match = _SIZE.match(str(value))
+        if match is None:
+            raise ValueError(f"max_shard_size expects a size like '5GB', '500MB', '2GiB' or a byte count; got {value!r}.")
+        size = int(float(match.group(1)) * _UNITS[(match.group(2) or "B").lower()])
+    if size < 1:
+        raise ValueError(f"max_shard_size must be at least one byte; got {value!r}.")
+    return size
+
+
+def _file_plan(sizes: Mapping[str, int], max_shard_size: int) -> dict[str, int]:
+    """Tensor -> 1-based file index: tensors in order, a new file when the next would pass the limit (a
+    tensor larger than the limit gets a file of its own), as ``save_pretrained`` does."""
+    plan: dict[str, int] = {}
+    index, used = 1, 0
+    for key, size in sizes.items():
+        if used and used + size > max_shard_size:
+            index, used = index + 1, 0
+        plan[key] = index
+        used += size
+    return plan
+
+
+def _read_config(config: Optional[Path]) -> dict[str, Any]:
+    if config is None:
+        return {}
+    config = Path(config)
+    file = config / "config.json" if config.is_dir() else config
+    if not file.is_file():
+        raise FileNotFoundError(f"config={str(config)!r}: expected a Hugging Face model directory holding config.json (or the file itself).")
+    try:
+        data = json.loads(file.read_text())
+    except ValueError as exc:
+        raise ValueError(f"{str(file)!r} is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ValueError(f"{str(file)!r} holds {type(data).__name__}, not a Hugging Face config object.")
+    return data
+
+
+def _check_target(out: Path, *, overwrite: bool) -> list[str]:
+    """What may be replaced at ``out``: nothing if it is absent or empty; with ``overwrite``, the files our
+    earlier export there wrote. Raises for anything else."""
+    if out.is_symlink() or (out.exists() and not out.is_dir()):
+        raise FileExistsError(f"Hugging Face export: {str(out)!r} exists and is not a directory; choose another path.")
+    if not out.exists() or not any(out.iterdir()):
+        return []
+    if not overwrite:
+        raise FileExistsError(
+            f"Hugging Face export: {str(out)!r} already exists and is not empty; choose a new path, or pass "
+            f"overwrite=True (--overwrite) to replace an earlier export there."
+        )
+    record = out / EXPORT_RECORD
+    ours: list[str] = []
+    if record.is_file() and not record.is_symlink():
+        try:
+            ours = [str(n) for n in json.loads(record.read_text()).get("files", [])]
+        except (ValueError, AttributeError):
+            ours = []
+    foreign = sorted(p.name for p in out.iterdir() if (p.name.endswith(SUFFIX) or p.name == HF_INDEX_FILE) and p.name not in ours)
+    if foreign or not ours:
+        raise ValueError(
+            f"Hugging Face export: {str(out)!r} holds weights this program did not write ({foreign[:6] or 'no export record'}); "
+            f"they are never replaced or deleted. Choose another directory."
+        )
+    return ours
+
+
+def _publish(staging: Path, out: Path, replaceable: list[str], config: Optional[Path], token: str, dtype: Optional[torch.dtype]) -> list[str]:
+    """Copy the config files in (with a cast, its dtype entry says the new one), record what we wrote, and
+    move the staged directory's files to ``out``."""
+    if config is not None:
+        base = Path(config) if Path(config).is_dir() else Path(config).parent
+        for name in CONFIG_FILES:
+            if (base / name).is_file():
+                shutil.copyfile(base / name, staging / name)
+        settings = _read_config(config)
+        named = [k for k in ("dtype", "torch_dtype") if k in settings]
+        if dtype is not None and named:  # from_pretrained builds the model in the config's dtype
+            settings.update(dict.fromkeys(named, str(dtype).removeprefix("torch.")))
+            (staging / "config.json").write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n")
+    written = sorted(p.name for p in staging.iterdir())
+    (staging / EXPORT_RECORD).write_text(json.dumps({"token": token, "files": written, "writer": "hp_lightning"}, indent=1))
+    if not out.exists():
+        os.rename(staging, out)
+        return written
+    for name in replaceable:  # only what our earlier export wrote, by name from its record, regular files only
+        target = out / name
+        if target.is_file() and not target.is_symlink():
+            target.unlink()
+    for name in [*written, EXPORT_RECORD]:
+        os.replace(staging / name, out / name)
+    staging.rmdir()
+    return written
+
+
+def _untie(state: dict[str, Any], ties: list[list[str]], prefix: str) -> dict[str, Any]:
+    """Drop the later names of each tied group (Hugging Face stores a tied weight once, under its first name)."""
+    drop = {n[len(prefix):] for group in ties for n in group[1:] if n.startswith(prefix)}
+    return {k: v for k, v in state.items() if k not in drop}
+
+
+def _cast(state: dict[str, Any], dtype: Optional[torch.dtype]) -> dict[str, Any]:
+    if dtype is None:
+        return state
+    return {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+
+
+def _nbytes(tensor: Any) -> int:
+    return int(tensor.numel()) * int(tensor.element_size())
+
+
+def save_hf(
+    module: nn.Module,
+    path: Path,
+    *,
+    prefix: str = "",
+    config: Optional[Path] = None,
+    max_shard_size: Union[int, str] = "5GB",
+    dtype: Union[str, torch.dtype, None] = None,
+    overwrite: bool = False,
+) -> Path:
+    """Write the (sharded) module as a Hugging Face directory, every rank writing its own part; call on every rank.
+
+    Each rank hands DCP's ``HuggingFaceStorageWriter`` its local shards (no gather); the writer
+    then merges the parts into whole-tensor ``model-0000i-of-0000N.safetensors`` files plus
+    ``model.safetensors.index.json`` on rank 0, reading the parts back file by file (so rank 0
+    writes every byte once but never holds the model), and the parts are deleted. Tied weights
+    are written once, under their first name, as ``save_pretrained`` does.
+
+    Args:
+        module: the module holding the model (``self`` of a LightningModule, or the model).
+        path: the output directory; absent or empty, or an earlier export of ours with ``overwrite``.
+        prefix: where the Hugging Face model sits inside ``module`` (``"net."``): only those keys are
+            written, with it stripped.
+        config: a Hugging Face model directory (or its ``config.json``) whose ``config.json`` and
+            ``generation_config.json`` are copied next to the weights, so ``from_pretrained`` loads it.
+        max_shard_size: the largest file, like ``save_pretrained``'s (``"5GB"``, ``"500MB"``, bytes).
+        dtype: cast floating tensors on write (``"bf16"``); None keeps the module's dtype.
+        overwrite: replace an earlier export of ours at ``path`` (only the files it recorded).
+
+    Returns:
+        ``path``.
+
+    Raises:
+        FileExistsError: ``path`` is not empty and ``overwrite`` is False.
+        ValueError: ``path`` holds weights we did not write, a bad size or dtype, or no key under ``prefix``.
+    """
+    out = Path(path)
+    limit = parse_size(max_shard_size)
+    cast = parse_dtype(dtype, name="dtype")
+
+    state: dict[str, Any] = {}
+
+    def select() -> dict[str, int]:
+        full = get_model_state_dict(module)
+        chosen = {k[len(prefix):]: v for k, v in full.items() if k.startswith(prefix)}
+        if not chosen:
+            raise ValueError(f"save_hf: the module has no key under prefix {prefix!r} (its keys look like {list(full)[:3]}).")
+        state.update(_cast(_untie(chosen, _tie_groups(module), prefix), cast))
+        return {k: _nbytes(v) for k, v in state.items()}
+
+    sizes = on_every_rank(select)
+    if dist.is_initialized():  # pipeline stages hold different keys: every rank plans the files of all of them
+        every: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, sizes)
+        sizes = {k: v for rank_sizes in every for k, v in rank_sizes.items()}
+    plan = _file_plan(sizes, limit)
+
+    def prepare() -> tuple[str, list[str]]:
+        _read_config(config)
+        replaceable = _check_target(out, overwrite=overwrite)
+        token = layout.new_token()
+        out.parent.mkdir(parents=True, exist_ok=True)
+        layout.staging_path(out, token).mkdir()
+        return token, replaceable
+
+    token, replaceable = on_rank0(prepare)
+    staging = layout.staging_path(out, token)
+    error: Optional[BaseException] = None
+    try:
+        writer = HuggingFaceStorageWriter(str(staging), fqn_to_index_mapping=plan, save_distributed=True, enable_consolidation=True)
+        dcp.save(state, storage_writer=writer, no_dist=not dist.is_initialized())
+    except Exception as exc:  # noqa: BLE001 - shared below
+        error = exc
+    state.clear()
+    try:
+        agree(error)
+    except BaseException:
+        if rank() == 0 and staging.is_dir():
+            shutil.rmtree(staging)  # our own staging directory, named with this save's token
+        raise
+
+    def finish() -> list[str]:
+        parts = staging / _PARTS_DIR
+        if parts.is_dir():
+            shutil.rmtree(parts)  # inside our own staging directory: only DCP's parts of this save
+        return _publish(staging, out, replaceable, config, token, cast)
+
+    on_rank0(finish)
+    return out
+
+
+def export_hf(
+    src: Path,
+    out: Path,
+    *,
+    prefix: Optional[str] = None,
+    config: Optional[Path] = None,
+    max_shard_size: Union[int, str] = "5GB",
+    dtype: Union[str, torch.dtype, None] = None,
+    overwrite: bool = False,
+    trust_pickle: bool = False,
+) -> str:
+    """Write checkpoint ``src`` (a sharded directory or a full file) as a Hugging Face directory; return a summary.
+
+    One process, no process group: the checkpoint is read by the project's readers (integrity
+    checked, pickles read safely unless ``trust_pickle``), its model weights under ``prefix``
+    taken with the prefix stripped, the tied copy dropped when ``config`` says
+    ``tie_word_embeddings`` (it must then equal the input embedding, else the export is refused),
+    and written as safetensors shards with an index by DCP's ``HuggingFaceStorageWriter``.
+
+    Args: as :func:`save_hf`, and ``trust_pickle``: unpickle the source without safe loading
+        (only for a trusted source). ``prefix`` None (not given): no prefix, but a checkpoint whose
+        keys all start with one attribute (``net.``, a LightningModule's model) is refused, naming
+        the ``--prefix`` to pass: written unstripped, ``from_pretrained`` would find none of its
+        keys and silently initialize the model at random. Pass ``""`` to write the keys as they are.
+
+    Raises:
+        FileExistsError, ValueError: as :func:`save_hf`; also a tied copy that differs from its embedding.
+        CorruptCheckpointError, UnsafeCheckpointError: as the readers.
+    """
+    src, out = Path(src), Path(out)
+    limit = parse_size(max_shard_size)
+    cast = parse_dtype(dtype, name="dtype")
+    settings = _read_config(config)
+    replaceable = _check_target(out, overwrite=overwrite)
+    if layout.classify(src) is layout.CheckpointKind.FULL_FILE:
+        checkpoint = read_full_file(src, weights_only=False if trust_pickle else None)
+    else:
+        checkpoint = read_sharded(src, weights_only=True, trust_pickle=trust_pickle)
+    weights = checkpoint.get(MODEL_KEY)
+    if not isinstance(weights, dict):
+        raise ValueError(f"{str(src)!r} holds no model weights ({MODEL_KEY!r}); export-hf needs a checkpoint with them.")
+    roots = {k.split(".", 1)[0] for k in weights}
+    if prefix is None and len(roots) == 1 and all("." in k for k in weights):
+        root = next(iter(roots))
+        raise ValueError(
+            f"{str(src)!r}: every key starts with {root + '.'!r} (the LightningModule's attribute holding the model?); "
+            f"written as they are, from_pretrained would match none of them. Pass --prefix {root}. (or --prefix '' to keep them)."
+        )
+    prefix = prefix or ""
+    state = {k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix) and isinstance(v, torch.Tensor)}
+    if not state:
+        raise ValueError(
+            f"{str(src)!r} has no tensor under prefix {prefix!r}; its keys look like {list(weights)[:3]}. Pass the "
+            f"LightningModule attribute holding the model, e.g. --prefix net."
+        )
+    dropped = []
+    if settings.get("tie_word_embeddings", True) and config is not None:
+        for key in TIED_OUTPUT_KEYS:
+            if key not in state:
+                continue
+            twins = [k for k, v in state.items() if k != key and v.shape == state[key].shape and torch.equal(v, state[key])]
+            if not twins:
+                raise ValueError(
+                    f"{str(config)!r} says tie_word_embeddings (the default when absent), but {key!r} equals no other "
+                    f"tensor of the checkpoint: writing it tied would change the model. Use the config of the model "
+                    f"you trained (tie_word_embeddings: false), or train it tied."
+                )
+            del state[key]
+            dropped.append(key)
+    state = _cast({k: v.contiguous() for k, v in state.items()}, cast)
+    # safetensors refuses tensors sharing memory (tied copies under two names left in): write each once.
+    seen: set[int] = set()
+    for k, v in list(state.items()):
+        pointer = v.untyped_storage().data_ptr() if v.numel() else 0
+        if pointer and pointer in seen:
+            state[k] = v.clone()
+        seen.add(pointer)
+    plan = _file_plan({k: _nbytes(v) for k, v in state.items()}, limit)
+    token = layout.new_token()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = layout.staging_path(out, token)
+    staging.mkdir()
+    try:
+        dcp.save(state, storage_writer=HuggingFaceStorageWriter(str(staging), fqn_to_index_mapping=plan), no_dist=True)
+        written = _publish(staging, out, replaceable, config, token, cast)
+    except BaseException:
+        if staging.is_dir():
+            shutil.rmtree(staging)  # our own staging directory, named with this export's token
+        raise
+    files = [n for n in written if n.endswith(SUFFIX)]
+    note = f", tied copy {dropped} dropped" if dropped else ""
+    return f"wrote {out} ({len(state)} tensors in {len(files)} safetensors file(s){note}) from {src}"
