@@ -74,16 +74,26 @@ def _child(fn: Callable[..., Any], rank: int, world: int, env: dict[str, str], o
     torch.set_num_threads(1)
     try:
         result = ("ok", fn(*args))
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            # Leave together: a rank tearing down gloo while a peer still talks aborts the peer.
-            dist.barrier()
-            dist.destroy_process_group()
     except BaseException as exc:  # noqa: BLE001 - forwarded to the parent
         result = ("error", f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
-    with open(out, "wb") as f:
-        pickle.dump(result, f)
+    else:
+        import torch.distributed as dist
+
+        try:
+            if dist.is_initialized():
+                # Leave together: a rank tearing down gloo while a peer still talks aborts the peer.
+                dist.barrier()
+                dist.destroy_process_group()
+        except Exception as exc:  # noqa: BLE001 - the test's own work is done and checked by its result
+            print(f"rank {rank}: process-group teardown after a finished test failed: {exc!r}", file=sys.stderr)
+    try:
+        payload = pickle.dumps(result)
+    except Exception as exc:  # noqa: BLE001 - an unpicklable result or exception still reports
+        payload = pickle.dumps(("error", f"rank {rank}: result not picklable ({exc!r}): {result[1]!r:.2000}"))
+    # Written whole or not at all: a peer's failure makes the parent kill this rank, maybe mid-write.
+    with open(out + ".part", "wb") as f:
+        f.write(payload)
+    os.replace(out + ".part", out)
     # Leave without interpreter finalization: gloo worker threads can abort it (SIGABRT, "terminate
     # called without an active exception") after the result is already written.
     sys.stdout.flush()
@@ -135,7 +145,8 @@ def run_distributed(
                     status, value = pickle.load(f)
                 (results if status == "ok" else errors).append(value)
             else:
-                errors.append(f"rank {r}: no result (exit code {procs[r].exitcode})")
+                errors.append(f"rank {r}: no result (exit code {procs[r].exitcode}; killed after a peer failed or timed out)"
+                              if failed else f"rank {r}: no result (exit code {procs[r].exitcode})")
         if failed or errors:
             raise RuntimeError(f"distributed run failed ({failed or 'error'}):\n" + "\n".join(map(str, errors)))
         return results
