@@ -16,7 +16,10 @@ from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlparse
 
-__all__ = ["FROM_ENV", "FaultTolerance", "GROUP_ENV", "LIGHTHOUSE_ENV", "check_lighthouse_reachable", "require_torchft"]
+__all__ = [
+    "FROM_ENV", "FaultTolerance", "GROUP_ENV", "LIGHTHOUSE_ENV", "check_accumulation_mode", "check_lighthouse_reachable",
+    "require_torchft",
+]
 
 #: torchft's own environment variable naming the lighthouse (``http://host:port``).
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
@@ -256,3 +259,29 @@ def check_lighthouse_reachable(address: str, timeout: float) -> None:
                 f"(lighthouse=... or {LIGHTHOUSE_ENV}) and that the port is open, or raise connect_timeout."
             )
         time.sleep(0.1)
+
+
+def check_accumulation_mode(mode: str, accumulate_grad_batches: int | None = None) -> None:
+    """Refuse accumulation windows whose non-final micro-batches would communicate under fault tolerance.
+
+    torchft's cross-group average runs in FSDP2's all-reduce hook, after every reduce-scatter; only
+    ``accumulation_mode="skip"`` (no reduce-scatter before the window's last micro-batch) makes it
+    run once per window, on the window's whole gradient, so that a group lost mid-window leaves the
+    window uncommitted rather than partly averaged.
+
+    Args:
+        mode: the strategy's accumulation mode.
+        accumulate_grad_batches: the Trainer's window (1: nothing accumulates, any mode is fine);
+            None: not known yet (the strategy's construction), checked as if accumulating.
+
+    Raises:
+        ValueError: for a mode other than ``"skip"`` where a window accumulates.
+    """
+    if mode == "skip" or (accumulate_grad_batches is not None and accumulate_grad_batches <= 1):
+        return
+    window = "" if accumulate_grad_batches is None else f" with accumulate_grad_batches={accumulate_grad_batches}"
+    raise ValueError(
+        f"fault_tolerance{window} needs accumulation_mode='skip' (the cross-group average once per accumulation window, "
+        f"on the whole window's gradient); got accumulation_mode={mode!r}. Set HSDPStrategy(accumulation_mode='skip') "
+        f"and keep it during fit (GradientAccumulationSync changes it)."
+    )

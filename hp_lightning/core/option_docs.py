@@ -209,8 +209,8 @@ FIELD_DOCS: dict[str, str] = {
         '"num_replica_groups": 2}``), or ``"env"``: read ``HP_FT_REPLICA_GROUP``, '
         '``HP_FT_NUM_REPLICA_GROUPS`` (and ``HP_FT_MIN_REPLICAS``) when the strategy is built, so one config '
         'serves every group (the registered name ``hsdp_ft``). Not yet with TP, EP, PP, a 2-D mesh or '
-        '``replicate_params``. Cost: a quorum and a commit vote per optimizer step (see '
-        '``docs/fault-tolerance.md``).'
+        '``replicate_params``; needs ``accumulation_mode="skip"`` (one cross-group average per accumulation '
+        'window). Cost: a quorum and a commit vote per optimizer step (see ``docs/fault-tolerance.md``).'
     ),
     'pipeline_split_points': (
         'Module names where stages 1, 2, ... start (``["net.blocks.2"]``); ``P x V - 1`` of them, in the '

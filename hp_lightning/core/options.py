@@ -40,7 +40,7 @@ from typing import Any, Literal, Optional, Union
 from hp_lightning.core.accumulation import check_mode
 from hp_lightning.core.checks import REDUCE_OPS, check_schedule, parse_dtype, validate_scaling_factor, validate_split_points, validate_tp_plan
 from hp_lightning.core.checks import SCHEDULES as PIPELINE_SCHEDULES
-from hp_lightning.core.fault_tolerance import FaultTolerance
+from hp_lightning.core.fault_tolerance import FaultTolerance, check_accumulation_mode
 from hp_lightning.core.mesh import MeshLayout, resolve_layout, validate_mesh_shape, validate_parallel_sizes
 from hp_lightning.core.option_docs import FIELD_DOCS
 from hp_lightning.core.units import validate_unit_specs
@@ -459,7 +459,8 @@ class FaultOptions(_OptionGroup):
     (``{"replica_group": 0, "num_replica_groups": 2}``), or ``"env"``: read ``HP_FT_REPLICA_GROUP``,
     ``HP_FT_NUM_REPLICA_GROUPS`` (and ``HP_FT_MIN_REPLICAS``) when the strategy is built, so one
     config serves every group (the registered name ``hsdp_ft``). Not yet with TP, EP, PP, a 2-D
-    mesh or ``replicate_params``. Cost: a quorum and a commit vote per optimizer step (see
+    mesh or ``replicate_params``; needs ``accumulation_mode="skip"`` (one cross-group average per
+    accumulation window). Cost: a quorum and a commit vote per optimizer step (see
     ``docs/fault-tolerance.md``)."""
 
     def _normalize(self, done: Mapping[str, Any]) -> dict[str, Any]:
@@ -493,6 +494,7 @@ def _check_fault_tolerance(value: Any, done: Mapping[str, Any]) -> Optional[Faul
             f"groups through torchft; it does not support {', '.join(composed)} yet. Drop those (one replica group per "
             f"job, mesh_shape=None or [-1]), or train without fault_tolerance."
         )
+    check_accumulation_mode(done.get("accumulation_mode", "skip"))
     return config
 
 

@@ -218,8 +218,8 @@ class TrainerConstructor(StrategyCore):
                 :class:`~hp_lightning.ft.FaultTolerance`'s fields (``{"replica_group": 0, "num_replica_groups": 2}``), or
                 ``"env"``: read ``HP_FT_REPLICA_GROUP``, ``HP_FT_NUM_REPLICA_GROUPS`` (and ``HP_FT_MIN_REPLICAS``) when the
                 strategy is built, so one config serves every group (the registered name ``hsdp_ft``). Not yet with TP, EP,
-                PP, a 2-D mesh or ``replicate_params``. Cost: a quorum and a commit vote per optimizer step (see
-                ``docs/fault-tolerance.md``).
+                PP, a 2-D mesh or ``replicate_params``; needs ``accumulation_mode="skip"`` (one cross-group average per
+                accumulation window). Cost: a quorum and a commit vote per optimizer step (see ``docs/fault-tolerance.md``).
             pipeline_split_points: Module names where stages 1, 2, ... start (``["net.blocks.2"]``); ``P x V - 1`` of
                 them, in the model's order. ``"auto"`` (also what ``None`` means under a pipeline): cut the model's list of
                 blocks (a decoder's ``layers``, a GPT's ``blocks``) so that the largest stage holds the fewest parameter
@@ -494,8 +494,8 @@ class FabricConstructor(StrategyCore):
                 :class:`~hp_lightning.ft.FaultTolerance`'s fields (``{"replica_group": 0, "num_replica_groups": 2}``), or
                 ``"env"``: read ``HP_FT_REPLICA_GROUP``, ``HP_FT_NUM_REPLICA_GROUPS`` (and ``HP_FT_MIN_REPLICAS``) when the
                 strategy is built, so one config serves every group (the registered name ``hsdp_ft``). Not yet with TP, EP,
-                PP, a 2-D mesh or ``replicate_params``. Cost: a quorum and a commit vote per optimizer step (see
-                ``docs/fault-tolerance.md``).
+                PP, a 2-D mesh or ``replicate_params``; needs ``accumulation_mode="skip"`` (one cross-group average per
+                accumulation window). Cost: a quorum and a commit vote per optimizer step (see ``docs/fault-tolerance.md``).
             pipeline_split_points: Module names where stages 1, 2, ... start (``["net.blocks.2"]``); ``P x V - 1`` of
                 them, in the model's order. ``"auto"`` (also what ``None`` means under a pipeline): cut the model's list of
                 blocks (a decoder's ``layers``, a GPT's ``blocks``) so that the largest stage holds the fewest parameter

@@ -44,6 +44,7 @@ from hp_lightning._lightning_private import PathLike, all_gather_ddp_if_availabl
 from hp_lightning.checkpoint import AsyncSaves
 from hp_lightning.core import agreement, devices, watchdog
 from hp_lightning.core.accumulation import check_mode, no_gradient_sync
+from hp_lightning.core.fault_tolerance import check_accumulation_mode
 from hp_lightning.core.introspection import ShardingSummary, summarize, units_in_order
 from hp_lightning.core.materialize import meta_init_context
 from hp_lightning.core.mesh import MeshLayout, ParallelMesh, build_parallel_mesh, describe, set_collective_timeout
@@ -431,10 +432,15 @@ class StrategyCore:
         The API :class:`~hp_lightning.callbacks.GradientAccumulationSync` calls.
 
         Raises:
-            TypeError / ValueError: for anything but one of the three mode strings.
+            TypeError / ValueError: for anything but one of the three mode strings; under
+                ``fault_tolerance`` for anything but ``"skip"`` (torchft's cross-group average must
+                run once per window, on the window's whole gradient).
         """
         previous = self._accumulation_mode
-        self._accumulation_mode = check_mode(mode, "HSDPStrategy.set_accumulation_mode(...)")
+        checked = check_mode(mode, "HSDPStrategy.set_accumulation_mode(...)")
+        if self.fault_tolerance_config is not None:
+            check_accumulation_mode(checked)
+        self._accumulation_mode = checked
         return previous
 
     def _non_final_micro_batch(self, module: nn.Module) -> AbstractContextManager:

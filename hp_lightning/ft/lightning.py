@@ -5,20 +5,23 @@ Each replica group is one Lightning job whose strategy shards over the group's r
 callback then wires the sharded module and its optimizer to torchft (:class:`FaultTolerantHSDP`)
 and keeps Lightning's own bookkeeping in step with the commit decision:
 
-- ``on_train_batch_start``: join the quorum (a returning group heals here), snapshot the LR
-  schedulers;
-- the optimizer's ``step(closure)`` runs Lightning's closure (forward, backward: the cross-group
-  average happens in FSDP2's all-reduce hook), then votes and steps the real optimizer only if
-  committed; after a vote that did not commit it takes back the optimizer step Lightning is
-  counting, before Lightning completes it, so ``trainer.global_step`` equals torchft's step in
-  every later hook;
-- ``on_train_batch_end``: after an uncommitted step, the schedulers go back to the snapshot
-  (Lightning steps them after the optimizer step, where no hook runs in between). The uncommitted
-  step's batch is not trained again (torchft's semantics), said in one info line.
+- the first micro-batch of each optimizer step (each accumulation window): join the quorum (a
+  returning group heals here), snapshot the LR schedulers;
+- the non-final micro-batches of a window communicate nothing (``accumulation_mode="skip"``,
+  required): their gradients stay local;
+- the optimizer's ``step(closure)`` (the window's last micro-batch) runs Lightning's closure
+  (forward, backward: the reduce-scatter in the group, then the cross-group average in FSDP2's
+  all-reduce hook, once per window), then votes and steps the real optimizer only if committed;
+  after a vote that did not commit it takes back the optimizer step Lightning is counting, before
+  Lightning completes it, so ``trainer.global_step`` equals torchft's step in every later hook;
+- ``on_train_batch_end`` of the window's last micro-batch: after an uncommitted step, the
+  schedulers go back to the snapshot (Lightning steps them after the optimizer step, where no hook
+  runs in between). The uncommitted window's batches are not trained again (torchft's
+  semantics), said in one info line.
 
 Healed with the weights: optimizer state, LR schedulers and ``trainer.global_step``. Requirements,
-checked at fit start (refused with a message otherwise): automatic optimization, one optimizer,
-``accumulate_grad_batches=1``. Data:
+checked at fit start (refused with a message otherwise): automatic optimization, one optimizer and,
+with ``accumulate_grad_batches > 1``, the strategy's ``accumulation_mode="skip"``. Data:
 Lightning's loader prefetches a batch before the quorum is known, so the Trainer path splits data
 by the *fixed* replica group (:func:`replica_group_sampler`, torchft's semantics: a dead group's
 share is skipped while it is down), not by participants as :class:`ParticipantBatches` does.
@@ -35,6 +38,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
+from hp_lightning.core.fault_tolerance import check_accumulation_mode
 from hp_lightning.ft.config import FaultTolerance
 from hp_lightning.ft.data import PositionedLoader
 from hp_lightning.ft.engine import FaultTolerantHSDP, Participation
@@ -58,6 +62,8 @@ class CommittingOptimizer(torch.optim.Optimizer):
         #: Called right after a vote that did not commit, before the caller counts the step.
         self.on_uncommitted = on_uncommitted
         self.last_committed: bool | None = None
+        #: Whether a vote ran since the owner last cleared it (the end of an accumulation window).
+        self.voted = False
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]  # read-only view of the wrapped optimizer's
@@ -94,6 +100,7 @@ class CommittingOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self.last_committed = self.ft.commit()
+        self.voted = True
         if not self.last_committed and self.on_uncommitted is not None:
             self.on_uncommitted()
         return loss
@@ -242,18 +249,16 @@ class FaultToleranceCallback(Callback):
         self.final_step: int | None = None
         #: The current step's quorum (set at each batch start): what a module may log or split by.
         self.participation: Participation | None = None
-        #: (epoch, in-epoch batch index) of every training step this group ran, in order.
+        #: (epoch, in-epoch batch index) of every training batch (micro-batch) this group ran, in order.
         self.positions: list[tuple[int, int]] = []
+        #: The current batch's place in its accumulation window (0: the quorum ran at it).
+        self.micro_batch = -1
 
     @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not pl_module.automatic_optimization:
             raise ValueError("fault_tolerance supports automatic optimization only; set automatic_optimization=True.")
-        if trainer.accumulate_grad_batches != 1:
-            raise ValueError(
-                f"fault_tolerance commits once per batch; got accumulate_grad_batches={trainer.accumulate_grad_batches}. "
-                f"Use accumulate_grad_batches=1 (a larger per-rank batch) with fault tolerance for now."
-            )
+        check_accumulation_mode(getattr(trainer.strategy, "accumulation_mode", "skip"), trainer.accumulate_grad_batches)
         if len(trainer.optimizers) != 1:
             raise ValueError(f"fault_tolerance expects exactly one optimizer; got {len(trainer.optimizers)}.")
         schedulers = _SchedulersState(trainer)
@@ -273,10 +278,13 @@ class FaultToleranceCallback(Callback):
         trainer.strategy.optimizers = [self._optimizer]
 
     def before_batch(self, trainer: Trainer, batch: Any) -> Any:
-        """Join this step's quorum (healing if behind) and return the batch the quorum's data position names.
+        """Return the batch the quorum's data position names; at a window's first micro-batch join the quorum first.
 
-        Called once per training batch before it moves to the device. Normally the batch in hand is
-        that batch; right after a heal it is re-read from the dataset (and the loader continues after it).
+        Called once per training batch (micro-batch) before it moves to the device. The quorum (and
+        with it a returning group's heal) runs once per optimizer step, at the first micro-batch of
+        its accumulation window; the data position advances every micro-batch. Normally the batch in
+        hand is that batch; right after a heal it is re-read from the dataset (and the loader
+        continues after it).
         """
         assert self.ft is not None
         held = self._held_position(trainer)
@@ -287,11 +295,14 @@ class FaultToleranceCallback(Callback):
             if held is not None:
                 self._data.epoch, self._data.index = held[0], held[1] - 1
         self._data.advance(trainer.current_epoch)
-        previous = self.participation
-        self.participation = self.ft.begin_step()  # a returning group's counters, data position, weights heal here
-        _log_participation(previous, self.participation)
-        self._in_step = True
-        self._schedulers_before = self._schedulers.state_dict()
+        self.micro_batch += 1
+        if not self._in_step:  # the first micro-batch of an optimizer step's window
+            self.micro_batch = 0
+            previous = self.participation
+            self.participation = self.ft.begin_step()  # a returning group's counters, data position, weights heal here
+            _log_participation(previous, self.participation)
+            self._in_step = True
+            self._schedulers_before = self._schedulers.state_dict()
         position = (self._data.epoch, self._data.index)
         self.positions.append(position)
         if held is None or held == position:
@@ -326,6 +337,7 @@ class FaultToleranceCallback(Callback):
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         if not self._in_step:  # added by hand, without the strategy's option: no data healing
             assert self.ft is not None
+            self.micro_batch = 0
             self.participation = self.ft.begin_step()
             self._in_step = True
             self._schedulers_before = self._schedulers.state_dict()
@@ -345,16 +357,21 @@ class FaultToleranceCallback(Callback):
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         assert self._optimizer is not None
+        if not self._optimizer.voted:  # a non-final micro-batch: the window goes on
+            return
+        self._optimizer.voted = False
         self._in_step = False
         if self._optimizer.last_committed is False:
             # Not applied: Lightning stepped its schedulers after the step; take that back (the step
             # counter was taken back inside the step already, see _uncount_step).
             assert self._schedulers_before is not None
             self._schedulers.load_state_dict(self._schedulers_before)
+            window = trainer.accumulate_grad_batches
+            batches = "its batch" if window == 1 else f"the {window} batches of its window up to"
             rank_zero_info(
-                f"fault_tolerance: step {trainer.global_step} was not committed (a replica group failed during it); its "
-                f"batch (epoch {self._data.epoch}, index {self._data.index}) is not trained again, as with torchft's own "
-                f"sampler: this epoch ends one optimizer step early."
+                f"fault_tolerance: step {trainer.global_step} was not committed (a replica group failed during it); "
+                f"{batches} (epoch {self._data.epoch}, index {self._data.index}) are not trained again, as with torchft's "
+                f"own sampler: this epoch ends one optimizer step early."
             )
 
     @override

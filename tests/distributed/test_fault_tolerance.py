@@ -170,7 +170,8 @@ def _lightning_rank(group: int, group_rank: int, lighthouse: str, out_dir: str, 
     Plain ``DataLoader`` (Lightning injects the replica-aware sampler). ``max_steps`` given: a
     ``ModelCheckpoint`` every 2 steps into the shared ``ckpt`` folder. ``max_steps=None``: an LR
     scheduler too, progress lines for the harness, and stop at the step the harness writes into
-    ``stop_at``.
+    ``stop_at``. ``accumulate_grad_batches`` is the number in the ``accumulate`` file (default 1);
+    progress lines are written at each window's end.
     """
     from lightning.pytorch import Callback, Trainer, seed_everything
     from lightning.pytorch.callbacks import ModelCheckpoint
@@ -207,9 +208,10 @@ def _lightning_rank(group: int, group_rank: int, lighthouse: str, out_dir: str, 
 
         def on_before_backward(self, trainer, pl_module, loss):
             self._check(trainer, "on_before_backward")
-            if (group, group_rank) == (1, 1) and (Path(out_dir) / "kill_in_backward").exists():
-                # Mid-step, before this group's gradients reach the cross-group all-reduce: the
-                # survivor's step cannot commit (its uncommitted step is then certain, not luck).
+            if ((group, group_rank) == (1, 1) and (Path(out_dir) / "kill_in_backward").exists()
+                    and trainer.strategy.fault_tolerance.micro_batch == 0):
+                # Mid-step (with accumulation: mid-window), before this group's gradients reach the
+                # cross-group all-reduce: the survivor's step cannot commit (certain, not luck).
                 os.kill(os.getpid(), signal.SIGKILL)
 
         def on_after_backward(self, trainer, pl_module):
@@ -221,6 +223,8 @@ def _lightning_rank(group: int, group_rank: int, lighthouse: str, out_dir: str, 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             self._check(trainer, "on_train_batch_end")
             ft = trainer.strategy.fault_tolerance
+            if ft.micro_batch != accumulate - 1:
+                return  # inside the window
             with open(progress_path, "a") as f:
                 f.write(json.dumps({"step": trainer.global_step, "participants": ft.participation.count,
                                     "committed": ft.last_committed, "position": ft.positions[-1],
@@ -232,6 +236,23 @@ def _lightning_rank(group: int, group_rank: int, lighthouse: str, out_dir: str, 
             if stop_file.exists() and trainer.global_step >= int(stop_file.read_text()):
                 trainer.should_stop = True
 
+    class CountCrossGroupAllReduces(Callback):
+        """Counts torchft's ``Manager.allreduce`` calls (the cross-group average) from the first step on."""
+
+        calls = 0
+
+        def on_train_start(self, trainer, pl_module):
+            manager = trainer.strategy.fault_tolerance.ft.manager
+            allreduce = manager.allreduce
+
+            def counted(*args, **kwargs):
+                CountCrossGroupAllReduces.calls += 1
+                return allreduce(*args, **kwargs)
+
+            manager.allreduce = counted
+
+    accumulate_file = Path(out_dir) / "accumulate"
+    accumulate = int(accumulate_file.read_text()) if accumulate_file.exists() else 1
     config = {"replica_group": group, "num_replica_groups": 2, "min_replicas": min_replicas, "lighthouse": lighthouse,
               "quorum_timeout": 30.0, "timeout": FT_TIMEOUT, "connect_timeout": 10.0}
     seed_everything(0)
@@ -242,17 +263,30 @@ def _lightning_rank(group: int, group_rank: int, lighthouse: str, out_dir: str, 
     ckpt_path = resume_file.read_text() if resume_file.exists() else None
     folder = Path(out_dir) / ("ckpt" if ckpt_path is None else "ckpt_resumed")
     link = HarnessLink()
-    callbacks = [link] if scheduled else [ModelCheckpoint(dirpath=folder, every_n_train_steps=2, save_top_k=-1)]
+    callbacks = [link] if scheduled else [ModelCheckpoint(dirpath=folder, every_n_train_steps=2, save_top_k=-1),
+                                          CountCrossGroupAllReduces()]
     trainer = Trainer(devices=GROUP_WORLD, strategy=hp_lightning.HSDPStrategy(fault_tolerance=config),
-                      max_steps=max_steps or 10_000, callbacks=callbacks,
+                      max_steps=max_steps or 10_000, callbacks=callbacks, accumulate_grad_batches=accumulate,
                       **trainer_kwargs(enable_checkpointing=not scheduled))
     trainer.fit(model, data, ckpt_path=ckpt_path)
     ft = trainer.strategy.fault_tolerance
     out = {"full": full_params(model), "global_step": trainer.global_step, "ft_step": ft.final_step,
            "state": _local_state(model, trainer.optimizers[0]), "positions": ft.positions,
            "epoch": trainer.current_epoch, "lr": [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs],
-           "steps_off": link.steps_off, "healed_at": link.healed_at}
+           "steps_off": link.steps_off, "healed_at": link.healed_at,
+           "cross_group_allreduces": CountCrossGroupAllReduces.calls, "units_with_params": _units_with_params(model)}
     return out
+
+
+def _units_with_params(model: torch.nn.Module) -> int:
+    """FSDP2 units that own parameters (each reduce-scatters, then runs its all-reduce hook, once per sync)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    owned = 0
+    for unit in (m for m in model.modules() if isinstance(m, FSDPModule)):
+        nested = {id(p) for inner in unit.modules() if inner is not unit and isinstance(inner, FSDPModule) for p in inner.parameters()}
+        owned += any(id(p) not in nested for p in unit.parameters())
+    return owned
 
 
 def _fabric_rank(group: int, group_rank: int, lighthouse: str, out_dir: str, max_steps: int | None,
@@ -521,7 +555,10 @@ def _first_sample(group: int, rank: int, epoch: int, index: int) -> float:
 
 
 def test_lightning_sigkill_counters_schedulers_and_data_agree_after_heal(tmp_path: Path) -> None:
-    """The same under Lightning: global_step, loop progress, LR scheduler, data position and weights heal."""
+    """The same under Lightning with accumulation windows of 2: the kill lands mid-window (the victim's
+    first micro-batch); global_step, loop progress, LR scheduler, data position and weights heal."""
+    accumulate = 2
+    (tmp_path / "accumulate").write_text(str(accumulate))
     results, _, _, stop_at = _kill_and_heal(tmp_path, _lightning_group_rank_main, mid_step=True)
     for rank in range(GROUP_WORLD):
         survivor, healed = results[(0, rank)], results[(1, rank)]
@@ -542,7 +579,10 @@ def test_lightning_sigkill_counters_schedulers_and_data_agree_after_heal(tmp_pat
         for before, after in zip(positions, positions[1:]):
             assert after == ((before[0], before[1] + 1) if before[1] + 1 < BATCHES_PER_EPOCH else (before[0] + 1, 0)), positions
     lines = [json.loads(x) for x in (tmp_path / "progress_g0_r0.jsonl").read_text().splitlines() if x.strip()]
-    assert any(line["committed"] is False for line in lines), "the survivor's step during the mid-step kill committed"
+    assert any(line["committed"] is False for line in lines), "the survivor's window during the mid-window kill committed"
+    # Every window, committed or not, read exactly `accumulate` batches; only the committed ones count.
+    assert len(results[(0, 0)]["positions"]) == accumulate * len(lines), (len(results[(0, 0)]["positions"]), len(lines))
+    assert sum(1 for line in lines if line["committed"]) == stop_at, lines
     progress = {(g, r): _progress_by_step(tmp_path, g, r) for g in (0, 1) for r in range(GROUP_WORLD)}
     for rank in range(GROUP_WORLD):
         survivor, restarted = progress[(0, rank)], progress[(1, rank)]
@@ -566,7 +606,7 @@ def _progress_by_step(out_dir: Path, group: int, rank: int) -> dict[int, dict]:
     return {line["step"]: line for line in lines if line["committed"]}
 
 
-def _plain_hsdp(ckpt: str | None, steps: int) -> dict:
+def _plain_hsdp(ckpt: str | None, steps: int, accumulate: int = 1) -> dict:
     """Plain HSDP 2x2 (no fault tolerance) with Lightning's own sampler, from scratch or from ``ckpt``."""
     from lightning.pytorch import Trainer, seed_everything
 
@@ -577,9 +617,32 @@ def _plain_hsdp(ckpt: str | None, steps: int) -> dict:
     seed_everything(0)
     model = RegressionModule()
     strategy = hp_lightning.HSDPStrategy(mesh_shape=[2, 2], resumable_dataloaders=True)
-    trainer = Trainer(devices=4, strategy=strategy, max_steps=steps, **trainer_kwargs())
+    trainer = Trainer(devices=4, strategy=strategy, max_steps=steps, accumulate_grad_batches=accumulate, **trainer_kwargs())
     trainer.fit(model, loader(make_dataset(), PARITY_BATCH // 4), ckpt_path=ckpt)
     return {"params": full_params(model), "global_step": trainer.global_step}
+
+
+def test_lightning_accumulation_windows_equal_plain_hsdp_with_one_cross_group_average_per_window(tmp_path: Path) -> None:
+    """accumulate_grad_batches=4 in two Lightning replica groups == Lightning HSDP 2x2 with the same
+    windows; torchft's all-reduce runs once per unit and window (counted at the Manager's call)."""
+    steps, accumulate = 2, 4
+    reference = run_distributed(_plain_hsdp, 4, None, steps, accumulate)[0]["params"]
+    (tmp_path / "accumulate").write_text(str(accumulate))
+    cluster = _Cluster(tmp_path, min_replicas=2)
+    try:
+        cluster.start_group(0, steps, _lightning_group_rank_main)
+        cluster.start_group(1, steps, _lightning_group_rank_main)
+        results = cluster.join_all(timeout=180)
+    finally:
+        cluster.close()
+    for (group, rank), out in results.items():
+        assert out["global_step"] == out["ft_step"] == steps, (group, rank, out["global_step"], out["ft_step"])
+        assert [tuple(p) for p in out["positions"]] == [(e, i) for e in range(2) for i in range(BATCHES_PER_EPOCH)], out["positions"]
+        assert out["units_with_params"] > 1, out["units_with_params"]
+        assert out["cross_group_allreduces"] == out["units_with_params"] * steps, (out["cross_group_allreduces"], out["units_with_params"])
+        diff = max_rel_diff(out["full"], reference)
+        assert diff <= 1e-5, f"group {group} rank {rank}: max relative difference to Lightning HSDP 2x2 (k=4) {diff:.3g}"
+        _assert_bit_identical(out["state"], results[(1 - group, rank)]["state"], f"g{group}r{rank}")
 
 
 def test_lightning_trainer_groups_equal_plain_hsdp_and_checkpoint_resumes_in_plain_hsdp(tmp_path: Path) -> None:

@@ -218,14 +218,31 @@ def test_strategy_option_from_a_dict_env_or_registered_name(monkeypatch: pytest.
         ({"expert_parallel_size": 2}, "expert_parallel_size=2"),
         ({"mesh_shape": [2, 2]}, r"mesh_shape=\[2, 2\]"),
         ({"replicate_params": ["*.bias"]}, "replicate_params"),
+        ({"accumulation_mode": "every"}, "accumulation_mode='skip'.*got accumulation_mode='every'"),
+        ({"accumulation_mode": "defer_all_reduce"}, "got accumulation_mode='defer_all_reduce'"),
     ],
 )
 def test_strategy_option_refuses_what_torchft_cannot_serve(kwargs, named) -> None:
     import hp_lightning
+    from hp_lightning.fabric import HSDPFabricStrategy
 
-    with pytest.raises(ValueError, match=f"fault_tolerance.*{named}"):
-        hp_lightning.HSDPStrategy(fault_tolerance={"replica_group": 0, "num_replica_groups": 2}, **kwargs)
-    hp_lightning.HSDPStrategy(fault_tolerance={"replica_group": 0, "num_replica_groups": 2}, mesh_shape=[1, 4])  # (1, n) is 1-D
+    ft = {"replica_group": 0, "num_replica_groups": 2}
+    for strategy in (hp_lightning.HSDPStrategy, HSDPFabricStrategy):
+        with pytest.raises(ValueError, match=f"fault_tolerance.*{named}"):
+            strategy(fault_tolerance=ft, **kwargs)
+    hp_lightning.HSDPStrategy(fault_tolerance=ft, mesh_shape=[1, 4])  # (1, n) is 1-D
+
+
+def test_accumulation_mode_cannot_leave_skip_during_fit_under_fault_tolerance() -> None:
+    """GradientAccumulationSync's API: refused at the call under fault tolerance, allowed without it."""
+    import hp_lightning
+
+    strategy = hp_lightning.HSDPStrategy(fault_tolerance={"replica_group": 0, "num_replica_groups": 2})
+    with pytest.raises(ValueError, match="fault_tolerance needs accumulation_mode='skip'.*got accumulation_mode='every'"):
+        strategy.set_accumulation_mode("every")
+    assert strategy.accumulation_mode == "skip"
+    assert strategy.set_accumulation_mode("skip") == "skip"
+    assert hp_lightning.HSDPStrategy().set_accumulation_mode("every") == "skip"
 
 
 def test_yaml_sets_the_option(tmp_path) -> None:
