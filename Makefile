@@ -17,9 +17,12 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
-# Lint and types first (seconds), then the whole suite; CI runs exactly this (.ci/run).
+# Lint and types first (seconds), then the whole suite on TEST_WORKERS pytest-xdist workers (0: one
+# process), a test file per work unit, the longest files first (tests/time_budget.py orders them);
+# CI runs exactly this (.ci/run).
+TEST_WORKERS ?= 2
 test: $(STAMP) lint
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
 
 lint: $(STAMP)
 	$(PY) -m ruff check hp_lightning

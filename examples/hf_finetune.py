@@ -5,9 +5,9 @@
     python -c "from transformers import AutoModelForCausalLM as M; M.from_pretrained('run/hf')"
 
 The model is built from the checkpoint's ``config.json`` in ``configure_model``, on the meta
-device (no memory, no initialization cost); the strategy shards it; ``load_weights`` then fills
-it from the Hugging Face directory in ``on_fit_start``, each rank reading only the rows of its
-own shards. After training, ``strategy.save_hf`` writes ``run/hf``: safetensors shards with
+device (no memory, no initialization cost), and ``load_weights`` names the Hugging Face directory
+right there: the strategy shards the model, allocates its shards without initializing what the
+directory holds and fills them from it, each rank reading only the rows of its own shards. After training, ``strategy.save_hf`` writes ``run/hf``: safetensors shards with
 ``model.safetensors.index.json`` and the config, every rank writing its own part. The sharded
 training checkpoint converts the same way offline:
 ``python -m hp_lightning.checkpoint export-hf run/last.ckpt run/hf-offline --prefix net. --config tiny-llama``.
@@ -74,15 +74,12 @@ class FineTune(pl.LightningModule):
 
     @override
     def configure_model(self) -> None:
-        if self.net is None:  # under HSDPStrategy this runs on the meta device: the weights come from on_fit_start
+        if self.net is None:  # under HSDPStrategy this runs on the meta device
             from transformers import AutoConfig, AutoModelForCausalLM
 
             self.net = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(self.hparams.pretrained))
-
-    @override
-    def on_fit_start(self) -> None:
-        # Every rank, after sharding: each reads only its own shards' rows of the safetensors files.
-        hp_lightning.load_weights(self, self.hparams.pretrained, prefix="net.")
+            # Read at setup, after sharding: each rank its own shards' rows; what it holds is never initialized.
+            hp_lightning.load_weights(self, self.hparams.pretrained, prefix="net.")
 
     @override
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:

@@ -43,6 +43,7 @@ from hp_lightning.checkpoint import layout
 from hp_lightning.checkpoint.collective import agree, on_every_rank, on_rank0, rank, warn_rank0
 from hp_lightning.checkpoint.layout import MODEL_KEY, CorruptCheckpointError, UnsafeCheckpointError
 from hp_lightning.checkpoint.read import read_full_file, read_sharded
+from hp_lightning.core.materialize.preloaded import awaits_materialization, defer_weights
 from hp_lightning.fully_shard.policies import parse_dtype
 
 __all__ = [
@@ -325,6 +326,53 @@ def _prefix_hint(module_keys: list[str], file_keys: list[str], prefix: str) -> s
     return ""
 
 
+class _DeferredLoad:
+    """:func:`load_hf_weights` on a module the strategy has not materialized yet: run by materialize, which
+    allocates the tensors it names and initializes only the others (:mod:`hp_lightning.core.materialize.preloaded`)."""
+
+    def __init__(self, module: nn.Module, path: Path, *, prefix: str, strict: bool, allow_cast: bool) -> None:
+        self.module, self.path = module, path
+        self.prefix, self.strict, self.allow_cast = prefix, strict, allow_cast
+
+    def covered(self) -> set[str]:
+        """The module keys the files fill (tied copies included), checked as the load will check them."""
+        source = repr(str(self.path))
+        elsewhere = set(self.module.__dict__.get("_hp_pipeline_elsewhere", ()))
+        entries = on_rank0(lambda: _inspect(self.path))
+        ties = _tie_groups(self.module)
+
+        def plan() -> set[str]:
+            # Names, shapes and dtypes only: the tensors are still on the meta device.
+            mapping, _, _ = _plan_load(
+                entries, self.module.state_dict(), ties, prefix=self.prefix, strict=self.strict, allow_cast=self.allow_cast,
+                elsewhere=elsewhere, source=source,
+            )
+            return set(mapping.values())
+
+        covered = on_every_rank(plan)
+        for group in ties:
+            if covered & set(group):
+                covered |= set(group)
+        return covered
+
+    def load(self) -> None:
+        load_hf_weights(self.module, self.path, prefix=self.prefix, strict=self.strict, allow_cast=self.allow_cast)
+
+
+def defer_until_materialized(module: nn.Module, path: Path, *, prefix: str = "", strict: bool = True, allow_cast: bool = False) -> bool:
+    """Leave the load to the strategy when ``module`` awaits its materialization (built on the meta device in
+    ``configure_model`` or ``init_module()``, not set up yet); returns whether it did.
+
+    The strategy then allocates the tensors the files hold without initializing them, initializes
+    only the rest (buffers such as rotary ``inv_freq``, a new head) and loads the files into them:
+    nothing is initialized to be overwritten. Nothing is read here.
+    """
+    if not awaits_materialization(module):
+        return False
+    defer_weights(module, _DeferredLoad(module, path, prefix=prefix, strict=strict, allow_cast=allow_cast))
+    return True
+
+
 def load_hf_weights(
     module: nn.Module,
     path: Path,
@@ -373,8 +421,9 @@ def load_hf_weights(
         if on_meta:
             raise ValueError(
                 f"load_weights({source}): the module is still on the meta device ({on_meta[:4]}); loading into it would "
-                f"keep nothing. Call it once the strategy has sharded and materialized the model (on_fit_start, or after "
-                f"fabric.setup), or materialize it yourself first (module.to_empty(device=...))."
+                f"keep nothing. Call it in configure_model (Trainer) or before fabric.setup, on the model built there by "
+                f"HSDPStrategy, so that the strategy loads it while materializing; or once it has sharded and materialized "
+                f"the model (on_fit_start, or after fabric.setup); or materialize it yourself first (module.to_empty(device=...))."
             )
         return _plan_load(
             entries, module_state, _tie_groups(module), prefix=prefix, strict=strict, allow_cast=allow_cast, elsewhere=elsewhere, source=source

@@ -482,8 +482,11 @@ def load_weights(
     (``model.safetensors`` or shards with ``model.safetensors.index.json``); for a single file only
     rank 0 reads it and the others receive each tensor by broadcast; a Hugging Face directory is
     read by every rank, each its own slices (:func:`hp_lightning.checkpoint.hf.load_hf_weights`).
-    Call it on every rank once the model is sharded, e.g. in ``LightningModule.on_fit_start``.
-    Optimizer and trainer state are not touched.
+    Call it on every rank once the model is sharded, e.g. in ``LightningModule.on_fit_start``; a
+    Hugging Face directory may also be named earlier, on the model ``configure_model`` (or Fabric's
+    ``init_module()``) built on the meta device: the strategy then loads it while materializing the
+    model, and the tensors it holds are never initialized (only the others are, e.g. rotary
+    buffers). Optimizer and trainer state are not touched.
 
     Args:
         module: the module to fill, e.g. ``self`` or ``self.backbone``.
@@ -505,7 +508,8 @@ def load_weights(
     path = Path(path)
     module = _unwrapped(module)
     if on_rank0(lambda: hf.is_hf_directory(path)):
-        hf.load_hf_weights(module, path, prefix=prefix, strict=strict, allow_cast=allow_cast)
+        if not hf.defer_until_materialized(module, path, prefix=prefix, strict=strict, allow_cast=allow_cast):
+            hf.load_hf_weights(module, path, prefix=prefix, strict=strict, allow_cast=allow_cast)
         return
     kind = on_rank0(lambda: layout.classify(path))
     if kind is CheckpointKind.FULL_FILE:

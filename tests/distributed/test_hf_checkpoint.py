@@ -172,6 +172,34 @@ class CountingOpen:
         return Handle()
 
 
+class CountRandomInit:
+    """Counts random-number operators (``normal_``, ``uniform_``, ...) on real tensors while active: the
+    initialization a model built for real runs, and one built on the meta device does not."""
+
+    RANDOM = ("normal", "uniform", "random", "bernoulli", "randn", "rand", "randint", "randperm", "exponential", "cauchy", "geometric", "log_normal")
+
+    def __enter__(self) -> CountRandomInit:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counter = self
+        self.count = 0
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+                name = func.__name__.split(".")[0].rstrip("_")
+                tensors = [a for a in args if isinstance(a, torch.Tensor)]
+                if name in counter.RANDOM and not all(t.is_meta for t in tensors):
+                    counter.count += 1
+                return func(*args, **(kwargs or {}))
+
+        self.mode = Mode()
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.mode.__exit__(*exc)
+
+
 # ---------------------------------------------------------------- the ranks
 
 
@@ -187,16 +215,19 @@ def run_case(kind: str, layout: str, dirs: dict[str, str], root: str) -> dict[st
     with fabric.init_module(empty_init=True):
         model = model_class(kind)(config(kind))
     on_meta = all(p.is_meta for p in model.parameters())
-    model = fabric.setup_module(model)
     counting = CountingOpen(safetensors.safe_open)
     safetensors.safe_open = counting
     try:
+        # Named before setup: the strategy loads it while materializing, without initializing what it loads.
         hp_lightning.load_weights(model, dirs[kind])
+        with CountRandomInit() as random_init:
+            model = fabric.setup_module(model)
     finally:
         safetensors.safe_open = counting.original
     inner = model.module
     out: dict[str, Any] = {
         "on_meta": on_meta,
+        "random_init_ops": random_init.count,
         "read_bytes": counting.total,
         "own_bytes": local_nbytes(inner),
         "loaded": {n: full(p) for n, p in inner.state_dict().items()},
@@ -225,22 +256,28 @@ def run_case(kind: str, layout: str, dirs: dict[str, str], root: str) -> dict[st
 
 
 class PipelinedLM(pl.LightningModule):
-    """The Trainer way: built in ``configure_model`` (meta device), HF weights loaded in ``on_fit_start``."""
+    """The Trainer way: built in ``configure_model`` (meta device); HF weights named right there (the strategy
+    loads them while materializing) or loaded in ``on_fit_start`` into the materialized model."""
 
-    def __init__(self, kind: str, hf_dir: str) -> None:
+    def __init__(self, kind: str, hf_dir: str, load_in_configure_model: bool) -> None:
         super().__init__()
-        self.kind, self.hf_dir = kind, hf_dir
+        self.kind, self.hf_dir, self.load_in_configure_model = kind, hf_dir, load_in_configure_model
         self.net: Optional[torch.nn.Module] = None
         self.losses: list[float] = []
 
     def configure_model(self) -> None:
+        import hp_lightning
+
         if self.net is None:
             self.net = model_class(self.kind)(config(self.kind))
+            if self.load_in_configure_model:
+                hp_lightning.load_weights(self, self.hf_dir, prefix="net.")
 
     def on_fit_start(self) -> None:
         import hp_lightning
 
-        hp_lightning.load_weights(self, self.hf_dir, prefix="net.")  # this stage's keys; the others' are elsewhere
+        if not self.load_in_configure_model:
+            hp_lightning.load_weights(self, self.hf_dir, prefix="net.")  # this stage's keys; the others' are elsewhere
         self.loaded = {n: full(p) for n, p in self.named_parameters()}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -282,7 +319,7 @@ def run_pipeline(kind: str, dirs: dict[str, str], root: str) -> dict[str, Any]:
 
     from hp_lightning import HSDPStrategy
 
-    module = PipelinedLM(kind, dirs[kind])
+    module = PipelinedLM(kind, dirs[kind], load_in_configure_model=kind == "llama_tied")
     strategy = HSDPStrategy(mesh_shape=[2], pipeline_parallel_size=2, pipeline_split_points=["net.model.layers.1"], pipeline_microbatches=2)
     trainer = Trainer(devices=4, strategy=strategy, max_steps=STEPS, accelerator="cpu", logger=False, enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
@@ -350,6 +387,9 @@ def test_load_equals_from_pretrained_and_trains_like_one_process(launch: dict[st
     ranks = [r[case] for r in launch["ranks"]]
     for rank, res in enumerate(ranks):
         assert res["on_meta"], "the model was not built on the meta device"
+        # load_weights before setup: nothing the files hold was initialized first (a real build draws
+        # random numbers for every weight: see test_random_init_counter_sees_a_real_build).
+        assert res["random_init_ops"] == 0, (rank, res["random_init_ops"])
         assert res["loaded"].keys() == expected["loaded"].keys()
         for name, value in expected["loaded"].items():
             assert torch.equal(res["loaded"][name], value), f"rank {rank}: {name} differs from from_pretrained"
@@ -358,6 +398,14 @@ def test_load_equals_from_pretrained_and_trains_like_one_process(launch: dict[st
         assert len(per_dp) == ranks[0]["dp_size"]
         mean = sum(per_dp.values()) / len(per_dp)
         assert mean == pytest.approx(expected["losses"][step], rel=1e-5, abs=1e-6), (case, step)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2", "mixtral"])
+def test_random_init_counter_sees_a_real_build(kind: str) -> None:
+    """The counter behind ``random_init_ops == 0`` above counts a real build's initialization."""
+    with CountRandomInit() as random_init:
+        model_class(kind)(config(kind))
+    assert random_init.count >= 4, random_init.count
 
 
 @pytest.mark.parametrize("case", [f"{k}/{layout}" for k, layout in CASES])
@@ -532,7 +580,8 @@ def test_outputs_never_replace_what_we_did_not_write(pretrained: dict[str, Path]
 
 @pytest.mark.parametrize("kind", ["llama", "llama_tied"])
 def test_pipeline_stages_load_their_own_layers_train_like_one_process_and_save_hf(launch: dict[str, Any], kind: str) -> None:
-    """PP 2 x FSDP 2 (Trainer, meta device, ``load_weights(self, dir, prefix="net.")`` in ``on_fit_start``)."""
+    """PP 2 x FSDP 2 (Trainer, meta device, ``load_weights(self, dir, prefix="net.")`` in ``on_fit_start`` (Llama) or
+    in ``configure_model``, before the strategy materializes the stage (tied Llama))."""
     model = model_class(kind).from_pretrained(launch["dirs"][kind])
     expected = {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}  # tied: both names
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)

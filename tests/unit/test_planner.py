@@ -228,7 +228,9 @@ def test_cpu_memory_method_separates_tensors_from_the_heap():
     finally:
         gc.unfreeze()  # _frozen_gc leaves the objects before it frozen (a measuring process's state); not this test session's
     assert tensors == size
-    assert size <= held < size + 2**20 and size <= peak < size + 2**20  # malloc's headers and Python's objects: well under 1 MiB
+    # Within 1 MiB either way: malloc's headers and Python's objects add, and a thread of the test runner
+    # (pytest-xdist's channel) may free buffers of its own meanwhile.
+    assert abs(held - size) < 2**20 and abs(peak - size) < 2**20, (held, peak, size)
     assert after < 2**20
     with pytest.raises(ValueError, match="at least 2 optimizer steps"):
         measure_rank(resolve_model(GPT, SMALL), {}, Cluster(nodes=1, devices=1), TINY, steps=1)

@@ -23,6 +23,7 @@ from hp_lightning.core.materialize.allocation import _agreed_rng_state, _allocat
 from hp_lightning.core.materialize.checks import _meta_slots, _uncovered_message, check_coverage, check_values
 from hp_lightning.core.materialize.full_tensors import _FullTensorWrites, _Slot
 from hp_lightning.core.materialize.ops import _DTENSOR_RANDOM_WARNING, _LINKS_ATTR, _local, _poison
+from hp_lightning.core.materialize.preloaded import meta_stand_ins, state_dict_name, take_pending_weights
 from hp_lightning.core.materialize.recording import _forget_construction, _Links
 from hp_lightning.core.materialize.replay import _Replay, _ReplayError
 from hp_lightning.core.materialize.rules import _hf_init_weights, _is_hf_pretrained, _root_hook, _rule_program, _Step
@@ -38,7 +39,8 @@ def materialize(model: nn.Module, mesh: DeviceMesh | ParallelMesh, init_device: 
     at their constructor positions (or the rules alone, for modules built on meta without a
     recording), rules for tensors the replay did not write, the LightningModule's
     ``init_weights()``, the value check (one all-reduce), and a broadcast of whole tensors from
-    rank 0. When the generator was not used since construction began, it is left where building
+    rank 0. Tensors a deferred ``load_weights`` fills (:mod:`.preloaded`) are allocated, left out
+    of the init program (meta-device stand-ins take its writes) and loaded after it. When the generator was not used since construction began, it is left where building
     the model for real would have left it.
 
     Args:
@@ -55,10 +57,19 @@ def materialize(model: nn.Module, mesh: DeviceMesh | ParallelMesh, init_device: 
         ValueError: a tensor no rule covers (before allocating), or a tensor still uninitialized
             or absurd afterwards; raised on every rank.
     """
+    pending = take_pending_weights(model)
     slots = _meta_slots(model)
     if not slots:
         _forget_construction(model)
+        if pending:
+            raise ValueError(
+                f"load_weights(...) was deferred to the materialization of {type(model).__name__}, but nothing of it is on the "
+                f"meta device any more; call load_weights after setup instead."
+            )
         return False
+    # Tensors a deferred load_weights fills: allocated, left out of initialization, then loaded.
+    preloaded = {f"{where}{name}" for where, source in pending for name in source.covered()}
+    to_init = [s for s in slots if state_dict_name(s.qualified) not in preloaded]
     links: _Links | None = model.__dict__.get(_LINKS_ATTR)
     if links is not None and links.record.broken:
         if not dist.is_initialized() or dist.get_rank() == 0:
@@ -71,14 +82,14 @@ def materialize(model: nn.Module, mesh: DeviceMesh | ParallelMesh, init_device: 
             )
         links = None
     root = _root_hook(model) if not _is_hf_pretrained(model) else None
-    check_coverage(model, slots, links, root is not None)
+    check_coverage(model, to_init, links, root is not None)
 
     _allocate(model, slots, init_device)
     start = links.record.rng_state if links is not None else torch.get_rng_state()
     agreed = _agreed_rng_state(start, mesh.device_type)
     untouched = torch.equal(torch.get_rng_state(), agreed)
 
-    originals = [s.get() for s in slots]
+    originals = [s.get() for s in to_init]
     sharded = {id(t): t for t in originals if isinstance(t, DTensor)}
     tracked = {t.untyped_storage().data_ptr(): t for t in originals if not isinstance(t, DTensor)}
     with ExitStack() as stack:
@@ -86,18 +97,21 @@ def materialize(model: nn.Module, mesh: DeviceMesh | ParallelMesh, init_device: 
         stack.enter_context(warnings.catch_warnings())
         warnings.filterwarnings("ignore", message=_DTENSOR_RANDOM_WARNING)
         stack.enter_context(torch.device(init_device))
+        stack.enter_context(meta_stand_ins(model, preloaded))
         writes = stack.enter_context(_FullTensorWrites(sharded, tracked))
         removed_storages = stack.enter_context(_units_put_back(model))
         if removed_storages:  # a pipeline stage: the other stages' units consume the generator as in the whole model
             stack.enter_context(_Discarded(removed_storages, init_device))
         torch.set_rng_state(agreed)
-        _run_program(model, slots, links, writes, root, agreed)
+        _run_program(model, to_init, links, writes, root, agreed, preloaded)
         writes.flush()
         final_state = torch.get_rng_state()
 
-    _adopt_replaced(slots, init_device)
+    _adopt_replaced(to_init, init_device)
+    for _, source in pending:
+        source.load()
     # A rule may also replace a buffer (``self.inv_freq = ...``): that writes it too.
-    unwritten = [s for s, t in zip(slots, originals) if s.get() is t and not writes.was_written(t)]
+    unwritten = [s for s, t in zip(to_init, originals) if s.get() is t and not writes.was_written(t)]
     if unwritten:
         raise ValueError(_uncovered_message(model, unwritten, after_rules=True))
     check_values(slots, group, mesh.device_type)
@@ -112,6 +126,16 @@ def materialize(model: nn.Module, mesh: DeviceMesh | ParallelMesh, init_device: 
     return True
 
 
+def _loaded_groups(model: nn.Module, links: _Links, loaded: set[str]) -> frozenset[int]:
+    """The recorded groups of the slots a deferred load fills (by state-dict name)."""
+    if not loaded:
+        return frozenset()
+    names = {id(m): f"{name}." if name else "" for name, m in model.named_modules()}
+    return frozenset(
+        group for group, (module, attr) in links.slots.items() if state_dict_name(f"{names.get(id(module), '')}{attr}") in loaded
+    )
+
+
 def _run_program(
     model: nn.Module,
     slots: Sequence[_Slot],
@@ -119,8 +143,11 @@ def _run_program(
     writes: _FullTensorWrites,
     root: _Step | None,
     rng_state: torch.Tensor,
+    loaded: set[str],
 ) -> None:
-    """Replay (or rules), then rules for what the replay left unwritten, then the root's hook."""
+    """Replay (or rules), then rules for what the replay left unwritten, then the root's hook.
+
+    ``loaded``: the names a deferred load fills; the replay leaves out what only they need."""
     if links is not None:
         hf_done: set[int] = set()
         in_model = {id(m) for m in model.modules()}
@@ -132,7 +159,7 @@ def _run_program(
                 _hf_init_weights(module)
 
         try:
-            _Replay(links, writes, on_marker).run()
+            _Replay(links, writes, on_marker, loaded=_loaded_groups(model, links, loaded)).run()
             if _is_hf_pretrained(model) and id(model) not in hf_done:
                 _hf_init_weights(model)
             leftover = {id(s.module) for s in slots if not writes.was_written(s.get())}

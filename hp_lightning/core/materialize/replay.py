@@ -26,12 +26,35 @@ class _Replay:
     plain tensors and freed after their last use.
     """
 
-    def __init__(self, links: _Links, modes: _FullTensorWrites, on_marker: Callable[[nn.Module], None]) -> None:
+    def __init__(
+        self, links: _Links, modes: _FullTensorWrites, on_marker: Callable[[nn.Module], None], loaded: frozenset[int] = frozenset()
+    ) -> None:
         self.links = links
         self.modes = modes
         self.on_marker = on_marker
         self.values: dict[int, torch.Tensor] = {}  # group -> value
         self.last_use = self._last_uses()
+        #: Operations to leave out: with slots a file fills (``loaded``), those that feed no other slot.
+        self.skipped = self._feeding_nothing(loaded) if loaded else set()
+
+    def _feeding_nothing(self, loaded: frozenset[int]) -> set[int]:
+        """Indices of the recorded operations whose results reach no slot outside ``loaded`` (slot groups).
+
+        Walked backwards: an operation is needed when it produces (or writes in place) a needed
+        group, and then every group it reads is needed too. The others, such as the random draws of
+        a weight the file replaces, or of a tensor construction made and dropped (an HF ``lm_head``
+        before its tie), cost nothing when left out: only their random numbers are no longer drawn.
+        """
+        needed = {group for group in self.links.slots if group not in loaded}
+        skipped: set[int] = set()
+        for index in range(len(self.links.record.nodes) - 1, -1, -1):
+            node = self.links.record.nodes[index]
+            outputs = {self.links.group_of[k] for k in node.outputs}
+            if outputs and not outputs & needed:
+                skipped.add(index)
+                continue
+            needed |= self._groups(node)
+        return skipped
 
     def _groups(self, node: _Node) -> set[int]:
         refs = [v.key for v in _leaves((node.args, node.kwargs)) if isinstance(v, _Ref)]
@@ -76,7 +99,8 @@ class _Replay:
             while pending is not None and pending[0] <= index:
                 self.on_marker(pending[1])
                 pending = next(markers, None)
-            self._run_node(index, node)
+            if index not in self.skipped:
+                self._run_node(index, node)
         while pending is not None:
             self.on_marker(pending[1])
             pending = next(markers, None)
