@@ -272,6 +272,10 @@ SIZED_CONSTRUCTORS = frozenset({"torch Tensor"})
 #: declares at most this many times its stored size; a zip bomb declares about a thousand times.
 MAX_COMPRESSION_RATIO = 32
 
+#: Tensor archives up to this size are read whole before ``torch.load`` parses them (larger ones
+#: stream from the file: no second copy of a large shard in memory).
+WHOLE_READ_MAX = 1 << 20
+
 
 def _sized_constructors(data: bytes) -> list[str]:
     """The :data:`SIZED_CONSTRUCTORS` a pickle may call, listed by :mod:`pickletools` without running anything:
@@ -378,6 +382,13 @@ class SafeReader(FileSystemReader):
         if read_item.type == LoadItemType.BYTE_IO:
             return raw_stream  # read whole by DCP (its item length bounds it), checked by SafeLoadPlanner.load_bytes
         window = cast(IO[bytes], FileWindow(raw_stream, 0, info.length))  # DCP's view of the item, seeking from its end right
+        if info.length <= WHOLE_READ_MAX:
+            # A small archive is read in one call and parsed from memory: torch's zip reader and
+            # zipfile then seek and read a few dozen times per archive in C, not through Python streams.
+            data = window.read(info.length)
+            if len(data) != info.length:
+                raise CorruptCheckpointError(f"{self.reading}: {len(data):,} of its {info.length:,} bytes are there; it is truncated.")
+            window = io.BytesIO(data)
         check_archive(window, info.length, self.reading)
         return window
 
