@@ -10,7 +10,14 @@ with ``fully_shard`` (each block, then the root), materialize their shards, and 
 * **rank 0 reads + broadcasts** (``load_weights(model, "model.safetensors")``, the path for a
   single file): rank 0 reads the whole file and broadcasts every tensor;
 
-and, in one plain process, **from_pretrained** (then every parameter read once: transformers
+Then the whole setup, from a model built on the meta device to a loaded one, under Fabric with
+``HSDPStrategy`` (the strategy shards and materializes): **initialized, then loaded**
+(``load_weights`` after ``fabric.setup``: the meta-device initialization runs for every tensor,
+one full-size tensor at a time on every rank, then the file overwrites it) against **loaded
+while materializing** (``load_weights`` named before ``fabric.setup``: the tensors the directory
+holds are allocated and loaded, never initialized).
+
+And, in one plain process, **from_pretrained** (then every parameter read once: transformers
 may leave them as views of the memory-mapped files, loaded only when first touched). Reported per rank: seconds, and the peak resident
 memory above the sharded model's own state (the kernel's high-water mark: anonymous memory and
 the file pages mapped in alike), against the target ``largest tensor + 10 %``. Each
@@ -70,11 +77,13 @@ def peak_during(fn: Callable[[], Any]) -> tuple[float, int]:
 
 def _worker(hf_dir: str, single: str) -> dict[str, Any]:
     import torch.distributed as dist
+    from lightning.fabric import Fabric
     from torch.distributed.tensor import DTensor
     from transformers import LlamaForCausalLM
 
     from hp_lightning import fully_shard, init_device_mesh
     from hp_lightning.checkpoint import load_weights
+    from hp_lightning.fabric import HSDPStrategy
 
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
@@ -93,7 +102,31 @@ def _worker(hf_dir: str, single: str) -> dict[str, Any]:
         for name, path in (("HF directory", hf_dir), ("rank 0 reads + broadcasts", single)):
             dist.barrier()
             times[name].append(peak_during(lambda path=path: load_weights(model, Path(path))))
-    return {"own_bytes": own, "times": times}
+    setups: dict[str, list[float]] = {SETUP_INIT_THEN_LOAD: [], SETUP_DEFERRED: []}
+    fabric = Fabric(strategy=HSDPStrategy(mesh_shape=[dist.get_world_size()]), devices=dist.get_world_size(), accelerator="cpu")
+    fabric.launch()  # the process group exists already: Fabric uses it
+
+    def setup(deferred: bool) -> None:
+        with fabric.init_module(empty_init=True):
+            built = LlamaForCausalLM(config())
+        if deferred:
+            load_weights(built, Path(hf_dir))  # loaded by the strategy while it materializes
+        built = fabric.setup_module(built)
+        if not deferred:
+            load_weights(built, Path(hf_dir))
+
+    for _ in range(ROUNDS):
+        for name, deferred in ((SETUP_INIT_THEN_LOAD, False), (SETUP_DEFERRED, True)):
+            dist.barrier()
+            start = time.perf_counter()
+            setup(deferred)
+            dist.barrier()
+            setups[name].append(time.perf_counter() - start)
+    return {"own_bytes": own, "times": times, "setups": setups}
+
+
+SETUP_INIT_THEN_LOAD = "meta -> loaded: initialized, then loaded (load_weights after setup)"
+SETUP_DEFERRED = "meta -> loaded: loaded while materializing (load_weights before setup)"
 
 
 def _from_pretrained(hf_dir: str) -> tuple[float, int]:
@@ -148,6 +181,12 @@ def main() -> int:
     seconds, peak = (statistics.median(r[i] for r in one) for i in range(2))
     summary["methods"]["from_pretrained (1 process)"] = [{"rank": 0, "seconds": seconds, "peak_bytes": peak}]
     lines.append(f"| from_pretrained, 1 process | - | {seconds:.2f} | {peak / 1e6:.0f} (no sharded state: the whole model) | - |")
+    lines += ["", "| setup under Fabric + HSDPStrategy (FSDP 4), the slowest rank | seconds (median) | per round |", "|---|---|---|"]
+    summary["setups"] = {}
+    for name in (SETUP_INIT_THEN_LOAD, SETUP_DEFERRED):
+        rounds = results[0]["setups"][name]  # between two barriers: every rank's time is the slowest's
+        summary["setups"][name] = rounds
+        lines.append(f"| {name} | {statistics.median(rounds):.2f} | {', '.join(f'{t:.2f}' for t in rounds)} |")
     report = monitor.summary()
     summary["load"] = report
     lines += ["", f"Machine: {os.cpu_count()} cores. {describe_load(report)}", *busy_banner(report)]
