@@ -94,11 +94,16 @@ def _hsdp_reference(steps: int) -> dict:
 
 def _train_until_stopped(ft: Any, step: Any, group_rank: int, out_dir: str, max_steps: int | None,
                          progress_path: Path) -> list[tuple[int, int, bool]]:
-    """Steps until ``max_steps`` or the harness's ``stop_at`` file: quorum, this rank's share by participants, ``step(idx)``."""
+    """Steps until ``max_steps`` or the harness's ``stop_at`` file: quorum, this rank's share by participants, ``step(idx)``.
+
+    With a ``pace`` file (seconds), each step is followed by that pause: a group waiting for another
+    to start then leaves the CPU to the other's imports instead of stepping flat out."""
     from hp_lightning.ft import ParticipantBatches
 
     batches = ParticipantBatches(len(make_dataset()), GLOBAL_BATCH)
     stop_file = Path(out_dir) / "stop_at"
+    pace_file = Path(out_dir) / "pace"
+    pace = float(pace_file.read_text()) if pace_file.exists() else 0.0
     history = []
     while True:
         stop_at = max_steps if max_steps is not None else (int(stop_file.read_text()) if stop_file.exists() else None)
@@ -111,6 +116,8 @@ def _train_until_stopped(ft: Any, step: Any, group_rank: int, out_dir: str, max_
         history.append((p.step, p.count, committed))
         with open(progress_path, "a") as f:
             f.write(json.dumps({"step": ft.step, "participants": p.count, "committed": committed, "t": time.time()}) + "\n")
+        if pace:
+            time.sleep(pace)
 
 
 def _run_group_rank(body: Any, group: int, group_rank: int, master_port: int, lighthouse: str, out_dir: str,
@@ -529,9 +536,62 @@ def _kill_and_heal(tmp_path: Path, target: Any, *, mid_step: bool = False) -> tu
     return results, survivor_resumed - killed_at, healed_first - restarted_at, stop_at
 
 
-@pytest.mark.parametrize("front_end", ["engine", "fabric"])
+def test_torchrun_restarts_a_killed_group_in_place_and_it_heals_from_the_live_group(tmp_path: Path) -> None:
+    """The engine loop, group 1 under ``torchrun --standalone --max-restarts=1`` (``tests/scripts/ft_torchrun_group.py``):
+    its rank 1 SIGKILLs itself mid-step; group 0 trains on alone; torchrun restarts group 1 in place, whose new
+    attempt forms a fresh process group, heals from group 0, and both end bitwise equal at the same step."""
+    import shutil
+    import subprocess
+
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which("torchrun")
+    assert torchrun is not None, "torchrun ships with torch and must be on PATH next to the interpreter"
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(PYTHONPATH=str(root) + os.pathsep + env.get("PYTHONPATH", ""), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    (tmp_path / "pace").write_text("0.02")  # both groups: leave the CPU to the restarting group's imports
+    cluster = _Cluster(tmp_path, min_replicas=1)
+    job = None
+    try:
+        with open(tmp_path / "torchrun.log", "wb") as log:
+            job = subprocess.Popen(
+                [torchrun, "--standalone", "--nproc-per-node", str(GROUP_WORLD), "--max-restarts", "1",
+                 str(root / "tests" / "scripts" / "ft_torchrun_group.py"), str(tmp_path), cluster.address],
+                env=env, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT,
+            )
+        cluster.start_group(0, None, _group_rank_main)  # warm processes: trains (paced) while group 1 starts
+
+        def restarted_and_healed() -> bool:
+            if job.poll() is not None:
+                raise AssertionError(f"torchrun ended early ({job.returncode}):\n{(tmp_path / 'torchrun.log').read_text()[-4000:]}")
+            return any(e["participants"] == 2 and e["committed"] for e in cluster.progress(1))
+
+        cluster.wait_for("group 1 restarted by torchrun, healed and stepping with group 0", restarted_and_healed, 240)
+        stop_at = max(cluster.progress(0)[-1]["step"], cluster.progress(1)[-1]["step"]) + 3
+        (tmp_path / "stop_at.tmp").write_text(str(stop_at))
+        (tmp_path / "stop_at.tmp").rename(tmp_path / "stop_at")
+        assert job.wait(timeout=120) == 0, (tmp_path / "torchrun.log").read_text()[-4000:]
+        survivors = cluster.join_all(timeout=120)
+    finally:
+        if job is not None and job.poll() is None:
+            job.kill()
+        cluster.close()
+    lost = [json.loads(x) for x in (tmp_path / "progress_g0_r0.jsonl").read_text().splitlines() if x.strip()]
+    assert any(e["committed"] is False for e in lost), "the survivors' step during the kill committed"
+    for rank in range(GROUP_WORLD):
+        status, restarted = cluster.result(1, rank)
+        assert status == "ok", restarted
+        survivor = survivors[(0, rank)]
+        assert restarted["attempt"] == 1, "group 1 did not go through torchrun's restart"
+        assert restarted["history"][0][0] > 3, "the restarted attempt did not start from the quorum's step"
+        assert survivor["step"] == restarted["step"] == stop_at
+        _assert_bit_identical(survivor["state"], restarted["state"], f"rank {rank}")
+        _assert_bit_identical(survivor["full"], restarted["full"], f"rank {rank} full")
+
+
+@pytest.mark.parametrize("front_end", ["fabric"])
 def test_sigkill_survivor_keeps_training_and_restarted_group_heals(tmp_path: Path, front_end: str) -> None:
-    """Kill one rank of group 1 mid-run: group 0 trains on alone; group 1 restarts, heals, ends identical."""
+    """Kill one rank of group 1 mid-run: group 0 trains on alone; group 1 restarts, heals, ends identical.
+    (The engine loop's restart is torchrun's own: the test above.)"""
     results, _, _, stop_at = _kill_and_heal(tmp_path, _group_rank_main if front_end == "engine" else _fabric_group_rank_main)
     for rank in range(GROUP_WORLD):
         survivor, healed = results[(0, rank)], results[(1, rank)]
