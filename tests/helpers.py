@@ -76,7 +76,17 @@ def _child(fn: Callable[..., Any], rank: int, world: int, env: dict[str, str], o
         result = ("ok", fn(*args))
     except BaseException as exc:  # noqa: BLE001 - forwarded to the parent
         result = ("error", f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
-    else:
+    try:
+        payload = pickle.dumps(result)
+    except Exception as exc:  # noqa: BLE001 - an unpicklable result or exception still reports
+        payload = pickle.dumps(("error", f"rank {rank}: result not picklable ({exc!r}): {result[1]!r:.2000}"))
+    # Written whole or not at all, and before the last barrier: once a peer passes it and leaves,
+    # this rank may be ended by a peer's failure or by a fault watchdog still running (os._exit
+    # below skips the atexit hook that stops Fabric's), but its result is already on disk.
+    with open(out + ".part", "wb") as f:
+        f.write(payload)
+    os.replace(out + ".part", out)
+    if result[0] == "ok":
         import torch.distributed as dist
 
         try:
@@ -86,19 +96,20 @@ def _child(fn: Callable[..., Any], rank: int, world: int, env: dict[str, str], o
                 dist.destroy_process_group()
         except Exception as exc:  # noqa: BLE001 - the test's own work is done and checked by its result
             print(f"rank {rank}: process-group teardown after a finished test failed: {exc!r}", file=sys.stderr)
-    try:
-        payload = pickle.dumps(result)
-    except Exception as exc:  # noqa: BLE001 - an unpicklable result or exception still reports
-        payload = pickle.dumps(("error", f"rank {rank}: result not picklable ({exc!r}): {result[1]!r:.2000}"))
-    # Written whole or not at all: a peer's failure makes the parent kill this rank, maybe mid-write.
-    with open(out + ".part", "wb") as f:
-        f.write(payload)
-    os.replace(out + ".part", out)
     # Leave without interpreter finalization: gloo worker threads can abort it (SIGABRT, "terminate
     # called without an active exception") after the result is already written.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(1 if result[0] == "error" else 0)
+
+
+def _finished(out: str) -> bool:
+    """Whether a rank wrote a successful result (it may still be ended afterwards, when a peer leaves first)."""
+    try:
+        with open(out, "rb") as f:
+            return pickle.load(f)[0] == "ok"
+    except (OSError, EOFError, pickle.UnpicklingError):
+        return False
 
 
 def run_distributed(
@@ -129,7 +140,7 @@ def run_distributed(
                 failed = f"timed out after {timeout}s (ranks {stuck} still running; killed)"
                 break
             for r, p in enumerate(procs):
-                if not p.is_alive() and p.exitcode != 0:
+                if not p.is_alive() and p.exitcode != 0 and not _finished(outs[r]):
                     failed = f"rank {r} exited with {p.exitcode}"
             if failed:
                 break
