@@ -640,9 +640,12 @@ def test_lightning_sigkill_counters_schedulers_and_data_agree_after_heal(tmp_pat
             assert after == ((before[0], before[1] + 1) if before[1] + 1 < BATCHES_PER_EPOCH else (before[0] + 1, 0)), positions
     lines = [json.loads(x) for x in (tmp_path / "progress_g0_r0.jsonl").read_text().splitlines() if x.strip()]
     assert any(line["committed"] is False for line in lines), "the survivor's window during the mid-window kill committed"
-    # Every window, committed or not, read exactly `accumulate` batches; only the committed ones count.
+    # Every window, committed or not, read exactly `accumulate` batches; each committed one advanced the
+    # step by one, an uncommitted one not at all (the survivor's first step may come from a heal at start-up).
     assert len(results[(0, 0)]["positions"]) == accumulate * len(lines), (len(results[(0, 0)]["positions"]), len(lines))
-    assert sum(1 for line in lines if line["committed"]) == stop_at, lines
+    committed_steps = [line["step"] for line in lines if line["committed"]]
+    assert committed_steps == list(range(committed_steps[0], stop_at + 1)), committed_steps
+    assert all(line["step"] == before["step"] for before, line in zip(lines, lines[1:]) if not line["committed"]), lines
     progress = {(g, r): _progress_by_step(tmp_path, g, r) for g in (0, 1) for r in range(GROUP_WORLD)}
     for rank in range(GROUP_WORLD):
         survivor, restarted = progress[(0, rank)], progress[(1, rank)]
