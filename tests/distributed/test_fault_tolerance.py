@@ -444,6 +444,17 @@ def _assert_bit_identical(a: Any, b: Any, where: str = "") -> None:
         assert a == b, f"{where}: {a!r} != {b!r}"
 
 
+def _both_groups(out_dir: Path, steps: int, target: Any, timeout: float = 180) -> dict[tuple[int, int], Any]:
+    """Both replica groups from the start (``min_replicas=2``: no step before both are up) for ``steps`` steps; their results."""
+    cluster = _Cluster(out_dir, min_replicas=2)
+    try:
+        cluster.start_group(0, steps, target)
+        cluster.start_group(1, steps, target)
+        return cluster.join_all(timeout=timeout)
+    finally:
+        cluster.close()
+
+
 # ---------------------------------------------------------------- the tests
 
 
@@ -457,14 +468,7 @@ def test_no_fault_equals_plain_hsdp_2x2(tmp_path: Path, front_end: str) -> None:
     steps = 4
     reference = run_distributed(_hsdp_reference, 4, steps)[0]["params"]
     # min_replicas=2: no step may run before both groups are up (else the first would train alone).
-    cluster = _Cluster(tmp_path, min_replicas=2)
-    target = _group_rank_main if front_end == "engine" else _fabric_group_rank_main
-    try:
-        cluster.start_group(0, steps, target)
-        cluster.start_group(1, steps, target)
-        results = cluster.join_all(timeout=120)
-    finally:
-        cluster.close()
+    results = _both_groups(tmp_path, steps, _group_rank_main if front_end == "engine" else _fabric_group_rank_main, timeout=120)
     if front_end == "fabric":
         # One sharded directory, one shard file per rank of one group (the other group skipped the save).
         assert sorted(p.name for p in (tmp_path / "fabric.ckpt").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
@@ -691,13 +695,7 @@ def test_lightning_accumulation_windows_equal_plain_hsdp_with_one_cross_group_av
     steps, accumulate = 2, 4
     reference = run_distributed(_plain_hsdp, 4, None, steps, accumulate)[0]["params"]
     (tmp_path / "accumulate").write_text(str(accumulate))
-    cluster = _Cluster(tmp_path, min_replicas=2)
-    try:
-        cluster.start_group(0, steps, _lightning_group_rank_main)
-        cluster.start_group(1, steps, _lightning_group_rank_main)
-        results = cluster.join_all(timeout=180)
-    finally:
-        cluster.close()
+    results = _both_groups(tmp_path, steps, _lightning_group_rank_main)
     for (group, rank), out in results.items():
         assert out["global_step"] == out["ft_step"] == steps, (group, rank, out["global_step"], out["ft_step"])
         assert [tuple(p) for p in out["positions"]] == [(e, i) for e in range(2) for i in range(BATCHES_PER_EPOCH)], out["positions"]
@@ -713,13 +711,7 @@ def test_lightning_trainer_groups_equal_plain_hsdp_and_checkpoint_resumes_in_pla
     checkpoint (written by that group only) resumes in plain HSDP 2x2 to the same weights."""
     steps = 4
     reference = run_distributed(_plain_hsdp, 4, None, steps)[0]["params"]
-    cluster = _Cluster(tmp_path, min_replicas=2)
-    try:
-        cluster.start_group(0, steps, _lightning_group_rank_main)
-        cluster.start_group(1, steps, _lightning_group_rank_main)
-        results = cluster.join_all(timeout=180)
-    finally:
-        cluster.close()
+    results = _both_groups(tmp_path, steps, _lightning_group_rank_main)
     for (group, rank), out in results.items():
         assert out["global_step"] == out["ft_step"] == steps, (group, rank, out["global_step"], out["ft_step"])
         assert [tuple(p) for p in out["positions"]] == [(0, i) for i in range(steps)], out["positions"]
@@ -741,13 +733,7 @@ def test_lightning_trainer_groups_equal_plain_hsdp_and_checkpoint_resumes_in_pla
     # A full restart: both groups resume under fault tolerance from the step-2 checkpoint, continue
     # with the same batches (loader position, torchft's step) and end where the first run ended.
     (tmp_path / "resume_from").write_text(middle)
-    cluster = _Cluster(tmp_path, min_replicas=2)
-    try:
-        cluster.start_group(0, steps, _lightning_group_rank_main)
-        cluster.start_group(1, steps, _lightning_group_rank_main)
-        restarted = cluster.join_all(timeout=180)
-    finally:
-        cluster.close()
+    restarted = _both_groups(tmp_path, steps, _lightning_group_rank_main)
     for (group, rank), out in restarted.items():
         assert out["global_step"] == out["ft_step"] == steps, (group, rank, out["global_step"], out["ft_step"])
         assert [tuple(p) for p in out["positions"]] == [(0, 2), (0, 3)], out["positions"]
