@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
-import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -93,24 +92,31 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m hp_lightning.ft lighthouse ...``: serve until SIGINT/SIGTERM, then shut down."""
+    """``python -m hp_lightning.ft lighthouse ...``: serve until SIGINT/SIGTERM, then shut down.
+
+    The stop signals are blocked before the server's threads start (they inherit the mask) and
+    taken with ``sigwait``: no Python handler runs at an arbitrary point of the main thread, where
+    setting a ``threading.Event`` whose lock that thread holds would deadlock the shutdown.
+    """
     args = _parser().parse_args(argv)
+    stop_signals = {signal.SIGINT, signal.SIGTERM}
+    previous_mask = signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)
     try:
-        server = start_lighthouse(
-            args.bind,
-            min_replicas=args.min_replicas,
-            join_timeout_ms=args.join_timeout_ms,
-            quorum_tick_ms=args.quorum_tick_ms,
-            heartbeat_timeout_ms=args.heartbeat_timeout_ms,
-        )
-    except (ValueError, ImportError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    address = reachable_address(args.bind, server.address())
-    print(f"lighthouse listening on {args.bind}; groups connect with TORCHFT_LIGHTHOUSE={address}", flush=True)
-    stop.wait()
-    server.shutdown()
-    return 0
+        try:
+            server = start_lighthouse(
+                args.bind,
+                min_replicas=args.min_replicas,
+                join_timeout_ms=args.join_timeout_ms,
+                quorum_tick_ms=args.quorum_tick_ms,
+                heartbeat_timeout_ms=args.heartbeat_timeout_ms,
+            )
+        except (ValueError, ImportError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        address = reachable_address(args.bind, server.address())
+        print(f"lighthouse listening on {args.bind}; groups connect with TORCHFT_LIGHTHOUSE={address}", flush=True)
+        signal.sigwait(stop_signals)
+        server.shutdown()
+        return 0
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous_mask)
