@@ -258,8 +258,7 @@ def test_tp_peers_see_the_same_batches_dp_ranks_disjoint_ones(tp_run):
 
 
 def test_tp_checkpoints_gather_to_plain_tensors_on_one_cpu_process(tp_run, tmp_path):
-    import subprocess
-    import sys
+    from hp_lightning.checkpoint.__main__ import main as checkpoint_cli
 
     def weights(path: str) -> dict:
         state = torch.load(path, map_location="cpu", weights_only=False)["state_dict"]
@@ -268,10 +267,10 @@ def test_tp_checkpoints_gather_to_plain_tensors_on_one_cpu_process(tp_run, tmp_p
 
     # A full checkpoint written by the TP x FSDP run itself.
     assert max_rel_diff(weights(tp_run["full"]), tp_run["results"][0]["accumulated"]["params"]) <= 1e-6
-    # The converter CLI on the sharded one.
+    # The converter CLI on the sharded one, in this process (no process group); its `python -m` entry point
+    # is tests/unit/test_checkpoint_cli.py's.
     out = tmp_path / "consolidated.ckpt"
-    subprocess.run([sys.executable, "-m", "hp_lightning.checkpoint", "consolidate", tp_run["ckpt"], str(out)], check=True,
-                   capture_output=True)
+    assert checkpoint_cli(["consolidate", tp_run["ckpt"], str(out)]) == 0
     assert max_rel_diff(weights(str(out)), tp_run["results"][0]["plain"]["params"]) <= 1e-6
 
 

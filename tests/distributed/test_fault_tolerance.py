@@ -552,7 +552,7 @@ def test_torchrun_restarts_a_killed_group_in_place_and_it_heals_from_the_live_gr
     root = Path(__file__).resolve().parents[2]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     env.update(PYTHONPATH=str(root) + os.pathsep + env.get("PYTHONPATH", ""), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    (tmp_path / "pace").write_text("0.02")  # both groups: leave the CPU to the restarting group's imports
+    (tmp_path / "pace").write_text("0.2")  # both groups: leave the CPU to the restarting group's imports (a step is ~20 ms)
     cluster = _Cluster(tmp_path, min_replicas=1)
     job = None
     try:
