@@ -92,6 +92,27 @@ def test_the_default_records_torchs_crcs_for_the_tensor_bytes(tmp_path: Path) ->
     assert "CRC-32" in convert.verify(path)
 
 
+@pytest.mark.parametrize("writer", ["isal", "zlib"])
+def test_either_crc_implementation_verifies_what_the_other_wrote(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, writer: str) -> None:
+    """The ``fast-crc`` extra (ISA-L, installed by the test extra) and zlib compute the same CRC-32: a checkpoint
+    saved with one loads exactly under the other, and a flipped bit is still named."""
+    from isal.isal_zlib import crc32 as isal_crc32
+
+    from hp_lightning.checkpoint import integrity
+
+    assert integrity.CRC32_IMPLEMENTATION == "isal" and integrity.crc32 is isal_crc32
+    implementations = {"isal": isal_crc32, "zlib": zlib.crc32}
+    monkeypatch.setattr(integrity, "crc32", implementations[writer])
+    saved = _save(tmp_path / "a.ckpt")
+    monkeypatch.setattr(integrity, "crc32", implementations["zlib" if writer == "isal" else "isal"])
+    loaded = Weights(99)
+    load_checkpoint(tmp_path / "a.ckpt", loaded, [])
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), saved.state_dict().values()))
+    offset, length, _ = _shard_record(tmp_path / "a.ckpt")["crc32_ranges"][0]
+    _flip(tmp_path / "a.ckpt" / SHARD, offset + length // 2)
+    assert "was altered or replaced after the save" in _load_error(tmp_path / "a.ckpt")
+
+
 @pytest.mark.parametrize("where", ["tensor bytes", "zip header", "small tensor"])
 def test_a_flipped_bit_anywhere_is_named(tmp_path: Path, where: str) -> None:
     path = tmp_path / "a.ckpt"
