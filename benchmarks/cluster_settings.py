@@ -93,6 +93,7 @@ class ClusterSettings:
             Configuration(HP, w),
             Configuration(RAW, hsdp),
             Configuration(HP, hsdp),
+            Configuration(HP, hsdp, divergence_check="off"),  # issue 43: is the HSDP k=1 cost the step's control all-reduce?
             Configuration(RAW, hsdp, 4, DEFER_ALL_REDUCE),
             Configuration(HP, hsdp, 4, DEFER_ALL_REDUCE),
             Configuration(HP, hsdp, 4, DEFER_ALL_REDUCE, divergence_check="off"),  # what the safety check costs
