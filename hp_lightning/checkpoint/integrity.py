@@ -432,18 +432,20 @@ class ReadCheck:
         self.root = Path(root)
         self.recorded = frozenset(records)  #: every file the manifest vouches for; any other is refused
         self._ranges: dict[str, list[tuple[int, int, str]]] = {}
+        self._starts: dict[str, list[int]] = {}  # each file's range offsets, for the bisection
         for name, record in records.items():
             size = record.get("size") if isinstance(record, Mapping) else None
             if not isinstance(size, int) or "sha256" in record:
                 continue  # SHA-256 records are read whole before DCP starts
             self._ranges[name] = _recorded_ranges(record, size) or []
+            self._starts[name] = [start for start, _, _ in self._ranges[name]]
 
     def verify_item(self, name: str, offset: int, length: int, tensor: Any) -> None:
         """Raise :class:`CorruptCheckpointError` unless every range inside item ``[offset, offset + length)`` of file ``name`` matches."""
         ranges = self._ranges.get(name)
         if not ranges:
             return
-        first = max(bisect.bisect_right(ranges, offset, key=lambda r: r[0]) - 1, 0)  # a range may begin before the item and reach into it
+        first = max(bisect.bisect_right(self._starts[name], offset) - 1, 0)  # a range may begin before the item and reach into it
         inside = []
         for position in range(first, len(ranges)):
             start, size, crc = ranges[position]

@@ -61,6 +61,9 @@ def _rezip(archive: bytes, *, replace: dict[str, bytes] | None = None, deflate: 
 
 #: A pickle calling the legacy constructor ``torch.Tensor(4, 2**30)`` (16 GiB), which torch's safe loader allows.
 HUGE_CONSTRUCTOR = b"\x80\x02ctorch\nTensor\nK\x04J\x00\x00\x00@\x86R."
+#: The same call with the name escaped (``STACK_GLOBAL`` of unicode-escaped strings: no literal ``Tensor`` in the
+#: bytes). Python's unpickler builds the 16 GiB tensor; torch's safe loader has no such opcodes and refuses it.
+ESCAPED_CONSTRUCTOR = b"\x80\x04Vtorch\nV\\u0054ensor\n\x93K\x04J\x00\x00\x00@\x86R."
 
 
 def _zip_bomb() -> bytes:
@@ -75,9 +78,9 @@ def _sharded(tmp_path: Path, name: str = "ckpt") -> Path:
     return path
 
 
-def _lightning(tmp_path: Path) -> Path:
+def _lightning(tmp_path: Path, name: str = "lightning") -> Path:
     """Lightning's ModelParallelStrategy layout: DCP's files and a meta.pt, no manifest."""
-    path = tmp_path / "lightning"
+    path = tmp_path / name
     dcp.save({"state_dict": dict(WEIGHTS)}, checkpoint_id=str(path), no_dist=True)
     torch.save({"global_step": 1, "pytorch-lightning_version": "2.6.6"}, path / "meta.pt")
     return path
@@ -140,6 +143,7 @@ ITEM_CASES = {
     "transposed view over too much": (lambda: _archive(torch.ones(4, 8)[:, :4]), CorruptCheckpointError, "is not the (4, 4)"),
     "compressed record (zip bomb)": (_zip_bomb, CorruptCheckpointError, "is compressed"),
     "legacy constructor torch.Tensor(4, 2**30)": (lambda: _rezip(_archive(torch.ones(4, 4)), replace={"data.pkl": HUGE_CONSTRUCTOR}), UnsafeCheckpointError, "torch.Tensor"),
+    "legacy constructor, its name escaped": (lambda: _rezip(_archive(torch.ones(4, 4)), replace={"data.pkl": ESCAPED_CONSTRUCTOR}), CorruptCheckpointError, "UnpicklingError"),
     "4x4x1 for a 4x4 slot (DCP's AssertionError)": (lambda: _archive(torch.ones(4, 4, 1)), CorruptCheckpointError, "cannot be read: AssertionError"),
     "record cut short": (lambda: _rezip(_archive(torch.ones(4, 4)), replace={"data/0": b"\0" * 16}), CorruptCheckpointError, "cannot be read"),
     "not an archive": (lambda: b"PK\x03\x04" + b"\0" * 200, CorruptCheckpointError, "not a readable torch.save archive"),
@@ -416,6 +420,7 @@ MEMORY_CHILD = textwrap.dedent(
         ("item torch.Tensor(4, 2**30)", lambda: read_dcp(Path(sys.argv[3]))),
         ("full torch.Tensor(4, 2**30)", lambda: read_full_file(Path(sys.argv[4]))),
         ("full zip bomb", lambda: read_full_file(Path(sys.argv[5]))),
+        ("item escaped constructor", lambda: read_dcp(Path(sys.argv[6]))),
     ]:
         try:
             read()
@@ -438,8 +443,10 @@ def test_declared_sizes_never_allocate_under_a_memory_limit(tmp_path: Path) -> N
     full_constructor.write_bytes(_rezip(_archive({"state_dict": dict(WEIGHTS)}), replace={"data.pkl": HUGE_CONSTRUCTOR}))
     full_bomb = tmp_path / "bomb.ckpt"
     full_bomb.write_bytes(_zip_bomb())
+    escaped = _lightning(tmp_path, "escaped")
+    _replace_item(escaped, "weight", _rezip(_archive(torch.ones(4, 4)), replace={"data.pkl": ESCAPED_CONSTRUCTOR}))
     run = subprocess.run(
-        [sys.executable, "-c", MEMORY_CHILD, str(huge), str(bomb), str(constructor), str(full_constructor), str(full_bomb)],
+        [sys.executable, "-c", MEMORY_CHILD, str(huge), str(bomb), str(constructor), str(full_constructor), str(full_bomb), str(escaped)],
         capture_output=True, text=True, timeout=240,
     )
     assert run.returncode == 0, run.stderr[-3000:]
