@@ -28,11 +28,16 @@ from hp_lightning.planner.simulate import RankRun, simulate_rank, strategy_args_
 
 
 class ClusterTooSmall(ValueError):
-    """No candidate fits the devices' memory; the message names the smallest cluster that could hold the model."""
+    """No candidate fits the devices' memory; the message names the smallest cluster that could hold the model.
 
-    def __init__(self, message: str, result: PlanResult) -> None:
+    ``result`` is the plan that found nothing; ``smallest`` the plan of that smallest cluster (None
+    when the search found none), whose ``best`` is the candidate the message names.
+    """
+
+    def __init__(self, message: str, result: PlanResult, smallest: PlanResult | None = None) -> None:
         super().__init__(message)
         self.result = result
+        self.smallest = smallest
 
 
 @dataclass
@@ -81,10 +86,27 @@ class PlanResult:
     facts: ModelFacts
     ranked: list[Evaluated]
     pruned: list[str]
+    _planned: list[Candidate] = field(default_factory=list, repr=False)  # the candidates in the order plan() took them
 
     @property
     def best(self) -> Evaluated | None:
         return next((e for e in self.ranked if e.fits), None)
+
+    def with_cluster(self, cluster: Cluster) -> PlanResult:
+        """The same candidates ranked for ``cluster``, a machine of the same shape whose links, memory or FLOP
+        rate differ, without simulating them again (what a faster network or bigger devices would change).
+
+        Raises:
+            ValueError: ``cluster`` has another number of nodes or devices per node; the simulated
+                collectives and shards depend on them, so call :func:`plan` for it.
+        """
+        if (cluster.nodes, cluster.devices) != (self.cluster.nodes, self.cluster.devices):
+            raise ValueError(
+                f"with_cluster() re-ranks the same simulation, which was for {self.cluster.nodes} node(s) x {self.cluster.devices} "
+                f"device(s); got {cluster.nodes} x {cluster.devices}. Plan that cluster with plan(..., cluster=...)."
+            )
+        simulated = {_sim_key(e.candidate): e.runs if e.error is None else e.error for e in self.ranked}
+        return _ranked(self.spec, cluster, self.workload, self.facts, self._planned or [e.candidate for e in self.ranked], simulated, self.pruned)
 
     def strategy_args(self, entry: Evaluated | None = None) -> dict[str, Any]:
         """``HSDPStrategy`` init args of ``entry`` (default: the best candidate)."""
@@ -200,9 +222,20 @@ def plan(
             bar.update(1)
     if bar is not None:
         bar.close()
+    result = _ranked(spec, cluster, workload, facts, candidates, cache, pruned)
+    if require_fit and result.best is None:
+        raise ClusterTooSmall(*smallest_cluster(result))
+    return result
+
+
+def _ranked(
+    spec: ModelSpec, cluster: Cluster, workload: Workload, facts: ModelFacts, candidates: list[Candidate],
+    simulated: Mapping[Candidate, list[RankRun] | str], pruned: list[str],
+) -> PlanResult:
+    """Each candidate's simulated ranks (or the reason it could not be simulated) scored on ``cluster`` and ranked."""
     evaluated = []
     for candidate in candidates:
-        runs = cache[_sim_key(candidate)]
+        runs = simulated[_sim_key(candidate)]
         entry = Evaluated(candidate, _cluster=cluster)
         if isinstance(runs, str):
             entry.error = runs
@@ -218,14 +251,17 @@ def plan(
         evaluated.append(entry)
     # Fitting candidates by throughput (TP and PP shrink the data-parallel batch: step time alone would flatter them).
     evaluated.sort(key=lambda e: (e.error is not None, not e.fits, -e.tokens_per_second if e.fits else 0.0, e.memory.peak if e.memory else 0))
-    result = PlanResult(spec, cluster, workload, facts, evaluated, pruned)
-    if require_fit and result.best is None:
-        raise ClusterTooSmall(smallest_cluster_message(result), result)
-    return result
+    return PlanResult(spec, cluster, workload, facts, evaluated, pruned, list(candidates))
 
 
 def smallest_cluster_message(result: PlanResult, max_tries: int = 8) -> str:
-    """Why nothing fits, and the smallest number of such nodes that holds the model (checked by simulation).
+    """Why nothing fits, and the smallest number of such nodes that holds the model (checked by simulation)."""
+    return smallest_cluster(result, max_tries)[0]
+
+
+def smallest_cluster(result: PlanResult, max_tries: int = 8) -> tuple[str, PlanResult, PlanResult | None]:
+    """Why nothing fits (a message), ``result``, and the plan of the smallest number of such nodes that
+    holds the model (checked by simulation; None when none was found).
 
     Starts from the FSDP scaling of the sharded state (``state / N + transients <= usable``) and
     plans FSDP over that many nodes (activation checkpointing on), growing the count until a
@@ -236,7 +272,7 @@ def smallest_cluster_message(result: PlanResult, max_tries: int = 8) -> str:
     runnable = [e for e in result.ranked if e.memory is not None]
     if not runnable:
         errors = "; ".join(sorted({e.error or "" for e in result.ranked})[:3])
-        return f"No candidate could be simulated on {cluster.nodes} x {cluster.devices} devices: {errors}"
+        return f"No candidate could be simulated on {cluster.nodes} x {cluster.devices} devices: {errors}", result, None
     best = min(runnable, key=lambda e: e.memory.peak)  # type: ignore[union-attr]
     mem = best.memory
     assert mem is not None
@@ -250,7 +286,7 @@ def smallest_cluster_message(result: PlanResult, max_tries: int = 8) -> str:
         return head + (
             f" Activations and gathered units alone take {transient / 2**30:.2f} GiB per rank, so more devices do not help: "
             f"lower the micro-batch size or sequence length, checkpoint activations, or add tensor parallelism."
-        )
+        ), result, None
     sharing = best.candidate.mesh_shape[-1] * best.candidate.tp * best.candidate.pp
     ranks = math.ceil(state * sharing / max(capacity - transient, 1))
     nodes = max(math.ceil(ranks / cluster.devices), cluster.nodes + 1)
@@ -266,6 +302,6 @@ def smallest_cluster_message(result: PlanResult, max_tries: int = 8) -> str:
             return head + (
                 f" The smallest cluster of this kind that could hold it is {nodes} node(s) x {cluster.devices} device(s): "
                 f"{trial.best.candidate.name} peaks at {trial.best.memory.peak / 2**30:.2f} GiB per rank there (simulated)."  # type: ignore[union-attr]
-            )
+            ), result, trial
         nodes = math.ceil(nodes * 1.5)
-    return head + f" Even {nodes} node(s) x {cluster.devices} device(s) did not fit in the simulation; lower the batch or add TP."
+    return head + f" Even {nodes} node(s) x {cluster.devices} device(s) did not fit in the simulation; lower the batch or add TP.", result, None

@@ -7,6 +7,7 @@ own simulation is checked against FSDP2's documented sizes and the strategy's co
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import math
 
@@ -135,15 +136,19 @@ def simulated_cpu_cluster(link_gbit: float) -> Cluster:
 def test_ranking_follows_the_measured_link_speeds():
     model = {"n_layer": 6, "n_embd": 256, "n_head": 4, "vocab_size": 32768, "block_size": 32}
     workload = Workload(micro_batch=4, seq_len=32, precision="32")
-    ranked = {}
-    for gbit in (1, 10):
-        result = plan(GPT, model, cluster=simulated_cpu_cluster(gbit), workload=workload,
-                      candidates=[Candidate((4,)), Candidate((2, 2))], progress=False)
-        ranked[gbit] = [e.candidate.name for e in result.ranked]
-        times = {e.candidate.name: e.time.total for e in result.ranked}
-        print(gbit, times)
+    planned = plan(GPT, model, cluster=simulated_cpu_cluster(1), workload=workload, candidates=[Candidate((4,)), Candidate((2, 2))], progress=False)
+    # The 10 Gbit/s cluster differs only in its link: the same simulation, ranked again.
+    results = {1: planned, 10: planned.with_cluster(simulated_cpu_cluster(10))}
+    ranked = {gbit: [e.candidate.name for e in result.ranked] for gbit, result in results.items()}
+    for gbit, result in results.items():
+        print(gbit, {e.candidate.name: e.time.total for e in result.ranked})
     assert ranked[1] == ["HSDP 2x2", "FSDP 4"]  # measured: HSDP 1.32x faster at 1 Gbit/s
     assert ranked[10] == ["FSDP 4", "HSDP 2x2"]  # measured: HSDP 0.90x (slower) at 10 Gbit/s
+    # Ranked again for the cluster it was planned on, it is what plan() returned; another shape needs plan().
+    again = results[10].with_cluster(simulated_cpu_cluster(1))
+    assert [(e.candidate, e.time, e.memory, e.calls) for e in again.ranked] == [(e.candidate, e.time, e.memory, e.calls) for e in planned.ranked]
+    with pytest.raises(ValueError, match=r"for 2 node\(s\) x 2 device\(s\); got 1 x 4"):
+        planned.with_cluster(dataclasses.replace(simulated_cpu_cluster(1), nodes=1, devices=4))
 
 
 class _ReadsValues(nn.Module):
@@ -165,11 +170,12 @@ def test_errors_are_clear():
         plan(GPT, big, cluster=Cluster(nodes=1, devices=2, device_memory=20e6), workload=Workload(micro_batch=1, seq_len=16, precision="32"),
              search=Search(reshard_after_forward=(True,), cpu_offload=(False,), activation_checkpointing=(False,)), progress=False)
     nodes = int(info.value.args[0].split("could hold it is ")[1].split(" node")[0])
-    # the named cluster does hold it
+    # the named cluster does hold it: the error carries that cluster's plan, whose best candidate the message names
     assert nodes > 1
-    result = plan(GPT, big, cluster=Cluster(nodes=nodes, devices=2, device_memory=20e6), workload=Workload(micro_batch=1, seq_len=16, precision="32"),
-                  search=Search(reshard_after_forward=(True,), cpu_offload=(False,), tp_sizes=(1,), pp_sizes=(1,), hsdp=False), progress=False)
-    assert result.best is not None
+    smallest = info.value.smallest
+    assert smallest is not None and (smallest.cluster.nodes, smallest.cluster.devices, smallest.cluster.device_memory) == (nodes, 2, 20e6)
+    assert smallest.best is not None and smallest.best.fits and f"{smallest.best.candidate.name} peaks at" in info.value.args[0]
+    assert info.value.result.best is None and info.value.result.cluster.nodes == 1
 
 
 def test_yaml_block_parses_with_the_example_cli(tmp_path):
