@@ -247,7 +247,8 @@ def main() -> None:
         **trainer_kwargs(enable_checkpointing=checkpointing),
     )
     print(f"rank {launch_rank}: cluster environment {type(trainer.strategy.cluster_environment).__name__}", flush=True)
-    workers = 1 if args.fault == "data" else 0
+    # Only the faulty rank reads through a worker process (a spawned worker is a fresh interpreter, seconds of imports).
+    workers = 1 if args.fault == "data" and launch_rank == args.rank else 0
     if disagreeing:
         mark_fault(args.out, "disagree")  # the mismatch exists from here on; setup must catch it
     model = FaultyModule(args)
