@@ -23,6 +23,7 @@ even where ``False`` was passed). ``weights_only=False`` unpickles anything: onl
 
 from __future__ import annotations
 
+import enum
 import functools
 import io
 import math
@@ -207,7 +208,12 @@ def _dcp_metadata_globals() -> frozenset[tuple[str, str]]:
 
 
 class _MetadataUnpickler(pickle.Unpickler):
-    """Rebuilds only DCP's metadata types: every other global is refused before it can be called."""
+    """Rebuilds only DCP's metadata types: every other global is refused before it can be called.
+
+    Python 3.11.0-3.11.4 pickle an enum member as ``getattr(EnumClass, "NAME")`` (later versions by
+    value), so an index DCP wrote there names ``builtins.getattr``: it is answered by
+    :meth:`_enum_member`, which returns a member of one of the allowed enums and refuses anything else.
+    """
 
     allowed = _dcp_metadata_globals()
 
@@ -218,8 +224,17 @@ class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in self.allowed:
             return super().find_class(module, name)
+        if (module, name) == ("builtins", "getattr"):
+            return self._enum_member
         self.refused.append(f"{module}.{name}")
         raise pickle.UnpicklingError(f"global {module}.{name} is not allowed in a DCP index")
+
+    def _enum_member(self, owner: Any, name: Any) -> Any:
+        if (isinstance(owner, type) and issubclass(owner, enum.Enum) and (owner.__module__, owner.__qualname__) in self.allowed
+                and isinstance(name, str) and name in owner.__members__):
+            return owner[name]
+        self.refused.append(f"builtins.getattr({getattr(owner, '__qualname__', type(owner).__name__)}, {name!r:.40})")
+        raise pickle.UnpicklingError("builtins.getattr is allowed in a DCP index only for a member of DCP's own enums")
 
 
 def read_dcp_metadata(path: Path, *, weights_only: Optional[bool] = None, rank: Optional[int] = None) -> dcp_metadata.Metadata:

@@ -177,6 +177,47 @@ def test_an_honest_checkpoint_of_every_layout_still_loads_exactly(tmp_path: Path
         assert torch.equal(read_dcp(root)["state_dict"]["weight"], WEIGHTS["weight"])
 
 
+
+class _Python311EarlyPickler(pickle.Pickler):
+    """Pickles enum members as Python 3.11.0-3.11.4 do, ``getattr(EnumClass, "NAME")``; ``_GETATTR_PATH``
+    as the same call on a class that is not an enum (what a crafted index could ask for)."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        import enum
+
+        if isinstance(obj, enum.Enum):
+            return getattr, (type(obj), obj.name)
+        if obj is _GETATTR_PATH:
+            return getattr, (Path, "home")
+        return NotImplemented
+
+
+_GETATTR_PATH = object()
+
+
+def _repickle_index(root: Path, edit: Callable[[Any], None] = lambda metadata: None) -> None:
+    with open(root / DCP_METADATA_FILE, "rb") as f:
+        metadata = pickle.load(f)  # noqa: S301 - our own test file
+    edit(metadata)
+    with open(root / DCP_METADATA_FILE, "wb") as f:
+        _Python311EarlyPickler(f).dump(metadata)
+    _resign(root)
+
+
+def test_an_index_written_by_python_3_11_early_loads_and_getattr_reaches_only_dcps_enums(tmp_path: Path) -> None:
+    # DCP's index holds an enum (the tensors' memory format); Python 3.11.0-3.11.4 pickle it through builtins.getattr.
+    for root in (_sharded(tmp_path), _lightning(tmp_path)):
+        _repickle_index(root)
+        assert b"getattr" in (root / DCP_METADATA_FILE).read_bytes()
+        model = _load_into_model(root)
+        assert torch.equal(model.weight.detach(), WEIGHTS["weight"]) and torch.equal(model.bias.detach(), WEIGHTS["bias"])
+        assert torch.equal(read_dcp(root)["state_dict"]["weight"], WEIGHTS["weight"])
+    # getattr on anything but a member of DCP's own enums is refused as unsafe, before it is called.
+    crafted = _sharded(tmp_path, "crafted")
+    _repickle_index(crafted, lambda metadata: setattr(metadata, "planner_data", _GETATTR_PATH))
+    with pytest.raises(UnsafeCheckpointError, match=r"builtins\.getattr\(Path, 'home'\)"):
+        _load_into_model(crafted)
+
 # ---------------------------------------------------------------- DCP's index: bounded, covering, inside the files
 
 
