@@ -1,7 +1,7 @@
 # Two commands set everything up on a fresh clone: `make test` and `make demo`.
-# The venv's interpreter: the distribution's Python 3.11 where it has one with venv (Debian builds it
-# with PGO and LTO; the suite's imports and Python-level work run 20-45 % faster on it than on an
-# unoptimized build such as pyenv's default, measured), else python3. `make PYTHON=... install` chooses.
+# The venv's interpreter: the distribution's Python 3.11 where it has one with venv (Debian's static,
+# optimized build: the suite's imports and Python-level work run 20-45 % faster on it than on pyenv's
+# default shared-libpython build, measured), else python3. `make PYTHON=... install` chooses.
 DISTRO_PYTHON := $(shell /usr/bin/python3.11 -c 'import ensurepip, venv' >/dev/null 2>&1 && echo /usr/bin/python3.11)
 PYTHON ?= $(or $(DISTRO_PYTHON),python3)
 VENV := .venv
