@@ -224,7 +224,8 @@ def plan(
         bar.close()
     result = _ranked(spec, cluster, workload, facts, candidates, cache, pruned)
     if require_fit and result.best is None:
-        raise ClusterTooSmall(*smallest_cluster(result))
+        message, smallest = smallest_cluster(result)
+        raise ClusterTooSmall(message, result, smallest)
     return result
 
 
@@ -259,9 +260,9 @@ def smallest_cluster_message(result: PlanResult, max_tries: int = 8) -> str:
     return smallest_cluster(result, max_tries)[0]
 
 
-def smallest_cluster(result: PlanResult, max_tries: int = 8) -> tuple[str, PlanResult, PlanResult | None]:
-    """Why nothing fits (a message), ``result``, and the plan of the smallest number of such nodes that
-    holds the model (checked by simulation; None when none was found).
+def smallest_cluster(result: PlanResult, max_tries: int = 8) -> tuple[str, PlanResult | None]:
+    """Why nothing fits (a message), and the plan of the smallest number of such nodes that holds the
+    model (checked by simulation; None when none was found).
 
     Starts from the FSDP scaling of the sharded state (``state / N + transients <= usable``) and
     plans FSDP over that many nodes (activation checkpointing on), growing the count until a
@@ -272,7 +273,7 @@ def smallest_cluster(result: PlanResult, max_tries: int = 8) -> tuple[str, PlanR
     runnable = [e for e in result.ranked if e.memory is not None]
     if not runnable:
         errors = "; ".join(sorted({e.error or "" for e in result.ranked})[:3])
-        return f"No candidate could be simulated on {cluster.nodes} x {cluster.devices} devices: {errors}", result, None
+        return f"No candidate could be simulated on {cluster.nodes} x {cluster.devices} devices: {errors}", None
     best = min(runnable, key=lambda e: e.memory.peak)  # type: ignore[union-attr]
     mem = best.memory
     assert mem is not None
@@ -286,7 +287,7 @@ def smallest_cluster(result: PlanResult, max_tries: int = 8) -> tuple[str, PlanR
         return head + (
             f" Activations and gathered units alone take {transient / 2**30:.2f} GiB per rank, so more devices do not help: "
             f"lower the micro-batch size or sequence length, checkpoint activations, or add tensor parallelism."
-        ), result, None
+        ), None
     sharing = best.candidate.mesh_shape[-1] * best.candidate.tp * best.candidate.pp
     ranks = math.ceil(state * sharing / max(capacity - transient, 1))
     nodes = max(math.ceil(ranks / cluster.devices), cluster.nodes + 1)
@@ -302,6 +303,6 @@ def smallest_cluster(result: PlanResult, max_tries: int = 8) -> tuple[str, PlanR
             return head + (
                 f" The smallest cluster of this kind that could hold it is {nodes} node(s) x {cluster.devices} device(s): "
                 f"{trial.best.candidate.name} peaks at {trial.best.memory.peak / 2**30:.2f} GiB per rank there (simulated)."  # type: ignore[union-attr]
-            ), result, trial
+            ), trial
         nodes = math.ceil(nodes * 1.5)
-    return head + f" Even {nodes} node(s) x {cluster.devices} device(s) did not fit in the simulation; lower the batch or add TP.", result, None
+    return head + f" Even {nodes} node(s) x {cluster.devices} device(s) did not fit in the simulation; lower the batch or add TP.", None
