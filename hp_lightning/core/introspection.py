@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from hp_lightning.core import devices
 from hp_lightning.core._torch_private import fsdp_state, held_gradients, managed_params, prefetch_targets, reshards_after_forward
-from hp_lightning.core.mesh import describe
+from hp_lightning.core.mesh import MODEL_PARALLEL_DIM_NAMES, describe
 
 
 def unit_names(root: nn.Module) -> dict[int, str]:
@@ -72,7 +72,7 @@ def _placement(p: Any) -> str:
 def _placements(param: Any) -> str:
     """``S(0)`` / ``R,S(0)`` on data-parallel meshes; each named dim spelled out once TP/EP are in (``shard:S(0),tp:S(1)``)."""
     names = tuple(param.device_mesh.mesh_dim_names or ())
-    if not any(dim in names for dim in ("tp", "ep")):
+    if not MODEL_PARALLEL_DIM_NAMES & set(names):
         return ",".join(_placement(p) for p in param.placements)
     return ",".join(f"{name}:{_placement(p)}" for name, p in zip(names, param.placements))
 

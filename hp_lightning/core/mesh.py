@@ -46,6 +46,14 @@ PP_DIM = "pp"
 EXPERT_SHARD_DIM = "expert_shard"
 #: A flattened dim over every data-parallel rank (for sampler ranks and ``sync_dist`` reductions).
 DP_DIM = "dp"
+#: Lightning ``ModelParallelStrategy``'s dim names: ``(data_parallel, tensor_parallel)``, always 2-D.
+#: A mesh gets them with ``data_parallel_size`` (:class:`MeshLayout` ``lightning_names``).
+LIGHTNING_DP_DIM = "data_parallel"
+LIGHTNING_TP_DIM = "tensor_parallel"
+#: The names a tensor-parallel dim goes by: TP applied by hand is recognized on either.
+TP_DIM_NAMES: frozenset[str] = frozenset({TP_DIM, LIGHTNING_TP_DIM})
+#: Dims that split a parameter's tensor itself (not data parallelism).
+MODEL_PARALLEL_DIM_NAMES: frozenset[str] = TP_DIM_NAMES | {EP_DIM}
 
 #: A mesh size of -1 means "whatever makes the product equal the world size" (as in reshape).
 INFER = -1
@@ -205,12 +213,15 @@ class MeshLayout:
         tp: tensor-parallel size (ranks of one TP group see the same batch).
         ep: expert-parallel size, a divisor of ``S`` (EP ranks are data-parallel ranks).
         pp: pipeline stages (outermost; each stage has the whole ``dp`` mesh).
+        lightning_names: Lightning ``ModelParallelStrategy``'s mesh: dims ``("data_parallel",
+            "tensor_parallel")``, 2-D even when ``tp`` is 1 (``dp`` 1-D, no EP/PP).
     """
 
     dp: tuple[int, ...]
     tp: int = 1
     ep: int = 1
     pp: int = 1
+    lightning_names: bool = False
 
     @property
     def dp_size(self) -> int:
@@ -225,11 +236,25 @@ class MeshLayout:
 
     @property
     def composed(self) -> bool:
-        return self.tp > 1 or self.ep > 1 or self.pp > 1
+        """Whether the root mesh has dims beyond the data-parallel ones."""
+        return self.tp > 1 or self.ep > 1 or self.pp > 1 or self.lightning_names
+
+    @property
+    def dp_names(self) -> tuple[str, ...]:
+        """The root mesh's data-parallel dims (what FSDP shards over)."""
+        if self.lightning_names:
+            return (LIGHTNING_DP_DIM,)
+        return HSDP_DIM_NAMES if len(self.dp) == 2 else FSDP_DIM_NAMES
+
+    @property
+    def tp_name(self) -> str:
+        return LIGHTNING_TP_DIM if self.lightning_names else TP_DIM
 
     @property
     def names(self) -> tuple[str, ...]:
         """Dim names of the root mesh, outermost first."""
+        if self.lightning_names:
+            return (LIGHTNING_DP_DIM, LIGHTNING_TP_DIM)
         names = [PP_DIM] if self.pp > 1 else []
         names += [REPLICATE_DIM] if len(self.dp) == 2 else []
         names += [EXPERT_SHARD_DIM, EP_DIM] if self.ep > 1 else [SHARD_DIM]
@@ -237,6 +262,8 @@ class MeshLayout:
 
     @property
     def shape(self) -> tuple[int, ...]:
+        if self.lightning_names:
+            return (self.dp_size, self.tp)
         shape = [self.pp] if self.pp > 1 else []
         shape += [self.dp[0]] if len(self.dp) == 2 else []
         shape += [self.dp[-1] // self.ep, self.ep] if self.ep > 1 else [self.dp[-1]]
@@ -252,8 +279,12 @@ def resolve_layout(
     tensor_parallel_size: int = 1,
     expert_parallel_size: int = 1,
     pipeline_parallel_size: int = 1,
+    data_parallel_size: int | str | None = None,
 ) -> MeshLayout:
     """Concrete sizes of every dim for this world, or the error saying which size to change.
+
+    ``data_parallel_size`` (an int or ``"auto"``: the world over ``tensor_parallel_size``) asks
+    for Lightning ``ModelParallelStrategy``'s mesh instead: ``(data_parallel, tensor_parallel)``.
 
     ``mesh_shape`` describes the data-parallel dims only: their product is the world size divided
     by ``tensor_parallel_size`` and ``pipeline_parallel_size``; None is HSDP
@@ -265,6 +296,8 @@ def resolve_layout(
             not divide the shard dim.
     """
     tp, ep, pp = validate_parallel_sizes(tensor_parallel_size, expert_parallel_size, pipeline_parallel_size)
+    if data_parallel_size is not None:
+        return _lightning_layout(data_parallel_size, tp, world_size)
     if world_size % tp:
         raise ValueError(
             f"tensor_parallel_size={tp} does not divide the world size {world_size} ({num_nodes} node(s) x "
@@ -294,6 +327,59 @@ def resolve_layout(
             f"are carved out of it. Choose an EP size that divides {dp[-1]}."
         )
     return MeshLayout(dp=tuple(dp), tp=tp, ep=ep, pp=pp)
+
+
+def _lightning_layout(data_parallel_size: int | str, tp: int, world_size: int) -> MeshLayout:
+    """Lightning ``ModelParallelStrategy``'s ``(data_parallel, tensor_parallel)`` mesh for this world.
+
+    Raises:
+        ValueError: when ``data_parallel_size x tensor_parallel_size`` is not the world size.
+    """
+    dp = world_size // tp if data_parallel_size == "auto" else data_parallel_size
+    if not isinstance(dp, int) or dp * tp != world_size:
+        raise ValueError(
+            f"HSDPStrategy(data_parallel_size={data_parallel_size!r}, tensor_parallel_size={tp}) needs "
+            f"data_parallel_size x tensor_parallel_size == world size {world_size}"
+            + ("" if world_size % tp else f"; set data_parallel_size={world_size // tp} or 'auto'")
+            + (f"; {tp} does not divide {world_size}: choose a tensor_parallel_size that does" if world_size % tp else "")
+            + "."
+        )
+    return MeshLayout(dp=(dp,), tp=tp, lightning_names=True)
+
+
+def check_data_parallel_size(value: object, *, mesh_shape: object, expert_parallel_size: int, pipeline_parallel_size: int) -> int | str | None:
+    """Check ``data_parallel_size`` (Lightning ``ModelParallelStrategy``'s argument) before any process exists.
+
+    Raises:
+        TypeError: anything but None, ``"auto"`` or an int >= 1.
+        ValueError: a size below 1, or together with ``mesh_shape``, EP or PP (Lightning's 2-D mesh has neither).
+    """
+    if value is None:
+        return None
+    if value != "auto" and (isinstance(value, bool) or not isinstance(value, int)):
+        raise TypeError(
+            f"HSDPStrategy(data_parallel_size=...) expects None, 'auto' or an int >= 1 (Lightning "
+            f"ModelParallelStrategy's argument); got {type(value).__name__} {value!r}."
+        )
+    if isinstance(value, int) and value < 1:
+        raise ValueError(f"HSDPStrategy(data_parallel_size=...) expects an int >= 1 or 'auto'; got {value}.")
+    clashes = [
+        f"{name}={v!r}"
+        for name, v, default in (
+            ("mesh_shape", mesh_shape, None),
+            ("expert_parallel_size", expert_parallel_size, 1),
+            ("pipeline_parallel_size", pipeline_parallel_size, 1),
+        )
+        if v != default
+    ]
+    if clashes:
+        raise ValueError(
+            f"HSDPStrategy(data_parallel_size={value!r}) builds Lightning ModelParallelStrategy's 2-D mesh "
+            f"(data_parallel, tensor_parallel); it does not combine with {', '.join(clashes)}. Drop "
+            f"data_parallel_size and use mesh_shape (the mesh dims are then named replicate/shard/tp/ep/pp), "
+            f"or drop {', '.join(c.split('=')[0] for c in clashes)}."
+        )
+    return value
 
 
 def _check_composed_product(shape: tuple[int, ...], *, world_size: int, tp: int, ep: int, pp: int) -> None:
@@ -357,11 +443,11 @@ class ParallelMesh:
             return self.world
         if self.layout.ep > 1 and SHARD_DIM not in (self.world.mesh_dim_names or ()):
             flatten_mesh(self.world[EXPERT_SHARD_DIM, EP_DIM], SHARD_DIM)
-        return self.world[HSDP_DIM_NAMES if len(self.layout.dp) == 2 else FSDP_DIM_NAMES]
+        return self.world[self.layout.dp_names]
 
     @property
     def tp(self) -> DeviceMesh | None:
-        return self.world[TP_DIM] if self.layout.tp > 1 else None
+        return self.world[self.layout.tp_name] if self.layout.tp > 1 else None
 
     @property
     def ep(self) -> DeviceMesh | None:
@@ -430,8 +516,10 @@ def set_collective_timeout(mesh: DeviceMesh | ParallelMesh, timeout: timedelta) 
 
 def describe(mesh: DeviceMesh) -> str:
     names = tuple(mesh.mesh_dim_names or ())
-    composed = any(dim in names for dim in (TP_DIM, EP_DIM, PP_DIM))
+    composed = any(dim in names for dim in (TP_DIM, EP_DIM, PP_DIM, LIGHTNING_TP_DIM))
     kind = "HSDP" if (REPLICATE_DIM in names if composed else mesh.ndim == 2) else "FSDP"
+    if LIGHTNING_TP_DIM in names and mesh.size(names.index(LIGHTNING_TP_DIM)) > 1:
+        kind += " x TP"
     kind += "".join(f" x {dim.upper()}" for dim in (EP_DIM, TP_DIM, PP_DIM) if dim in names)
     dims = ", ".join(f"{name}={size}" for name, size in zip(mesh.mesh_dim_names or (), mesh.shape))
     return f"{kind} mesh ({dims}) on {mesh.device_type}"
@@ -440,12 +528,17 @@ def describe(mesh: DeviceMesh) -> str:
 __all__ = [
     "DP_DIM",
     "EP_DIM",
+    "LIGHTNING_DP_DIM",
+    "LIGHTNING_TP_DIM",
+    "MODEL_PARALLEL_DIM_NAMES",
+    "TP_DIM_NAMES",
     "EXPERT_SHARD_DIM",
     "MeshLayout",
     "PP_DIM",
     "ParallelMesh",
     "TP_DIM",
     "build_parallel_mesh",
+    "check_data_parallel_size",
     "resolve_layout",
     "validate_parallel_sizes",
     "FSDP_DIM_NAMES",

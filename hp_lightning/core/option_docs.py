@@ -11,6 +11,14 @@ FIELD_DOCS: dict[str, str] = {
         'replicas. The product must equal the world size divided by ``tensor_parallel_size`` and '
         '``pipeline_parallel_size``.'
     ),
+    'data_parallel_size': (
+        'Lightning ``ModelParallelStrategy``\'s mesh, for code written for it: dims ``("data_parallel", '
+        '"tensor_parallel")``, 2-D even at ``tensor_parallel_size=1``, FSDP over ``data_parallel``; '
+        '``"auto"``: the world size over ``tensor_parallel_size``. A ``configure_model`` that slices '
+        '``self.device_mesh["data_parallel"]`` / ``["tensor_parallel"]`` then runs unchanged. ``None`` '
+        "(default): hp_lightning's mesh (``mesh_shape``; dims ``replicate``/``shard``/``tp``/``ep``/``pp``). "
+        'Not with ``mesh_shape``, EP or PP.'
+    ),
     'tensor_parallel_size': (
         'Ranks per tensor-parallel group: the innermost mesh dim ``"tp"`` (consecutive ranks, one node). The '
         'ranks of a TP group see the same batch; the sampler splits data over the data-parallel ranks only. '
@@ -38,6 +46,14 @@ FIELD_DOCS: dict[str, str] = {
         'before sharding. ``None``: the ``base_model_tp_plan`` of Hugging Face models inside the module. A '
         'pattern that matches nothing, an unknown style, or a colwise/rowwise style on a module that is not '
         '``Linear``/``Embedding`` is an error. Unused at ``tensor_parallel_size=1``.'
+    ),
+    'parallelize_fn': (
+        "Your own parallelization, as Lightning's Fabric ``ModelParallelStrategy(parallelize_fn=...)`` takes "
+        'it: called at setup as ``parallelize_fn(module, device_mesh)`` with the whole mesh '
+        '(``self.device_mesh``), before hp_lightning shards what it left unsharded; it applies TP '
+        '(``parallelize_module``) and/or ``fully_shard`` in place and returns the module (Fabric may return '
+        'another one). From YAML: an import path (``my_pkg.parallel.apply_tp``). ``None``: only the '
+        "strategy's own plan (the Trainer's ``configure_model`` does the same job)."
     ),
     'expert_modules': (
         'Module-name globs of grouped-experts modules (parameters ``[num_experts, ...]``, forward ``(tokens '

@@ -31,17 +31,20 @@ from __future__ import annotations
 
 import math
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from datetime import timedelta
 from functools import cache
 from typing import Any, Literal, Optional, Union
 
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
 from hp_lightning.core.accumulation import check_mode
 from hp_lightning.core.checks import REDUCE_OPS, check_schedule, parse_dtype, validate_scaling_factor, validate_split_points, validate_tp_plan
 from hp_lightning.core.checks import SCHEDULES as PIPELINE_SCHEDULES
 from hp_lightning.core.fault_tolerance import FaultTolerance, check_accumulation_mode
-from hp_lightning.core.mesh import MeshLayout, resolve_layout, validate_mesh_shape, validate_parallel_sizes
+from hp_lightning.core.mesh import MeshLayout, check_data_parallel_size, resolve_layout, validate_mesh_shape, validate_parallel_sizes
 from hp_lightning.core.option_docs import FIELD_DOCS
 from hp_lightning.core.units import validate_unit_specs
 from hp_lightning.core.watchdog import check_seconds
@@ -124,6 +127,15 @@ def _check_prefetch(prefetch: Any) -> int:
     return prefetch
 
 
+def _check_parallelize_fn(fn: Any) -> Optional[Callable[[nn.Module, DeviceMesh], nn.Module]]:
+    if fn is not None and not callable(fn):
+        raise TypeError(
+            f"HSDPStrategy(parallelize_fn=...) expects a callable (module, device_mesh) -> module, or None; got "
+            f"{type(fn).__name__} {fn!r}."
+        )
+    return fn
+
+
 def _check_backend(backend: Any) -> Optional[str]:
     if backend is not None and not isinstance(backend, str):
         raise TypeError(f"HSDPStrategy(process_group_backend=...) expects a string like 'gloo' or None; got {backend!r}.")
@@ -165,6 +177,14 @@ class ParallelOptions(_OptionGroup):
     ``[4, -1]`` four replicas. The product must equal the world size divided by
     ``tensor_parallel_size`` and ``pipeline_parallel_size``."""
 
+    data_parallel_size: Union[int, Literal["auto"], None] = None
+    """Lightning ``ModelParallelStrategy``'s mesh, for code written for it: dims
+    ``("data_parallel", "tensor_parallel")``, 2-D even at ``tensor_parallel_size=1``, FSDP over
+    ``data_parallel``; ``"auto"``: the world size over ``tensor_parallel_size``. A
+    ``configure_model`` that slices ``self.device_mesh["data_parallel"]`` / ``["tensor_parallel"]``
+    then runs unchanged. ``None`` (default): hp_lightning's mesh (``mesh_shape``; dims
+    ``replicate``/``shard``/``tp``/``ep``/``pp``). Not with ``mesh_shape``, EP or PP."""
+
     tensor_parallel_size: int = 1
     """Ranks per tensor-parallel group: the innermost mesh dim ``"tp"`` (consecutive ranks, one
     node). The ranks of a TP group see the same batch; the sampler splits data over the
@@ -193,6 +213,14 @@ class ParallelOptions(_OptionGroup):
     A pattern that matches nothing, an unknown style, or a colwise/rowwise style on a module that
     is not ``Linear``/``Embedding`` is an error. Unused at ``tensor_parallel_size=1``."""
 
+    parallelize_fn: Optional[Callable[[nn.Module, DeviceMesh], nn.Module]] = None
+    """Your own parallelization, as Lightning's Fabric ``ModelParallelStrategy(parallelize_fn=...)``
+    takes it: called at setup as ``parallelize_fn(module, device_mesh)`` with the whole mesh
+    (``self.device_mesh``), before hp_lightning shards what it left unsharded; it applies TP
+    (``parallelize_module``) and/or ``fully_shard`` in place and returns the module (Fabric may
+    return another one). From YAML: an import path (``my_pkg.parallel.apply_tp``). ``None``: only
+    the strategy's own plan (the Trainer's ``configure_model`` does the same job)."""
+
     expert_modules: Optional[Sequence[str]] = None
     """Module-name globs of grouped-experts modules (parameters ``[num_experts, ...]``, forward
     ``(tokens sorted by expert, counts per expert)``; see ``examples/moe.py``). ``None``:
@@ -206,10 +234,14 @@ class ParallelOptions(_OptionGroup):
         tp, ep, pp = validate_parallel_sizes(self.tensor_parallel_size, self.expert_parallel_size, self.pipeline_parallel_size)
         return {
             "mesh_shape": validate_mesh_shape(self.mesh_shape),
+            "data_parallel_size": check_data_parallel_size(
+                self.data_parallel_size, mesh_shape=self.mesh_shape, expert_parallel_size=ep, pipeline_parallel_size=pp
+            ),
             "tensor_parallel_size": tp,
             "expert_parallel_size": ep,
             "pipeline_parallel_size": pp,
             "tp_plan": validate_tp_plan(self.tp_plan),
+            "parallelize_fn": _check_parallelize_fn(self.parallelize_fn),
             "expert_modules": _check_patterns(self.expert_modules, "expert_modules"),
             "process_group_backend": _check_backend(self.process_group_backend),
         }
@@ -231,6 +263,7 @@ class ParallelOptions(_OptionGroup):
             tensor_parallel_size=self.tensor_parallel_size,
             expert_parallel_size=self.expert_parallel_size,
             pipeline_parallel_size=self.pipeline_parallel_size,
+            data_parallel_size=self.data_parallel_size,
         )
 
 
@@ -483,6 +516,8 @@ def _check_fault_tolerance(value: Any, done: Mapping[str, Any]) -> Optional[Faul
         return None
     sizes = {name: done.get(name, 1) for name in ("tensor_parallel_size", "expert_parallel_size", "pipeline_parallel_size")}
     composed = [f"{name}={size}" for name, size in sizes.items() if size != 1]
+    if done.get("data_parallel_size") is not None:
+        composed.append(f"data_parallel_size={done['data_parallel_size']!r}")
     mesh = done.get("mesh_shape")
     if mesh is not None and (len(mesh) > 2 or (len(mesh) == 2 and mesh[0] != 1)):
         composed.append(f"mesh_shape={list(mesh)}")
@@ -585,6 +620,9 @@ class HSDPOptions(PipelineOptions, FaultOptions, CheckpointOptions, PrecisionOpt
     def settings(self, owner: str = "HSDPStrategy") -> dict[str, Any]:
         """Every option as ``"HSDPStrategy(name=...)" -> value``: what all ranks must agree on."""
         settings = {f"{owner}({f.name}=...)": getattr(self, f.name) for f in fields(self)}
+        if self.parallelize_fn is not None:  # by name: a function's repr holds an address
+            fn = self.parallelize_fn
+            settings[f"{owner}(parallelize_fn=...)"] = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__name__)}"
         if self.tp_plan:  # style objects compare by name: their default repr holds an address
             settings[f"{owner}(tp_plan=...)"] = {k: v if isinstance(v, str) else type(v).__name__ for k, v in self.tp_plan.items()}
         return settings

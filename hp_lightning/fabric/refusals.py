@@ -2,15 +2,12 @@
 
 * :func:`refuse_trainer_options`: options only the Trainer's loop can honour, and ``CheckpointIO``
   plugins (never called: checkpoints are written by :mod:`hp_lightning.checkpoint`), in ``Fabric(...)``;
-* :func:`refuse_fsdp1`: a module wrapped in FSDP1, at ``fabric.setup``.
+* a module wrapped in FSDP1 is refused by both front ends (:func:`hp_lightning.frontends.core.refuse_fsdp1`).
 """
 
 from __future__ import annotations
 
 from typing import Any
-
-from torch import nn
-from torch.distributed.fsdp import FullyShardedDataParallel
 
 from hp_lightning.core.options import HSDPOptions
 
@@ -44,16 +41,3 @@ def refuse_trainer_options(options: HSDPOptions, checkpoint_io: Any) -> None:
         )
     if checkpoint_io is not None:
         raise TypeError(NO_CHECKPOINT_IO.format(got=type(checkpoint_io).__name__))
-
-
-def refuse_fsdp1(module: nn.Module) -> None:
-    """Raise for a module that contains FSDP1 (``FullyShardedDataParallel``) modules: FSDP2 cannot shard them again.
-
-    Raises:
-        TypeError: naming the module and the fix.
-    """
-    if any(isinstance(m, FullyShardedDataParallel) for m in module.modules()):
-        raise TypeError(
-            f"{type(module).__name__} contains FullyShardedDataParallel (FSDP1) modules; HSDPStrategy shards with "
-            f"FSDP2. Pass the plain module (or one sharded with hp_lightning.fully_shard / torch's fully_shard)."
-        )

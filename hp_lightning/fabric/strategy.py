@@ -31,7 +31,7 @@ from hp_lightning.fabric import state as fabric_state
 from hp_lightning.fabric.fault_tolerance import start_fault_tolerance
 from hp_lightning.fabric.optimizers import ReplacedParameters, rebind_optimizer
 from hp_lightning.fabric.precision import HSDPPrecision, precision_from_fabric
-from hp_lightning.fabric.refusals import NO_CHECKPOINT_IO, refuse_fsdp1, refuse_trainer_options
+from hp_lightning.fabric.refusals import NO_CHECKPOINT_IO, refuse_trainer_options
 from hp_lightning.frontends.constructors import FabricConstructor
 from hp_lightning.ft.engine import FaultTolerantHSDP
 from hp_lightning.fully_shard import HSDPModule
@@ -173,10 +173,14 @@ class HSDPFabricStrategy(FabricConstructor, ParallelStrategy):
         are kept. Sharding replaces the module's parameters with sharded ones: create optimizers
         afterwards, or pass them to ``fabric.setup(model, optimizer)``, which rebinds them.
 
+        With the ``parallelize_fn`` option, ``parallelize_fn(module, device_mesh)`` runs first (as
+        in Lightning's ``ModelParallelStrategy``) and its result is what gets sharded and returned.
+
         Raises:
-            TypeError: for a module wrapped in FSDP1 (``FullyShardedDataParallel``).
+            TypeError: for a module wrapped in FSDP1 (``FullyShardedDataParallel``), or a
+                ``parallelize_fn`` that returns no module.
         """
-        refuse_fsdp1(module)
+        module = self._apply_parallelize_fn(module, in_place=False)
         before = list(module.parameters())
         self._shard(module)
         self._replaced.record(before, module.parameters())

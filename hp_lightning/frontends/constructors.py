@@ -9,7 +9,7 @@ arguments and the options, validated as one ``HSDPOptions``, to
 
 # No ``from __future__ import annotations``: the annotations are evaluated here, so ``inspect.signature``
 # shows the types themselves (as ``typing.get_type_hints`` and jsonargparse resolve them).
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any, Literal, Optional, Union
 
@@ -20,6 +20,8 @@ import lightning.fabric.plugins.precision.precision
 import lightning.pytorch.accelerators.accelerator
 import lightning.pytorch.plugins.precision.precision
 import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from hp_lightning.core.fault_tolerance import FaultTolerance
 from hp_lightning.core.options import DEFAULT_TIMEOUT, HSDPOptions
@@ -40,10 +42,12 @@ class TrainerConstructor(StrategyCore):
         precision_plugin: Optional[lightning.pytorch.plugins.precision.precision.Precision] = None,
         *,
         mesh_shape: Optional[Sequence[int]] = None,
+        data_parallel_size: Union[int, Literal["auto"], None] = None,
         tensor_parallel_size: int = 1,
         expert_parallel_size: int = 1,
         pipeline_parallel_size: int = 1,
         tp_plan: Optional[dict[str, str]] = None,
+        parallelize_fn: Optional[Callable[[nn.Module, DeviceMesh], nn.Module]] = None,
         expert_modules: Optional[Sequence[str]] = None,
         process_group_backend: Optional[str] = None,
         shard_modules: Optional[Sequence[Union[str, type]]] = None,
@@ -93,6 +97,12 @@ class TrainerConstructor(StrategyCore):
                 N ranks; ``[R, S]``: HSDP, R replicas of S shards, each shard group S consecutive ranks. One size may be
                 ``-1`` (inferred from the world size): ``[-1]`` is FSDP over everything, ``[4, -1]`` four replicas. The
                 product must equal the world size divided by ``tensor_parallel_size`` and ``pipeline_parallel_size``.
+            data_parallel_size: Lightning ``ModelParallelStrategy``'s mesh, for code written for it: dims
+                ``("data_parallel", "tensor_parallel")``, 2-D even at ``tensor_parallel_size=1``, FSDP over ``data_parallel``;
+                ``"auto"``: the world size over ``tensor_parallel_size``. A ``configure_model`` that slices
+                ``self.device_mesh["data_parallel"]`` / ``["tensor_parallel"]`` then runs unchanged. ``None`` (default):
+                hp_lightning's mesh (``mesh_shape``; dims ``replicate``/``shard``/``tp``/``ep``/``pp``). Not with
+                ``mesh_shape``, EP or PP.
             tensor_parallel_size: Ranks per tensor-parallel group: the innermost mesh dim ``"tp"`` (consecutive ranks, one
                 node). The ranks of a TP group see the same batch; the sampler splits data over the data-parallel ranks only.
                 Must divide the devices per node (default mesh) or the world. 1 = off.
@@ -113,6 +123,12 @@ class TrainerConstructor(StrategyCore):
                 ``base_model_tp_plan`` of Hugging Face models inside the module. A pattern that matches nothing, an unknown
                 style, or a colwise/rowwise style on a module that is not ``Linear``/``Embedding`` is an error. Unused at
                 ``tensor_parallel_size=1``.
+            parallelize_fn: Your own parallelization, as Lightning's Fabric ``ModelParallelStrategy(parallelize_fn=...)``
+                takes it: called at setup as ``parallelize_fn(module, device_mesh)`` with the whole mesh
+                (``self.device_mesh``), before hp_lightning shards what it left unsharded; it applies TP
+                (``parallelize_module``) and/or ``fully_shard`` in place and returns the module (Fabric may return another
+                one). From YAML: an import path (``my_pkg.parallel.apply_tp``). ``None``: only the strategy's own plan (the
+                Trainer's ``configure_model`` does the same job).
             expert_modules: Module-name globs of grouped-experts modules (parameters ``[num_experts, ...]``, forward
                 ``(tokens sorted by expert, counts per expert)``; see ``examples/moe.py``). ``None``: ``["*experts"]``. Unused
                 at ``expert_parallel_size=1``.
@@ -260,10 +276,12 @@ class TrainerConstructor(StrategyCore):
             },
             HSDPOptions(
                 mesh_shape=mesh_shape,
+                data_parallel_size=data_parallel_size,
                 tensor_parallel_size=tensor_parallel_size,
                 expert_parallel_size=expert_parallel_size,
                 pipeline_parallel_size=pipeline_parallel_size,
                 tp_plan=tp_plan,
+                parallelize_fn=parallelize_fn,
                 expert_modules=expert_modules,
                 process_group_backend=process_group_backend,
                 shard_modules=shard_modules,
@@ -316,10 +334,12 @@ class FabricConstructor(StrategyCore):
         precision: Optional[lightning.fabric.plugins.precision.precision.Precision] = None,
         *,
         mesh_shape: Optional[Sequence[int]] = None,
+        data_parallel_size: Union[int, Literal["auto"], None] = None,
         tensor_parallel_size: int = 1,
         expert_parallel_size: int = 1,
         pipeline_parallel_size: int = 1,
         tp_plan: Optional[dict[str, str]] = None,
+        parallelize_fn: Optional[Callable[[nn.Module, DeviceMesh], nn.Module]] = None,
         expert_modules: Optional[Sequence[str]] = None,
         process_group_backend: Optional[str] = None,
         shard_modules: Optional[Sequence[Union[str, type]]] = None,
@@ -369,6 +389,12 @@ class FabricConstructor(StrategyCore):
                 N ranks; ``[R, S]``: HSDP, R replicas of S shards, each shard group S consecutive ranks. One size may be
                 ``-1`` (inferred from the world size): ``[-1]`` is FSDP over everything, ``[4, -1]`` four replicas. The
                 product must equal the world size divided by ``tensor_parallel_size`` and ``pipeline_parallel_size``.
+            data_parallel_size: Lightning ``ModelParallelStrategy``'s mesh, for code written for it: dims
+                ``("data_parallel", "tensor_parallel")``, 2-D even at ``tensor_parallel_size=1``, FSDP over ``data_parallel``;
+                ``"auto"``: the world size over ``tensor_parallel_size``. A ``configure_model`` that slices
+                ``self.device_mesh["data_parallel"]`` / ``["tensor_parallel"]`` then runs unchanged. ``None`` (default):
+                hp_lightning's mesh (``mesh_shape``; dims ``replicate``/``shard``/``tp``/``ep``/``pp``). Not with
+                ``mesh_shape``, EP or PP.
             tensor_parallel_size: Ranks per tensor-parallel group: the innermost mesh dim ``"tp"`` (consecutive ranks, one
                 node). The ranks of a TP group see the same batch; the sampler splits data over the data-parallel ranks only.
                 Must divide the devices per node (default mesh) or the world. 1 = off.
@@ -389,6 +415,12 @@ class FabricConstructor(StrategyCore):
                 ``base_model_tp_plan`` of Hugging Face models inside the module. A pattern that matches nothing, an unknown
                 style, or a colwise/rowwise style on a module that is not ``Linear``/``Embedding`` is an error. Unused at
                 ``tensor_parallel_size=1``.
+            parallelize_fn: Your own parallelization, as Lightning's Fabric ``ModelParallelStrategy(parallelize_fn=...)``
+                takes it: called at setup as ``parallelize_fn(module, device_mesh)`` with the whole mesh
+                (``self.device_mesh``), before hp_lightning shards what it left unsharded; it applies TP
+                (``parallelize_module``) and/or ``fully_shard`` in place and returns the module (Fabric may return another
+                one). From YAML: an import path (``my_pkg.parallel.apply_tp``). ``None``: only the strategy's own plan (the
+                Trainer's ``configure_model`` does the same job).
             expert_modules: Module-name globs of grouped-experts modules (parameters ``[num_experts, ...]``, forward
                 ``(tokens sorted by expert, counts per expert)``; see ``examples/moe.py``). ``None``: ``["*experts"]``. Unused
                 at ``expert_parallel_size=1``.
@@ -536,10 +568,12 @@ class FabricConstructor(StrategyCore):
             },
             HSDPOptions(
                 mesh_shape=mesh_shape,
+                data_parallel_size=data_parallel_size,
                 tensor_parallel_size=tensor_parallel_size,
                 expert_parallel_size=expert_parallel_size,
                 pipeline_parallel_size=pipeline_parallel_size,
                 tp_plan=tp_plan,
+                parallelize_fn=parallelize_fn,
                 expert_modules=expert_modules,
                 process_group_backend=process_group_backend,
                 shard_modules=shard_modules,

@@ -35,7 +35,7 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 from torch.distributed.tensor import DTensor
 from torchmetrics import Metric
 
@@ -46,7 +46,7 @@ from hp_lightning.core import agreement, devices, watchdog
 from hp_lightning.core.accumulation import check_mode, no_gradient_sync
 from hp_lightning.core.fault_tolerance import check_accumulation_mode
 from hp_lightning.core.introspection import ShardingSummary, summarize, units_in_order
-from hp_lightning.core.materialize import meta_init_context
+from hp_lightning.core.materialize import link_construction, meta_init_context
 from hp_lightning.core.mesh import MeshLayout, ParallelMesh, build_parallel_mesh, describe, set_collective_timeout
 from hp_lightning.core.options import HSDPOptions
 from hp_lightning.core.watchdog import elastic
@@ -57,7 +57,20 @@ from hp_lightning.fully_shard.divergence import divergence_check, gradients_stay
 from hp_lightning.recipe.parallelize import ShardedModel, ShardingPlan
 from hp_lightning.recipe.prepare import prepare_model, prepared
 
-__all__ = ["StrategyCore"]
+__all__ = ["StrategyCore", "refuse_fsdp1"]
+
+
+def refuse_fsdp1(module: nn.Module) -> None:
+    """Raise for a module that contains FSDP1 (``FullyShardedDataParallel``) modules: FSDP2 cannot shard them again.
+
+    Raises:
+        TypeError: naming the module and the fix.
+    """
+    if any(isinstance(m, FullyShardedDataParallel) for m in module.modules()):
+        raise TypeError(
+            f"{type(module).__name__} contains FullyShardedDataParallel (FSDP1) modules; HSDPStrategy shards with "
+            f"FSDP2. Pass the plain module (or one sharded with hp_lightning.fully_shard / torch's fully_shard)."
+        )
 
 
 def _gather_root_on_submodule_entry(root: nn.Module) -> None:
@@ -349,12 +362,47 @@ class StrategyCore:
         """Where whole parameters are created and initialized: the host under ``cpu_offload``, else the training device."""
         return devices.cpu_device() if self.options.cpu_offload else self.root_device
 
+    def _apply_parallelize_fn(self, module: nn.Module, *, in_place: bool) -> nn.Module:
+        """Run the ``parallelize_fn`` option on ``module`` with the whole mesh, as Lightning's ``ModelParallelStrategy`` does.
+
+        Args:
+            in_place: the front end keeps ``module`` itself (the Trainer's LightningModule), so
+                the function must return it.
+
+        Raises:
+            TypeError: for FSDP1 modules in ``module`` (before the function sees them), or when
+                it returns anything but a module (or, ``in_place``, another module).
+        """
+        refuse_fsdp1(module)
+        fn = self.options.parallelize_fn
+        if fn is None:
+            return module
+        link_construction(module)  # a meta-built module keeps its recorded construction through TP
+        result = fn(module, self.device_mesh)
+        name = getattr(fn, "__qualname__", repr(fn))
+        if not isinstance(result, nn.Module):
+            raise TypeError(
+                f"HSDPStrategy(parallelize_fn={name}) returned {type(result).__name__}; it must return the module "
+                f"(parallelize it in place and `return module`)."
+            )
+        if in_place and result is not module:
+            raise TypeError(
+                f"HSDPStrategy(parallelize_fn={name}) returned a different module ({type(result).__name__}) than the "
+                f"{type(module).__name__} it was given; the Trainer keeps your LightningModule, so parallelize it in "
+                f"place and return it."
+            )
+        return result
+
     def _shard(self, model: nn.Module) -> ShardedModel:
         """Shard ``model`` in place with :meth:`sharding_plan`, initialize what is on the meta device, wire the step's checks.
 
-        Units the user sharded already (``configure_model``, Fabric code) are kept. Whole
-        parameters are initialized where they train, or on the host under ``cpu_offload``.
+        Units the user sharded already (``configure_model``, ``parallelize_fn``, Fabric code) are
+        kept. Whole parameters are initialized where they train, or on the host under ``cpu_offload``.
+
+        Raises:
+            TypeError: for FSDP1 (``FullyShardedDataParallel``) modules inside ``model``.
         """
+        refuse_fsdp1(model)
         sharded = prepare_model(model, self.parallel_mesh, self.sharding_plan(), init_device=self._init_device(), device=self.root_device)
         self._after_sharding(model)
         return sharded

@@ -108,7 +108,16 @@ class HSDPModule(_ShardedModule):
 
     @property
     def device_mesh(self) -> DeviceMesh:
-        """The data-parallel mesh this unit shards over (1-D FSDP or 2-D HSDP)."""
+        """The data-parallel mesh this unit shards over (1-D FSDP or 2-D HSDP).
+
+        A module whose own class defines ``device_mesh`` (a LightningModule) keeps its own; the
+        unit's mesh is then :attr:`sharding_mesh`.
+        """
+        return self._hp_mesh
+
+    @property
+    def sharding_mesh(self) -> DeviceMesh:
+        """The data-parallel mesh this unit shards over, whatever the module's class calls ``device_mesh``."""
         return self._hp_mesh
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
@@ -290,13 +299,26 @@ def _unaliased(loaded: Any, given: Any) -> Any:
 _HP_CLASSES: dict[type, type] = {}
 
 
+def _kept_attributes(cls: type) -> dict[str, Any]:
+    """What the module's own class defines that :class:`HSDPModule` must not shadow.
+
+    A LightningModule's ``device_mesh`` is the strategy's whole mesh (Lightning's contract, the same
+    object in ``configure_model`` and every later hook); HSDPModule's is the unit's data-parallel
+    mesh. The module's own wins; the unit's stays reachable as :attr:`HSDPModule.sharding_mesh`.
+    """
+    for base in cls.__mro__:
+        if base is not HSDPModule and "device_mesh" in base.__dict__:
+            return {"device_mesh": base.__dict__["device_mesh"]}
+    return {}
+
+
 def _extend_with_controls(module: nn.Module) -> HSDPModule:
     """Swap ``module``'s class for one that adds :class:`HSDPModule`'s controls (as FSDP2 does)."""
     cls = type(module)
     if isinstance(module, HSDPModule):
         return module
     if cls not in _HP_CLASSES:
-        _HP_CLASSES[cls] = type(f"HP{cls.__name__}", (HSDPModule, cls), {})
+        _HP_CLASSES[cls] = type(f"HP{cls.__name__}", (HSDPModule, cls), _kept_attributes(cls))
     module.__class__ = _HP_CLASSES[cls]
     return cast(HSDPModule, module)
 

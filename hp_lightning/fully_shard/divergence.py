@@ -285,6 +285,9 @@ def _checked_method(
         check.check(result, skipped_counts=bool(getattr(root, "automatic_optimization", False)))
         return result
 
+    # Lightning reads a step method's signature one ``__wrapped__`` level down (``batch_idx``
+    # passed or not, ``is_overridden``): point that level at what it would see without us.
+    wrapped.__wrapped__ = getattr(method, "__wrapped__", method)
     return wrapped
 
 

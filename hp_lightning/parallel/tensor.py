@@ -29,6 +29,7 @@ from torch.distributed.tensor.parallel import parallelize_module as _torch_paral
 
 from hp_lightning.core.checks import TP_STYLES, StyleSpec, validate_tp_plan
 from hp_lightning.core.materialize import link_construction
+from hp_lightning.core.mesh import TP_DIM_NAMES
 
 __all__ = ["TP_STYLES", "hf_tp_plan", "parallelize_module", "resolve_tp_plan", "tp_applied", "validate_tp_plan"]
 
@@ -226,9 +227,13 @@ def hf_tp_plan(model: nn.Module) -> dict[str, str]:
     return plan
 
 
-def tp_applied(model: nn.Module, tp_mesh: DeviceMesh) -> bool:
-    """Whether some parameter of ``model`` is already a DTensor on ``tp_mesh`` (TP applied by hand)."""
-    return any(isinstance(p, DTensor) and p.device_mesh == tp_mesh for p in model.parameters())
+def tp_applied(model: nn.Module) -> bool:
+    """Whether some parameter of ``model`` is already split by tensor parallelism (TP applied by hand).
+
+    Recognized on any mesh with a ``tp`` / ``tensor_parallel`` dim: the user's TP mesh alone, or the
+    2-D ``(shard, tp)`` mesh their own ``fully_shard`` leaves after it.
+    """
+    return any(isinstance(p, DTensor) and TP_DIM_NAMES & set(p.device_mesh.mesh_dim_names or ()) for p in model.parameters())
 
 
 def parallelize_module(module: nn.Module, device_mesh: DeviceMesh, parallelize_plan: Mapping[str, StyleSpec] | ParallelStyle) -> nn.Module:

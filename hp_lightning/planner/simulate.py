@@ -36,7 +36,7 @@ from hp_lightning.core._torch_private import TorchDispatchMode, local_tensor, ma
 from hp_lightning.core.accumulation import no_gradient_sync
 from hp_lightning.core.diagnostics import CollectiveCall, CollectiveCounter
 from hp_lightning.core.introspection import unit_names
-from hp_lightning.core.mesh import build_parallel_mesh
+from hp_lightning.core.mesh import MODEL_PARALLEL_DIM_NAMES, build_parallel_mesh
 from hp_lightning.core.options import HSDPOptions
 from hp_lightning.parallel.pipeline import hold_gathered, plan_cut
 from hp_lightning.planner import _private
@@ -280,7 +280,7 @@ def simulate_rank(
                 shard_dims = [i for i, pl in enumerate(p.placements) if pl.is_shard()] if isinstance(p, DTensor) else []
                 ranks = 1
                 for i in shard_dims:
-                    if p.device_mesh.mesh_dim_names[i] not in ("tp", "ep"):
+                    if p.device_mesh.mesh_dim_names[i] not in MODEL_PARALLEL_DIM_NAMES:
                         ranks *= p.device_mesh.size(i)
                 gathered += local.numel() * ranks * dtype.itemsize
             units.append(UnitFact(names.get(id(unit), type(unit).__name__), sharded_bytes, gathered, reshards_after_forward(unit)))

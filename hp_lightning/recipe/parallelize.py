@@ -45,7 +45,7 @@ from torch.utils.checkpoint import checkpoint
 
 from hp_lightning.core import devices
 from hp_lightning.core._torch_private import prefetch_targets, wrap_as_forward
-from hp_lightning.core.mesh import ParallelMesh
+from hp_lightning.core.mesh import MODEL_PARALLEL_DIM_NAMES, ParallelMesh
 from hp_lightning.core.options import HSDPOptions
 from hp_lightning.core.units import UnitSpec, auto_units, bottom_up, select_modules, select_params, side_units
 from hp_lightning.fully_shard import (
@@ -151,7 +151,7 @@ def apply_tensor_parallel(model: nn.Module, mesh: ParallelMesh, plan: ShardingPl
     Raises:
         ValueError: TP requested without any plan, a pattern that matches nothing, a wrong style.
     """
-    if mesh.tp is None or tp_applied(model, mesh.tp):
+    if mesh.tp is None or tp_applied(model):
         return []
     tp_plan = plan.options.tp_plan or hf_tp_plan(model)
     if not tp_plan:
@@ -251,7 +251,7 @@ def _drop_already_sharded(
     Raises:
         ValueError: a parameter tensor or expert parallelism split: it cannot be kept whole.
     """
-    split = [n for n, p in selected if isinstance(p, DTensor) and {"tp", "ep"} & set(p.device_mesh.mesh_dim_names or ())]
+    split = [n for n, p in selected if isinstance(p, DTensor) and MODEL_PARALLEL_DIM_NAMES & set(p.device_mesh.mesh_dim_names or ())]
     if split:
         raise ValueError(
             f"{option} matches {split[:6]}, which tensor or expert parallelism splits across ranks: they cannot be "

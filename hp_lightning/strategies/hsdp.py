@@ -146,6 +146,7 @@ class HSDPStrategy(TrainerConstructor, ParallelStrategy):
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
         self._steps.before_sharding(trainer)  # under PP: this rank never holds the other stages
+        self._apply_parallelize_fn(self.model, in_place=True)
         self._sharded = self._shard(self.model)  # the units the user sharded in configure_model are kept
         self.barrier()
         self._steps.after_sharding()

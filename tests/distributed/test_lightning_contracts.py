@@ -1,0 +1,228 @@
+"""Lightning's contracts hold under hp_lightning, checked against Lightning's own ``ModelParallelStrategy``.
+
+One launch of 4 gloo ranks. A LightningModule written the way Lightning's docs write one for
+``ModelParallelStrategy`` (a feed-forward stack; ``configure_model`` slices
+``self.device_mesh["tensor_parallel"]`` / ``["data_parallel"]``, applies torch's
+``parallelize_module`` when TP is on and torch's ``fully_shard`` when data parallelism is; a
+``training_step(self, batch)`` without ``batch_idx``; a ``validation_step`` with
+``dataloader_idx=0`` over two loaders) trains under ``ModelParallelStrategy`` (the control) and
+under ``HSDPStrategy`` with only the strategy line changed, at TP 2 x DP 2 and at DP 4 x TP 1: the
+same losses. The same module written with hp_lightning's dim names (``tp``, ``shard``) under
+``tensor_parallel_size=2`` is recognized as TP applied by hand. ``self.device_mesh`` is the same
+object in every hook. Fabric takes ``parallelize_fn`` as Lightning's Fabric strategy does. An
+FSDP1 submodule is refused by the Trainer strategy with the Fabric strategy's message.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lightning.pytorch import LightningModule, Trainer, seed_everything
+from torch import nn
+
+from tests.helpers import run_distributed, trainer_kwargs
+
+WORLD = 4
+STEPS = 3
+DIM = 16
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(nn.functional.silu(self.w1(x)) * self.w3(x))
+
+
+class Stack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([FeedForward(DIM, 2 * DIM) for _ in range(2)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = x + layer(x)
+        return x
+
+
+def parallelize(model: nn.Module, mesh, names: tuple[str, str] = ("tensor_parallel", "data_parallel")) -> nn.Module:
+    """What Lightning's docs put in ``configure_model`` (or Fabric's ``parallelize_fn``)."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    tp_mesh, dp_mesh = mesh[names[0]], mesh[names[1]]
+    if tp_mesh.size() > 1:
+        plan = {"w1": ColwiseParallel(), "w2": RowwiseParallel(), "w3": ColwiseParallel()}
+        for layer in model.layers:
+            parallelize_module(layer, tp_mesh, plan)
+    if dp_mesh.size() > 1:
+        for layer in model.layers:
+            fully_shard(layer, mesh=dp_mesh)
+        fully_shard(model, mesh=dp_mesh)
+    return model
+
+
+class LitFeedForward(LightningModule):
+    """As Lightning's ``ModelParallelStrategy`` docs write a module (its ``training_step`` takes no ``batch_idx``)."""
+
+    def __init__(self, names: tuple[str, str] = ("tensor_parallel", "data_parallel")) -> None:
+        super().__init__()
+        self.names = names
+        self.model = Stack()
+        self.meshes: dict[str, object] = {}
+        self.losses: list[float] = []
+        self.val_seen: list[int] = []
+
+    def configure_model(self) -> None:
+        self.meshes["configure_model"] = self.device_mesh
+        parallelize(self.model, self.device_mesh, self.names)
+
+    def on_train_start(self) -> None:
+        self.meshes["on_train_start"] = self.device_mesh
+
+    def training_step(self, batch):
+        self.meshes["training_step"] = self.device_mesh
+        x, y = batch
+        loss = nn.functional.mse_loss(self.model(x), y)
+        self.losses.append(float(loss.detach()))
+        return loss
+
+    def validation_step(self, batch, batch_idx, dataloader_idx=0):
+        self.meshes["validation_step"] = self.device_mesh
+        self.val_seen.append(dataloader_idx)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.model.parameters(), lr=1e-2)
+
+
+class WithFSDP1(LitFeedForward):
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        self.model.layers[0] = FullyShardedDataParallel(self.model.layers[0], device_id=torch.device("cpu"), use_orig_params=True)
+
+
+def _data(n: int = 64):
+    generator = torch.Generator().manual_seed(7)
+    x = torch.randn(n, DIM, generator=generator)
+    return torch.utils.data.TensorDataset(x, torch.tanh(x.flip(-1)))
+
+
+def _loader():
+    return torch.utils.data.DataLoader(_data(), batch_size=4, shuffle=False)
+
+
+def _fit(strategy, names: tuple[str, str] = ("tensor_parallel", "data_parallel")) -> dict:
+    seed_everything(0)
+    model = LitFeedForward(names)
+    trainer = Trainer(devices=WORLD, strategy=strategy, max_steps=STEPS, limit_val_batches=1, val_check_interval=STEPS,
+                      **trainer_kwargs())
+    trainer.fit(model, _loader(), [_loader(), _loader()])
+    meshes = model.meshes
+    first = meshes["configure_model"]
+    return {
+        "losses": model.losses,
+        "names": tuple(first.mesh_dim_names),
+        "shape": tuple(first.shape),
+        "same_mesh": {hook: mesh is first for hook, mesh in meshes.items()},
+        "val_seen": sorted(set(model.val_seen)),
+    }
+
+
+def _fabric_losses(strategy) -> list[float]:
+    from lightning.fabric import Fabric
+
+    seed_everything(0)
+    fabric = Fabric(accelerator="cpu", devices=WORLD, strategy=strategy)
+    fabric.launch()
+    with fabric.init_module(empty_init=False):
+        model = Stack()
+    model = fabric.setup_module(model)
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    loader = fabric.setup_dataloaders(_loader(), use_distributed_sampler=True)
+    losses = []
+    for step, (x, y) in enumerate(loader):
+        if step == STEPS:
+            break
+        loss = nn.functional.mse_loss(model(x), y)
+        fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def worker() -> dict:
+    from lightning.fabric.strategies import ModelParallelStrategy as FabricModelParallel
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    import hp_lightning
+
+    out: dict = {}
+    for dp, tp in ((2, 2), (4, 1)):
+        out[f"lightning_{dp}x{tp}"] = _fit(ModelParallelStrategy(data_parallel_size=dp, tensor_parallel_size=tp))
+        out[f"hp_{dp}x{tp}"] = _fit(hp_lightning.HSDPStrategy(data_parallel_size=dp, tensor_parallel_size=tp))
+    # hp_lightning's own names, TP and FSDP applied by hand under tensor_parallel_size=2.
+    out["hp_names"] = _fit(hp_lightning.HSDPStrategy(mesh_shape=[2], tensor_parallel_size=2), names=("tp", "shard"))
+    out["fabric_lightning"] = _fabric_losses(FabricModelParallel(parallelize_fn=parallelize, data_parallel_size=2, tensor_parallel_size=2))
+    out["fabric_hp"] = _fabric_losses(hp_lightning.HSDPFabricStrategy(parallelize_fn=parallelize, data_parallel_size=2, tensor_parallel_size=2))
+    try:
+        Trainer(devices=WORLD, strategy=hp_lightning.HSDPStrategy(mesh_shape=[WORLD]), max_steps=1, **trainer_kwargs()).fit(
+            WithFSDP1(), _loader()
+        )
+        out["fsdp1"] = "trained"
+    except TypeError as exc:
+        out["fsdp1"] = str(exc)
+    return out
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict]:
+    return run_distributed(worker, WORLD, timeout=400)
+
+
+@pytest.mark.parametrize("shape", ["2x2", "4x1"])
+def test_model_parallel_code_trains_unchanged_with_lightnings_numbers(results, shape):
+    for rank, res in enumerate(results):
+        ours, theirs = res[f"hp_{shape}"], res[f"lightning_{shape}"]
+        assert len(ours["losses"]) == STEPS
+        assert ours["losses"] == pytest.approx(theirs["losses"], abs=1e-6, rel=1e-6), f"rank {rank}"
+        # The mesh the user's code sees is Lightning's: the same names, 2-D even at TP 1.
+        assert ours["names"] == theirs["names"] == ("data_parallel", "tensor_parallel")
+        assert ours["shape"] == theirs["shape"] == tuple(int(s) for s in shape.split("x"))
+
+
+def test_device_mesh_is_one_object_in_every_hook(results):
+    for res in results:
+        for run in ("hp_2x2", "hp_4x1", "hp_names"):
+            assert res[run]["same_mesh"] == {
+                "configure_model": True, "on_train_start": True, "training_step": True, "validation_step": True,
+            }, run
+
+
+def test_step_signatures_are_called_as_lightning_calls_them(results):
+    # training_step(self, batch) got no batch_idx (it would raise TypeError); both val loaders' indices arrive.
+    for res in results:
+        for run in ("hp_2x2", "hp_4x1", "hp_names", "lightning_2x2"):
+            assert res[run]["val_seen"] == [0, 1], run
+
+
+def test_hand_applied_tp_and_fsdp_are_recognized_under_hp_names(results):
+    for res in results:
+        assert res["hp_names"]["names"] == ("shard", "tp")
+        assert res["hp_names"]["losses"] == pytest.approx(res["lightning_2x2"]["losses"], abs=1e-6, rel=1e-6)
+
+
+def test_fabric_parallelize_fn_is_lightnings(results):
+    for res in results:
+        assert len(res["fabric_hp"]) == STEPS
+        assert res["fabric_hp"] == pytest.approx(res["fabric_lightning"], abs=1e-6, rel=1e-6)
+
+
+def test_trainer_refuses_fsdp1_like_fabric(results):
+    for res in results:
+        assert "contains FullyShardedDataParallel (FSDP1) modules; HSDPStrategy shards with FSDP2" in res["fsdp1"], res["fsdp1"]
