@@ -1,6 +1,7 @@
 """Lightning's contracts hold under hp_lightning, checked against Lightning's own ``ModelParallelStrategy``.
 
-One launch of 4 gloo ranks. A LightningModule written the way Lightning's docs write one for
+One launch of 4 gloo ranks. ``examples/from_model_parallel.py`` (the example of
+``docs/migrating.md``), a LightningModule written the way Lightning's docs write one for
 ``ModelParallelStrategy`` (a feed-forward stack; ``configure_model`` slices
 ``self.device_mesh["tensor_parallel"]`` / ``["data_parallel"]``, applies torch's
 ``parallelize_module`` when TP is on and torch's ``fully_shard`` when data parallelism is; a
@@ -17,111 +18,68 @@ from __future__ import annotations
 
 import pytest
 import torch
-from lightning.pytorch import LightningModule, Trainer, seed_everything
+from lightning.pytorch import Trainer, seed_everything
 from torch import nn
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+from examples.from_model_parallel import FeedForwardStack, LitModel, loader, parallelize, strategy_for
 from tests.helpers import run_distributed, trainer_kwargs
 
 WORLD = 4
 STEPS = 3
-DIM = 16
 
 
-class FeedForward(nn.Module):
-    def __init__(self, dim: int, hidden: int) -> None:
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden, bias=False)
-        self.w2 = nn.Linear(hidden, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(nn.functional.silu(self.w1(x)) * self.w3(x))
-
-
-class Stack(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList([FeedForward(DIM, 2 * DIM) for _ in range(2)])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = x + layer(x)
-        return x
-
-
-def parallelize(model: nn.Module, mesh, names: tuple[str, str] = ("tensor_parallel", "data_parallel")) -> nn.Module:
-    """What Lightning's docs put in ``configure_model`` (or Fabric's ``parallelize_fn``)."""
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-    tp_mesh, dp_mesh = mesh[names[0]], mesh[names[1]]
-    if tp_mesh.size() > 1:
-        plan = {"w1": ColwiseParallel(), "w2": RowwiseParallel(), "w3": ColwiseParallel()}
-        for layer in model.layers:
-            parallelize_module(layer, tp_mesh, plan)
-    if dp_mesh.size() > 1:
-        for layer in model.layers:
-            fully_shard(layer, mesh=dp_mesh)
-        fully_shard(model, mesh=dp_mesh)
-    return model
-
-
-class LitFeedForward(LightningModule):
-    """As Lightning's ``ModelParallelStrategy`` docs write a module (its ``training_step`` takes no ``batch_idx``)."""
+class Recorded(LitModel):
+    """The example's module (``examples/from_model_parallel.py``), recording what each hook sees."""
 
     def __init__(self, names: tuple[str, str] = ("tensor_parallel", "data_parallel")) -> None:
         super().__init__()
         self.names = names
-        self.model = Stack()
         self.meshes: dict[str, object] = {}
         self.losses: list[float] = []
         self.val_seen: list[int] = []
 
     def configure_model(self) -> None:
         self.meshes["configure_model"] = self.device_mesh
-        parallelize(self.model, self.device_mesh, self.names)
+        if self.names == ("tensor_parallel", "data_parallel"):
+            super().configure_model()  # the example as written
+        else:  # hp_lightning's own dim names, TP and FSDP by hand
+            tp_mesh, dp_mesh = self.device_mesh[self.names[0]], self.device_mesh[self.names[1]]
+            plan = {"w1": ColwiseParallel(), "w2": RowwiseParallel(), "w3": ColwiseParallel()}
+            for layer in self.model.layers:
+                parallelize_module(layer, tp_mesh, plan)
+                fully_shard(layer, mesh=dp_mesh)
+            fully_shard(self.model, mesh=dp_mesh)
 
     def on_train_start(self) -> None:
         self.meshes["on_train_start"] = self.device_mesh
 
     def training_step(self, batch):
         self.meshes["training_step"] = self.device_mesh
-        x, y = batch
-        loss = nn.functional.mse_loss(self.model(x), y)
+        loss = super().training_step(batch)
         self.losses.append(float(loss.detach()))
         return loss
 
     def validation_step(self, batch, batch_idx, dataloader_idx=0):
         self.meshes["validation_step"] = self.device_mesh
         self.val_seen.append(dataloader_idx)
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.model.parameters(), lr=1e-2)
+        super().validation_step(batch, batch_idx, dataloader_idx)
 
 
-class WithFSDP1(LitFeedForward):
+class WithFSDP1(Recorded):
     def configure_model(self) -> None:
         from torch.distributed.fsdp import FullyShardedDataParallel
 
         self.model.layers[0] = FullyShardedDataParallel(self.model.layers[0], device_id=torch.device("cpu"), use_orig_params=True)
 
 
-def _data(n: int = 64):
-    generator = torch.Generator().manual_seed(7)
-    x = torch.randn(n, DIM, generator=generator)
-    return torch.utils.data.TensorDataset(x, torch.tanh(x.flip(-1)))
-
-
-def _loader():
-    return torch.utils.data.DataLoader(_data(), batch_size=4, shuffle=False)
-
-
 def _fit(strategy, names: tuple[str, str] = ("tensor_parallel", "data_parallel")) -> dict:
     seed_everything(0)
-    model = LitFeedForward(names)
+    model = Recorded(names)
     trainer = Trainer(devices=WORLD, strategy=strategy, max_steps=STEPS, limit_val_batches=1, val_check_interval=STEPS,
                       **trainer_kwargs())
-    trainer.fit(model, _loader(), [_loader(), _loader()])
+    trainer.fit(model, loader(), [loader(), loader()])
     meshes = model.meshes
     first = meshes["configure_model"]
     return {
@@ -140,12 +98,12 @@ def _fabric_losses(strategy) -> list[float]:
     fabric = Fabric(accelerator="cpu", devices=WORLD, strategy=strategy)
     fabric.launch()
     with fabric.init_module(empty_init=False):
-        model = Stack()
+        model = FeedForwardStack()
     model = fabric.setup_module(model)
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
-    loader = fabric.setup_dataloaders(_loader(), use_distributed_sampler=True)
+    batches = fabric.setup_dataloaders(loader(), use_distributed_sampler=True)
     losses = []
-    for step, (x, y) in enumerate(loader):
+    for step, (x, y) in enumerate(batches):
         if step == STEPS:
             break
         loss = nn.functional.mse_loss(model(x), y)
@@ -158,21 +116,20 @@ def _fabric_losses(strategy) -> list[float]:
 
 def worker() -> dict:
     from lightning.fabric.strategies import ModelParallelStrategy as FabricModelParallel
-    from lightning.pytorch.strategies import ModelParallelStrategy
 
     import hp_lightning
 
     out: dict = {}
-    for dp, tp in ((2, 2), (4, 1)):
-        out[f"lightning_{dp}x{tp}"] = _fit(ModelParallelStrategy(data_parallel_size=dp, tensor_parallel_size=tp))
-        out[f"hp_{dp}x{tp}"] = _fit(hp_lightning.HSDPStrategy(data_parallel_size=dp, tensor_parallel_size=tp))
+    for dp, tp in ((2, 2), (4, 1)):  # the example's one changed line: strategy_for("model_parallel" | "hsdp", ...)
+        out[f"lightning_{dp}x{tp}"] = _fit(strategy_for("model_parallel", dp, tp))
+        out[f"hp_{dp}x{tp}"] = _fit(strategy_for("hsdp", dp, tp))
     # hp_lightning's own names, TP and FSDP applied by hand under tensor_parallel_size=2.
     out["hp_names"] = _fit(hp_lightning.HSDPStrategy(mesh_shape=[2], tensor_parallel_size=2), names=("tp", "shard"))
     out["fabric_lightning"] = _fabric_losses(FabricModelParallel(parallelize_fn=parallelize, data_parallel_size=2, tensor_parallel_size=2))
     out["fabric_hp"] = _fabric_losses(hp_lightning.HSDPFabricStrategy(parallelize_fn=parallelize, data_parallel_size=2, tensor_parallel_size=2))
     try:
         Trainer(devices=WORLD, strategy=hp_lightning.HSDPStrategy(mesh_shape=[WORLD]), max_steps=1, **trainer_kwargs()).fit(
-            WithFSDP1(), _loader()
+            WithFSDP1(), loader()
         )
         out["fsdp1"] = "trained"
     except TypeError as exc:
