@@ -16,18 +16,27 @@ several ``model-0000i-of-0000N.safetensors`` shards listed by ``model.safetensor
 * :func:`export_hf` (``python -m hp_lightning.checkpoint export-hf``): a sharded directory or a
   full file, read by the project's own readers, written with the same writer in one process.
 
+Reads are strict: a key DCP's reader does not find on some rank, or a tensor it would fill only in
+part, is refused on every rank (:class:`StrictHFPlanner`), and so are two copies of tied weights that
+differ (:func:`_check_tied_copies`).
+
 Every output is staged under a temporary name and renamed into place; an existing non-empty
-directory is refused unless ``overwrite=True``, and even then only the files an earlier export of
-ours wrote (listed in its ``.hp_lightning_export.json``) are replaced; nothing else is deleted.
+directory is refused unless ``overwrite=True``, and even then only an earlier export of ours is
+replaced: its ``.hp_lightning_export.json`` must carry the token the directory's mark holds and list
+only regular files directly inside it (:func:`_read_export_record`); the user's own files there are
+carried over, the directories are exchanged in one step, and only the listed files are deleted.
 """
 
 from __future__ import annotations
 
+import filecmp
 import json
+import math
 import os
 import re
 import shutil
-from collections.abc import Collection, Mapping
+import stat
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -37,11 +46,13 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import DefaultLoadPlanner, HuggingFaceStorageReader, HuggingFaceStorageWriter
+from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
 from hp_lightning.checkpoint import layout
 from hp_lightning.checkpoint.collective import agree, on_every_rank, on_rank0, rank, warn_rank0
-from hp_lightning.checkpoint.layout import MODEL_KEY, CorruptCheckpointError, UnsafeCheckpointError
+from hp_lightning.checkpoint.integrity import open_regular, outside_reason
+from hp_lightning.checkpoint.layout import MODEL_KEY, TOKEN_FILE, CorruptCheckpointError, UnsafeCheckpointError
 from hp_lightning.checkpoint.read import read_full_file, read_sharded
 from hp_lightning.core.materialize.preloaded import awaits_materialization, defer_weights
 from hp_lightning.fully_shard.policies import parse_dtype
@@ -430,6 +441,13 @@ def load_hf_weights(
         )
 
     mapping, missing, unexpected = on_every_rank(compare)
+    copies = _tied_copies(entries, _tie_groups(module), prefix)
+    if dist.is_initialized():  # a pipeline stage may tie names the others do not hold: rank 0 compares every rank's
+        every: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, copies)
+        copies = sorted({group for rank_copies in every for group in rank_copies})
+    if copies:
+        on_rank0(lambda: _check_tied_copies(path, entries, copies))
     if missing:
         warn_rank0(f"Hugging Face weights {source}: {len(missing)} module key(s) not in the files, kept as initialized: {missing[:8]}")
     if unexpected:
@@ -437,18 +455,110 @@ def load_hf_weights(
     request = {hf_key: module_state[module_key] for hf_key, module_key in mapping.items()}
     error: Optional[BaseException] = None
     try:
-        dcp.load(
-            request,
-            storage_reader=HuggingFaceStorageReader(str(path)),
-            planner=DefaultLoadPlanner(allow_partial_load=True),
-            no_dist=not dist.is_initialized(),
-        )
-    except Exception as exc:  # noqa: BLE001 - DCP's own collectives already ran; report it as this checkpoint's error
-        error = CorruptCheckpointError(f"Hugging Face weights {source} could not be read: {type(exc).__name__}: {exc}")
+        dcp.load(request, storage_reader=HuggingFaceStorageReader(str(path)), planner=StrictHFPlanner(source), no_dist=not dist.is_initialized())
+    except (Exception, dcp.CheckpointException) as exc:  # noqa: BLE001 - DCP's collectives already ran (its CheckpointException is a BaseException)
+        causes = [f[0] if isinstance(f, tuple) else f for _, f in sorted(getattr(exc, "failures", {}).items())] or [exc]
+        ours = [cause for cause in causes if isinstance(cause, CorruptCheckpointError)]
+        error = CorruptCheckpointError(str(ours[0]) if ours else f"Hugging Face weights {source} could not be read: {type(exc).__name__}: {exc}")
     if error is not None:
         raise error
     loaded = {mapping_key: request[hf_key] for hf_key, mapping_key in mapping.items()}
     set_model_state_dict(module, loaded, options=StateDictOptions(strict=False))
+
+
+class StrictHFPlanner(DefaultLoadPlanner):
+    """DCP's planner for the Hugging Face read, strict: every tensor requested is found and every element of it is read.
+
+    The request was checked against the headers (:func:`_inspect`, on rank 0), but each rank's DCP reader
+    lists its own copy of the directory: a key it does not find, or a tensor whose chunks it reads do not
+    cover the rank's part (a header's ``DCP_SHARDING_INFO`` placing it elsewhere), would otherwise keep
+    its initialization silently. Refused on every rank (DCP gathers the failure), naming the key.
+    """
+
+    def __init__(self, source: str) -> None:
+        super().__init__(allow_partial_load=False)
+        self.source = source
+
+    def create_local_plan(self) -> LoadPlan:
+        assert self.metadata is not None  # set by DCP before planning
+        absent = sorted(fqn for fqn in self.state_dict if fqn not in self.metadata.state_dict_metadata)
+        if absent:
+            raise CorruptCheckpointError(
+                f"Hugging Face weights {self.source}: DCP's reader on rank {rank()} finds no tensor {absent[:6]} in the "
+                f"directory, which rank 0 read them from (does this node hold a different or incomplete copy?); nothing is "
+                f"loaded rather than keeping {'them' if len(absent) > 1 else 'it'} as initialized."
+            )
+        plan = super().create_local_plan()
+        read: dict[str, int] = {}
+        for item in plan.items:
+            read[item.dest_index.fqn] = read.get(item.dest_index.fqn, 0) + math.prod(item.lengths)
+        short = []
+        for fqn, value in self.state_dict.items():
+            chunks = value.__create_chunk_list__() if hasattr(value, "__create_chunk_list__") else None
+            wanted = sum(math.prod(chunk.sizes) for chunk in chunks) if chunks is not None else int(value.numel())
+            if read.get(fqn, 0) != wanted:
+                short.append(f"{fqn!r} ({read.get(fqn, 0):,} of its {wanted:,} elements here)")
+        if short:
+            raise CorruptCheckpointError(
+                f"Hugging Face weights {self.source}: DCP's reader on rank {rank()} would fill only part of {short[:6]}; the "
+                f"files place those tensors elsewhere than their headers' shapes say. Nothing is loaded."
+            )
+        return plan
+
+
+def _tied_copies(entries: Mapping[str, _Entry], ties: list[list[str]], prefix: str) -> list[tuple[str, ...]]:
+    """The tied groups (file keys) of which the files hold more than one copy: only one can be loaded into the shared parameter."""
+    copies = []
+    for group in ties:
+        held = tuple(n[len(prefix):] for n in group if n.startswith(prefix) and n[len(prefix):] in entries)
+        if len(held) > 1:
+            copies.append(held)
+    return copies
+
+
+#: Elements compared at a time when two tied copies are checked against each other (two such blocks in memory).
+_COMPARE_ELEMENTS = 1 << 22
+
+
+def _check_tied_copies(directory: Path, entries: Mapping[str, _Entry], groups: Sequence[tuple[str, ...]]) -> None:
+    """Refuse files holding two copies of tied weights that differ (bit for bit), naming both keys and the largest difference.
+
+    The module shares one parameter between them, so loading one would silently drop the other. Read
+    block by block through ``safetensors`` (memory maps), never both tensors whole.
+
+    Raises:
+        CorruptCheckpointError: naming the files, both keys and the largest absolute difference.
+    """
+    from safetensors import safe_open
+
+    for group in groups:
+        first = entries[group[0]]
+        for key in group[1:]:
+            other = entries[key]
+            where = f"Hugging Face directory {str(directory)!r}: {group[0]!r} (in {first.file!r}) and {key!r} (in {other.file!r})"
+            if first.shape != other.shape or first.dtype != other.dtype:
+                raise CorruptCheckpointError(
+                    f"{where} are tied in the module (one parameter) but the files hold them as {list(first.shape)} {first.dtype} and "
+                    f"{list(other.shape)} {other.dtype}; loading one would silently drop the other. Remove the copy you do not want."
+                )
+            with safe_open(str(directory / first.file), framework="pt") as fa, safe_open(str(directory / other.file), framework="pt") as fb:
+                a, b = fa.get_slice(group[0]), fb.get_slice(key)
+                rows = first.shape[0] if first.shape else 1
+                step = max(1, _COMPARE_ELEMENTS // max(1, _numel(first.shape[1:])))
+                largest: Optional[float] = None
+                for start in range(0, rows, step):
+                    x, y = (a[start:start + step], b[start:start + step]) if first.shape else (fa.get_tensor(group[0]), fb.get_tensor(key))
+                    if torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)):
+                        continue
+                    wide = torch.complex128 if x.is_complex() else torch.float64
+                    gap = float((x.to(wide) - y.to(wide)).abs().max())
+                    largest = gap if largest is None or not gap <= largest else largest
+            if largest is not None:
+                raise CorruptCheckpointError(
+                    f"{where} are tied in the module (one parameter) but differ in the files (largest difference {largest:.6g}); "
+                    f"loading one would silently drop the other. Remove the copy you do not want from the files, or load into a "
+                    f"module that does not tie them."
+                )
 
 
 # ---------------------------------------------------------------- writing
@@ -501,37 +611,137 @@ def _read_config(config: Optional[Path]) -> dict[str, Any]:
     return data
 
 
-def _check_target(out: Path, *, overwrite: bool) -> list[str]:
-    """What may be replaced at ``out``: nothing if it is absent or empty; with ``overwrite``, the files our
-    earlier export there wrote. Raises for anything else."""
+@dataclass(frozen=True)
+class _Previous:
+    """An earlier export of ours at the output, checked (:func:`_read_export_record`): its token, the files its record
+    lists that are there (deleted once the new export is in place), and the user's own files beside them (carried over)."""
+
+    token: str
+    files: tuple[str, ...]
+    carried: tuple[str, ...]
+
+
+def _check_target(out: Path, *, overwrite: bool) -> Optional[_Previous]:
+    """What may be replaced at ``out``: nothing if it is absent or empty; with ``overwrite``, an earlier export of ours
+    (:func:`_read_export_record`). Raises for anything else."""
     if out.is_symlink() or (out.exists() and not out.is_dir()):
         raise FileExistsError(f"Hugging Face export: {str(out)!r} exists and is not a directory; choose another path.")
     if not out.exists() or not any(out.iterdir()):
-        return []
+        return None
     if not overwrite:
         raise FileExistsError(
             f"Hugging Face export: {str(out)!r} already exists and is not empty; choose a new path, or pass "
             f"overwrite=True (--overwrite) to replace an earlier export there."
         )
+    return _read_export_record(out)
+
+
+_TOKEN = re.compile(r"^[0-9a-f]{12}$")
+
+
+def _read_export_record(out: Path) -> _Previous:
+    """The earlier export at ``out``, checked before anything is written: its record (a regular file, written by us,
+    naming a token that the directory's :data:`~hp_lightning.checkpoint.layout.TOKEN_FILE` holds too) lists only
+    plain names of regular files directly inside ``out``; every other entry is a regular file of the user's
+    (a README, tokenizer files), never weights.
+
+    Raises:
+        UnsafeCheckpointError: a record naming a path outside ``out``, a link or a directory, or weights we did not write
+            (each named); a directory without our record or token.
+        CorruptCheckpointError: a record that is not ours in form (not JSON, no token, no file list).
+    """
     record = out / EXPORT_RECORD
-    ours: list[str] = []
-    if record.is_file() and not record.is_symlink():
-        try:
-            ours = [str(n) for n in json.loads(record.read_text()).get("files", [])]
-        except (ValueError, AttributeError):
-            ours = []
-    foreign = sorted(p.name for p in out.iterdir() if (p.name.endswith(SUFFIX) or p.name == HF_INDEX_FILE) and p.name not in ours)
-    if foreign or not ours:
-        raise ValueError(
-            f"Hugging Face export: {str(out)!r} holds weights this program did not write ({foreign[:6] or 'no export record'}); "
-            f"they are never replaced or deleted. Choose another directory."
+    where = f"Hugging Face export: {str(out)!r}"
+    links = [name for name in (EXPORT_RECORD, TOKEN_FILE) if (out / name).is_symlink()]
+    if links:
+        raise UnsafeCheckpointError(f"{where}: its {links} {'is a link' if len(links) == 1 else 'are links'}; an export of ours writes regular files there.")
+    try:
+        with open_regular(record) as f:
+            data = json.loads(f.read(1 << 20))
+        with open_regular(out / TOKEN_FILE) as f:
+            mark = f.read(64).decode("ascii", "replace")
+    except FileNotFoundError:
+        raise UnsafeCheckpointError(
+            f"{where} holds no export record of ours ({EXPORT_RECORD} and {TOKEN_FILE}): this program did not write it (or "
+            f"wrote it before exports were marked), so nothing in it is replaced or deleted. Choose another directory."
+        ) from None
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # a FIFO or device in their place: open_regular's own error
+        if isinstance(exc, CorruptCheckpointError):
+            raise
+        raise CorruptCheckpointError(f"{where}: its {EXPORT_RECORD} is not valid JSON ({type(exc).__name__}); nothing is replaced.") from None
+    ours = isinstance(data, dict) and data.get("writer") == "hp_lightning"
+    files = data.get("files") if ours else None
+    token = data.get("token") if ours else None
+    if not isinstance(files, list) or not all(isinstance(n, str) for n in files) or not isinstance(token, str) or not _TOKEN.match(token):
+        raise CorruptCheckpointError(f"{where}: its {EXPORT_RECORD} is not a record this program writes (a token and a list of file names); nothing is replaced.")
+    if mark != token:
+        raise UnsafeCheckpointError(
+            f"{where}: its {EXPORT_RECORD} names token {token!r}, which the directory's {TOKEN_FILE} does not hold: the record "
+            f"was not written with this directory, so nothing it lists is deleted. Choose another directory."
         )
-    return ours
+    present = []
+    for name in files:
+        reason = outside_reason(out, name)
+        if reason is None and ("/" in name or "\\" in name or name in (".", EXPORT_RECORD, TOKEN_FILE)):
+            reason = "it is not a plain file name directly inside the output"
+        if reason is None:
+            try:
+                mode = os.lstat(out / name).st_mode
+            except FileNotFoundError:
+                continue
+            if not stat.S_ISREG(mode):
+                reason = "it is a link or a directory, not a file an export writes"
+        if reason is not None:
+            raise UnsafeCheckpointError(
+                f"{where}: entry {name!r} of its {EXPORT_RECORD} is refused ({reason}); an overwrite deletes only regular files "
+                f"directly inside the output that the record lists, so nothing is replaced. The record was altered."
+            )
+        present.append(name)
+    carried, refused = [], []
+    for entry in sorted(out.iterdir(), key=lambda p: p.name):
+        if entry.name in files or entry.name in (EXPORT_RECORD, TOKEN_FILE):
+            continue
+        if entry.name.endswith(SUFFIX) or entry.name == HF_INDEX_FILE:
+            refused.append(f"{entry.name!r} (weights this program did not write)")
+        elif not stat.S_ISREG(os.lstat(entry).st_mode):
+            refused.append(f"{entry.name!r} (a link or a directory this program did not write)")
+        else:
+            carried.append(entry.name)
+    if refused:
+        raise UnsafeCheckpointError(
+            f"{where} holds {', '.join(refused[:6])}; they are never replaced, deleted or moved. Choose another directory, or "
+            f"move them out first."
+        )
+    return _Previous(token, tuple(present), tuple(carried))
 
 
-def _publish(staging: Path, out: Path, replaceable: list[str], config: Optional[Path], token: str, dtype: Optional[torch.dtype]) -> list[str]:
-    """Copy the config files in (with a cast, its dtype entry says the new one), record what we wrote, and
-    move the staged directory's files to ``out``."""
+def _carry(source: Path, target: Path) -> None:
+    """The user's file ``source`` under ``target`` too: a hard link (the same file), or a copy where links are not supported."""
+    try:
+        os.link(source, target, follow_symlinks=False)
+    except OSError:
+        shutil.copy2(source, target, follow_symlinks=False)
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    """Whether ``b`` holds what ``a`` holds: the same file (a hard link), or a copy with equal bytes."""
+    try:
+        return os.path.samefile(a, b) or (os.path.getsize(a) == os.path.getsize(b) and filecmp.cmp(a, b, shallow=False))
+    except OSError:
+        return False
+
+
+def _publish(staging: Path, out: Path, previous: Optional[_Previous], config: Optional[Path], token: str, dtype: Optional[torch.dtype]) -> list[str]:
+    """Copy the config files in (with a cast, its dtype entry says the new one), record and mark what we wrote, and put
+    the staged directory in ``out``'s place in one step.
+
+    Over an earlier export (``previous``) the user's files are carried into the staged directory first (hard
+    links), then the two directories are exchanged atomically (``renameat2(RENAME_EXCHANGE)``): a reader of
+    ``out`` sees the old export or the new one, never a mix. Where the filesystem cannot exchange, the old
+    directory is renamed aside and the new one renamed in: between those two renames ``out`` is absent (never
+    partial). The old directory then loses, by name, only the files its record listed, the user's files carried
+    over (each checked to be in the new directory), the record and the mark; anything else keeps it in place.
+    """
     if config is not None:
         base = Path(config) if Path(config).is_dir() else Path(config).parent
         for name in CONFIG_FILES:
@@ -542,18 +752,45 @@ def _publish(staging: Path, out: Path, replaceable: list[str], config: Optional[
         if dtype is not None and named:  # from_pretrained builds the model in the config's dtype
             settings.update(dict.fromkeys(named, str(dtype).removeprefix("torch.")))
             (staging / "config.json").write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n")
-    written = sorted(p.name for p in staging.iterdir())
+    written = sorted(p.name for p in staging.iterdir() if p.name not in (EXPORT_RECORD, TOKEN_FILE))
     (staging / EXPORT_RECORD).write_text(json.dumps({"token": token, "files": written, "writer": "hp_lightning"}, indent=1))
+    (staging / TOKEN_FILE).write_text(token)
     if not out.exists():
         os.rename(staging, out)
+        layout.fsync_dir(out.parent)
         return written
-    for name in replaceable:  # only what our earlier export wrote, by name from its record, regular files only
-        target = out / name
-        if target.is_file() and not target.is_symlink():
-            target.unlink()
-    for name in [*written, EXPORT_RECORD]:
-        os.replace(staging / name, out / name)
-    staging.rmdir()
+    carried = previous.carried if previous is not None else ()
+    clash = sorted(set(carried) & set(written))
+    if clash:
+        raise UnsafeCheckpointError(
+            f"Hugging Face export: {str(out)!r} holds {clash}, which the earlier export did not write but this one does; "
+            f"they are never replaced. Move them out first."
+        )
+    for name in carried:
+        _carry(out / name, staging / name)
+    if layout.exchange(staging, out):
+        old = staging  # now holds the earlier export
+    else:
+        old = out.with_name(f"{out.name}.hp-export-old-{previous.token if previous else token}")
+        os.rename(out, old)
+        try:
+            os.rename(staging, out)
+        except OSError:
+            os.rename(old, out)  # the earlier export back in its place
+            raise
+    layout.fsync_dir(out.parent)
+    listed = (*previous.files, EXPORT_RECORD, TOKEN_FILE) if previous is not None else ()
+    for name in (*listed, *carried):  # the new export is in place: nothing below may fail the export
+        entry = old / name
+        try:
+            if stat.S_ISREG(os.lstat(entry).st_mode) and (name not in carried or _same_file(entry, out / name)):
+                entry.unlink()
+        except OSError:
+            continue
+    try:
+        old.rmdir()
+    except OSError:
+        warn_rank0(f"Hugging Face export: the earlier export's directory {str(old)!r} still holds files its record did not list; left there.")
     return written
 
 
@@ -630,15 +867,15 @@ def save_hf(
         sizes = {k: v for rank_sizes in every for k, v in rank_sizes.items()}
     plan = _file_plan(sizes, limit)
 
-    def prepare() -> tuple[str, list[str]]:
+    def prepare() -> tuple[str, Optional[_Previous]]:
         _read_config(config)
-        replaceable = _check_target(out, overwrite=overwrite)
+        previous = _check_target(out, overwrite=overwrite)
         token = layout.new_token()
         out.parent.mkdir(parents=True, exist_ok=True)
         layout.staging_path(out, token).mkdir()
-        return token, replaceable
+        return token, previous
 
-    token, replaceable = on_rank0(prepare)
+    token, previous = on_rank0(prepare)
     staging = layout.staging_path(out, token)
     error: Optional[BaseException] = None
     try:
@@ -658,7 +895,7 @@ def save_hf(
         parts = staging / _PARTS_DIR
         if parts.is_dir():
             shutil.rmtree(parts)  # inside our own staging directory: only DCP's parts of this save
-        return _publish(staging, out, replaceable, config, token, cast)
+        return _publish(staging, out, previous, config, token, cast)
 
     on_rank0(finish)
     return out
@@ -697,7 +934,7 @@ def export_hf(
     limit = parse_size(max_shard_size)
     cast = parse_dtype(dtype, name="dtype")
     settings = _read_config(config)
-    replaceable = _check_target(out, overwrite=overwrite)
+    previous = _check_target(out, overwrite=overwrite)
     if layout.classify(src) is layout.CheckpointKind.FULL_FILE:
         checkpoint = read_full_file(src, weights_only=False if trust_pickle else None)
     else:
@@ -748,7 +985,7 @@ def export_hf(
     staging.mkdir()
     try:
         dcp.save(state, storage_writer=HuggingFaceStorageWriter(str(staging), fqn_to_index_mapping=plan), no_dist=True)
-        written = _publish(staging, out, replaceable, config, token, cast)
+        written = _publish(staging, out, previous, config, token, cast)
     except BaseException:
         if staging.is_dir():
             shutil.rmtree(staging)  # our own staging directory, named with this export's token

@@ -411,12 +411,20 @@ def share_by_size(records: Mapping[str, Mapping[str, Any]], parts: int) -> list[
     return shares
 
 
-def _storage_crc(storage: Any) -> int:
-    """CRC-32 of a CPU storage's bytes, read in place (no copy)."""
+def _storage_crc(storage: Any) -> Optional[int]:
+    """CRC-32 of a CPU storage's bytes, read in place (no copy); None for any other storage.
+
+    Only a CPU storage with memory of its own may be read at its address: a meta storage reports its
+    size but a null address (ISA-L's CRC-32 then reads address 0 and the process dies), another
+    device's address is not host memory.
+    """
     size = storage.nbytes()
+    if storage.device.type != "cpu":
+        return None
     if size == 0:
         return crc32(b"")
-    return crc32((ctypes.c_char * size).from_address(storage.data_ptr()))
+    address = storage.data_ptr()
+    return crc32((ctypes.c_char * size).from_address(address)) if address else None
 
 
 class ReadCheck:
@@ -459,7 +467,14 @@ class ReadCheck:
         path = self.root / name
         for start, size, crc in inside:
             if len(inside) == 1 and start >= offset and start + size <= offset + length and storage is not None and storage.nbytes() == size:
-                actual = _storage_crc(storage)
+                computed = _storage_crc(storage)
+                if computed is None:
+                    problem = (
+                        f"{str(path)!r}: the tensor read from bytes {start:,}-{start + size:,} is on the {storage.device} device "
+                        f"with no memory of its own, where the save recorded {size:,} bytes of data; the item was crafted"
+                    )
+                    raise CorruptCheckpointError(corruption_message([problem], self.root))
+                actual = computed
             else:  # not one data record we can vouch for in memory: read those bytes back
                 with open(path, "rb", buffering=0) as f:
                     actual = crc32(os.pread(f.fileno(), size, start))

@@ -8,13 +8,15 @@ refused. Lightning passes ``weights_only=None`` through to it, so a plain Lightn
 
 A checkpoint has four kinds of pickles, each read safely by default: ``torch.save`` files (a full
 checkpoint, ``meta.pt``) by :func:`torch_load`; DCP's index ``.metadata`` (a bare ``pickle.load``
-in torch) by :func:`read_dcp_metadata`, which rebuilds only DCP's own metadata classes; DCP's
+in torch) by :func:`read_dcp_metadata`, which checks every instruction first (:class:`IndexPolicy`:
+nothing but DCP's own metadata objects is made or filled) and then rebuilds only DCP's classes; DCP's
 non-tensor entries (``torch.load(weights_only=False)`` in torch) by :class:`SafeLoadPlanner` with
 torch's safe loader; DCP's tensor archives by torch's own ``FileSystemReader.read_data`` and
 ``torch.load(weights_only=True)``, unchanged, checked through DCP's public hooks (:class:`SafeReader`,
 :class:`SafeLoadPlanner`). Every size a file declares is checked against the bytes present before
-anything is allocated for it (:func:`check_index`, :func:`check_archive`); only regular files inside
-the checkpoint directory are opened.
+anything is allocated for it (:func:`check_index`; :func:`check_archive` with :class:`ArchivePolicy`
+for the constructors torch's safe loader allows that allocate a declared size); only regular files
+inside the checkpoint directory are opened.
 
 ``weights_only=None`` means torch's default: safe, unless the environment sets torch's documented
 ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` (and ``TORCH_FORCE_WEIGHTS_ONLY_LOAD`` forces safe loading
@@ -23,13 +25,14 @@ even where ``False`` was passed). ``weights_only=False`` unpickles anything: onl
 
 from __future__ import annotations
 
+import _compat_pickle
 import enum
 import functools
+import importlib
 import io
 import math
 import os
 import pickle
-import pickletools
 import zipfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -42,6 +45,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
+from hp_lightning.checkpoint import opcodes
 from hp_lightning.checkpoint.integrity import (
     CorruptCheckpointError,
     FileWindow,
@@ -182,47 +186,133 @@ def _depth(value: Any) -> int:
 
 # ---------------------------------------------------------------- DCP's index
 
+_DCP_METADATA = "torch.distributed.checkpoint.metadata"
+#: DCP's metadata classes: an index makes each with ``NEWOBJ`` and fills its fields with ``BUILD``. Two are
+#: private to torch (``_StorageInfo``, and ``_MEM_FORMAT_ENCODING`` below): DCP writes their names into every
+#: index, so the allowlist must spell them; :func:`_index_allowlist` resolves each and fails loudly without one.
+INDEX_CLASSES: tuple[tuple[str, str], ...] = (
+    *((_DCP_METADATA, name) for name in (
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+    )),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+)
+#: What else an index calls (``REDUCE``): sizes, an ordered dict, a layout by name, a path, DCP's enum by value.
+INDEX_CALLS: tuple[tuple[str, str], ...] = (
+    ("torch", "Size"),
+    ("collections", "OrderedDict"),
+    ("torch.serialization", "_get_layout"),
+    (_DCP_METADATA, "_MEM_FORMAT_ENCODING"),
+    *(("pathlib", name) for name in ("Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath")),
+)
+#: DCP's enums: Python 3.11.0-3.11.4 pickle a member as ``getattr(EnumClass, "NAME")``, later versions by value.
+INDEX_ENUMS: tuple[tuple[str, str], ...] = ((_DCP_METADATA, "_MEM_FORMAT_ENCODING"),)
 
-def _dcp_metadata_globals() -> frozenset[tuple[str, str]]:
-    """The globals a torch DCP ``.metadata`` pickle names: DCP's metadata dataclasses and their field types."""
-    module = dcp_metadata.__name__
-    names = {
-        (module, name)
-        for name in (
-            "Metadata",
-            "MetadataIndex",
-            "StorageMeta",
-            "TensorProperties",
-            "TensorStorageMetadata",
-            "BytesStorageMetadata",
-            "ChunkStorageMetadata",
-            "_MEM_FORMAT_ENCODING",
+
+class IndexAllowlist:
+    """What a DCP index may name, call and fill, resolved against the installed torch (:func:`_index_allowlist`)."""
+
+    def __init__(self, classes: dict[str, type], calls: frozenset[str], enums: dict[str, type[enum.Enum]]) -> None:
+        self.classes, self.calls, self.enums = classes, calls, enums
+        self.buildable = frozenset(classes) | {"collections.OrderedDict"}
+        #: Classes with their own ``__setstate__`` (``TensorProperties``: a tuple state); the rest take a field dict.
+        self.setstate = frozenset(name for name, cls in classes.items() if "__setstate__" in vars(cls))
+        #: Named but never called: dtypes, memory formats, layouts (torch pickles each as the global itself).
+        self.values = frozenset(f"torch.{name}" for name, value in vars(torch).items() if isinstance(value, (torch.dtype, torch.memory_format, torch.layout)))
+        self.names = frozenset(self.classes) | self.calls | frozenset(self.enums) | self.values | {"builtins.getattr"}
+
+
+def resolve_index_names(names: Sequence[tuple[str, str]]) -> dict[str, Any]:
+    """Each ``(module, name)`` of torch's that a DCP index names, imported for real.
+
+    Raises:
+        ImportError: naming every one this torch lacks (a rename would otherwise shrink the allowlist
+            silently and refuse every index as one that could run code).
+    """
+    found: dict[str, Any] = {}
+    missing: list[str] = []
+    for module, name in names:
+        try:
+            value: Any = importlib.import_module(module)
+            for part in name.split("."):
+                value = getattr(value, part)
+        except (ImportError, AttributeError):
+            missing.append(f"{module}.{name}")
+            continue
+        found[f"{module}.{name}"] = value
+    if missing:
+        raise ImportError(
+            f"hp_lightning's safe reader of DCP checkpoint indexes needs {missing}, which DCP writes into every index "
+            f"(private names among them), but torch {torch.__version__} lacks them. Install the torch release hp_lightning "
+            f"pins (pyproject.toml), or update the allowlist in hp_lightning/checkpoint/unpickle.py (INDEX_CLASSES, INDEX_CALLS)."
         )
-        if hasattr(dcp_metadata, name)
-    }
-    names |= {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"), ("torch.serialization", "_get_layout")}
-    names |= {("collections", "OrderedDict")}
-    names |= {("pathlib", name) for name in ("Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath")}
-    names |= {("torch", name) for name, value in vars(torch).items() if isinstance(value, (torch.dtype, torch.memory_format, torch.layout))}
-    return frozenset(names)
+    return found
+
+
+@functools.lru_cache(maxsize=1)
+def _index_allowlist() -> IndexAllowlist:
+    """Resolved at the first index read, not at import: ``import hp_lightning`` works on any torch."""
+    resolved = resolve_index_names(tuple(dict.fromkeys((*INDEX_CLASSES, *INDEX_CALLS, *INDEX_ENUMS))))
+    return IndexAllowlist(
+        classes={f"{m}.{n}": resolved[f"{m}.{n}"] for m, n in INDEX_CLASSES},
+        calls=frozenset(f"{m}.{n}" for m, n in INDEX_CALLS),
+        enums={f"{m}.{n}": resolved[f"{m}.{n}"] for m, n in INDEX_ENUMS},
+    )
+
+
+class IndexPolicy(opcodes.Policy):
+    """A DCP index's instructions (:func:`~hp_lightning.checkpoint.opcodes.check_pickle`): ``NEWOBJ`` only of DCP's
+    metadata classes, ``REDUCE`` only of :data:`INDEX_CALLS` (and ``getattr`` of a member of DCP's enums),
+    ``BUILD`` only onto an object the index made of a DCP class (or ``OrderedDict``), with a field dict.
+
+    The real unpickler then runs with ``find_class`` restricted to the same names (:class:`_MetadataUnpickler`).
+    """
+
+    def __init__(self, allow: IndexAllowlist) -> None:
+        self.allow = allow
+
+    def named(self, module: str, name: str) -> opcodes.Value:
+        full = f"{module}.{name}"
+        if full in self.allow.names:
+            return opcodes.Global(full)
+        raise opcodes.PickleRefused(full)
+
+    def call(self, func: opcodes.Value, args: tuple, opcode: str) -> opcodes.Value:
+        if isinstance(func, opcodes.Global):
+            if opcode != "REDUCE" and func.name in self.allow.classes:
+                return opcodes.Made(func.name)
+            if opcode == "REDUCE" and func.name in self.allow.calls:
+                return opcodes.Made(func.name)
+            if opcode == "REDUCE" and func.name == "builtins.getattr":
+                owner, member = (args + (None, None))[:2]
+                enum_class = self.allow.enums.get(owner.name) if isinstance(owner, opcodes.Global) else None
+                if len(args) == 2 and enum_class is not None and isinstance(member, str) and member in enum_class.__members__:
+                    return opcodes.OTHER
+                raise opcodes.PickleRefused(f"builtins.getattr({owner!r}, {str(member)[:40]!r}) (only a member of DCP's own enums)")
+        raise opcodes.PickleRefused(f"{opcode} of {func!r} (an index calls only DCP's metadata classes and {sorted(self.allow.calls)})")
+
+    def build(self, inst: opcodes.Value, state: opcodes.Value) -> None:
+        if not isinstance(inst, opcodes.Made) or inst.name not in self.allow.buildable:
+            raise opcodes.PickleRefused(f"BUILD on {inst!r}: state set on something other than a DCP metadata object the index made (a class itself?)")
+        if state is not opcodes.DICT and inst.name not in self.allow.setstate:
+            raise opcodes.PickleRefused(f"BUILD on {inst!r} with {state!r} (only a dict of its fields)")
 
 
 class _MetadataUnpickler(pickle.Unpickler):
     """Rebuilds only DCP's metadata types: every other global is refused before it can be called.
 
-    Python 3.11.0-3.11.4 pickle an enum member as ``getattr(EnumClass, "NAME")`` (later versions by
-    value), so an index DCP wrote there names ``builtins.getattr``: it is answered by
-    :meth:`_enum_member`, which returns a member of one of the allowed enums and refuses anything else.
+    Run only on an index :class:`IndexPolicy` passed, which already decided every call and ``BUILD``;
+    ``find_class`` refusing the same names is the second line. Python 3.11.0-3.11.4 pickle an enum
+    member as ``getattr(EnumClass, "NAME")``: ``builtins.getattr`` is answered by :meth:`_enum_member`,
+    which returns a member of one of DCP's enums and refuses anything else.
     """
 
-    allowed = _dcp_metadata_globals()
-
-    def __init__(self, file: IO[bytes]) -> None:
+    def __init__(self, file: IO[bytes], allow: IndexAllowlist) -> None:
         super().__init__(file)
+        self.allow = allow
         self.refused: list[str] = []
 
     def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in self.allowed:
+        if f"{module}.{name}" in self.allow.names and (module, name) != ("builtins", "getattr"):
             return super().find_class(module, name)
         if (module, name) == ("builtins", "getattr"):
             return self._enum_member
@@ -230,9 +320,9 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"global {module}.{name} is not allowed in a DCP index")
 
     def _enum_member(self, owner: Any, name: Any) -> Any:
-        if (isinstance(owner, type) and issubclass(owner, enum.Enum) and (owner.__module__, owner.__qualname__) in self.allowed
+        if (isinstance(owner, type) and issubclass(owner, enum.Enum) and f"{owner.__module__}.{owner.__qualname__}" in self.allow.enums
                 and isinstance(name, str) and name in owner.__members__):
-            return owner[name]
+            return owner.__members__[name]
         self.refused.append(f"builtins.getattr({getattr(owner, '__qualname__', type(owner).__name__)}, {name!r:.40})")
         raise pickle.UnpicklingError("builtins.getattr is allowed in a DCP index only for a member of DCP's own enums")
 
@@ -240,18 +330,31 @@ class _MetadataUnpickler(pickle.Unpickler):
 def read_dcp_metadata(path: Path, *, weights_only: Optional[bool] = None, rank: Optional[int] = None) -> dcp_metadata.Metadata:
     """DCP's index of the checkpoint directory ``path``, unpickled safely by default and checked to stay inside it.
 
+    Safely: its instructions are checked first (:class:`IndexPolicy`), then the standard unpickler rebuilds it
+    with ``find_class`` restricted to the same names.
+
     Raises:
-        UnsafeCheckpointError: the index names a type outside DCP's own, or a storage file outside ``path``.
+        UnsafeCheckpointError: the index names or calls something outside DCP's own types, sets state on
+            anything but a DCP object it made, or names a storage file outside ``path``.
         CorruptCheckpointError: it cannot be read or is not DCP metadata.
+        ImportError: this torch lacks a name DCP writes into its indexes (:func:`resolve_index_names`).
     """
     path = Path(path)
     name = DCP_METADATA_FILE if rank is None else f"__{rank}{DCP_METADATA_FILE}"
     where = path / name
     check_contained(path, [name], what="its DCP index")
+    allow = _index_allowlist() if resolve_weights_only(weights_only) else None
     try:
         with open_regular(where) as f:
-            if resolve_weights_only(weights_only):
-                unpickler = _MetadataUnpickler(f)
+            if allow is not None:
+                data = f.read()
+                try:
+                    opcodes.check_pickle(data, IndexPolicy(allow))
+                except opcodes.PickleRefused as exc:
+                    raise refusal(repr(str(where)), [str(exc)]) from None
+                except opcodes.PickleDamaged as exc:
+                    raise CorruptCheckpointError(f"{str(where)!r} is not a readable pickle ({exc}); the checkpoint is damaged.") from None
+                unpickler = _MetadataUnpickler(io.BytesIO(data), allow)
                 try:
                     metadata = unpickler.load()
                 except pickle.UnpicklingError:
@@ -279,10 +382,6 @@ def read_dcp_metadata(path: Path, *, weights_only: Optional[bool] = None, rank: 
 
 # ---------------------------------------------------------------- torch.save archives, bounded before torch.load
 
-#: Globals torch's safe loader allows that allocate memory of a size the pickle declares, before any of it is
-#: checked against the bytes present: the legacy tensor constructor (``torch.Tensor(4, 2**30)`` is 16 GiB).
-#: ``torch.save`` never names them for a plain tensor; a pickle that does is refused (``weights_only=False`` opts out).
-SIZED_CONSTRUCTORS = frozenset({"torch Tensor"})
 #: A deflate-compressed record of a full file (``torch.save`` writes none, a zip tool may) is decoded when it
 #: declares at most this many times its stored size; a zip bomb declares about a thousand times.
 MAX_COMPRESSION_RATIO = 32
@@ -291,23 +390,102 @@ MAX_COMPRESSION_RATIO = 32
 #: stream from the file: no second copy of a large shard in memory).
 WHOLE_READ_MAX = 1 << 20
 
+#: How many quantized values one storage byte may hold (``torch.quint2x4``: four): ``_rebuild_qtensor`` allocates
+#: its declared shape before it points the tensor at the storage, so the shape is bounded by the storage's size.
+QUANTIZED_VALUES_PER_BYTE = 4
+#: What a pickle torch's safe loader reads must spell, with a literal ``GLOBAL`` (its only way to reach a global;
+#: none of the Python 2 name mappings it applies leads to one), to call a constructor that allocates a declared
+#: size: the legacy tensor types (``torch.Tensor``, ``torch.FloatTensor``, ...), the storages it allows as
+#: classes (``torch.storage.UntypedStorage`` / ``TypedStorage``), ``bytearray`` and ``_rebuild_qtensor``.
+#: A pickle holding none of these bytes is not walked.
+SIZED_TOKENS = (b"Tensor", b"TypedStorage", b"UntypedStorage", b"bytearray", b"_rebuild_qtensor")
 
-def _sized_constructors(data: bytes) -> list[str]:
-    """The :data:`SIZED_CONSTRUCTORS` a pickle may call, listed by :mod:`pickletools` without running anything:
-    named by ``GLOBAL``, or, for ``STACK_GLOBAL`` (whose two strings can come from anywhere earlier, the memo
-    included), whenever both of its names appear among the pickle's strings."""
-    if not any(b"\\" in data or name.rsplit(" ", 1)[-1].encode() in data for name in SIZED_CONSTRUCTORS):
-        return []  # neither spelled out nor escaped anywhere in the bytes (the usual case: no opcode walk)
-    named: set[str] = set()
-    strings: set[str] = set()
-    stacked = False
-    for opcode, arg, _ in pickletools.genops(data):
-        if opcode.name == "GLOBAL":
-            named.add(str(arg))
-        elif isinstance(arg, str):
-            strings.add(arg)
-        stacked = stacked or opcode.name == "STACK_GLOBAL"
-    return sorted(c for c in SIZED_CONSTRUCTORS if c in named or (stacked and set(c.split()) <= strings))
+
+def sized_constructor(name: str) -> bool:
+    """Whether calling global ``name`` (``"module.qualname"``) reserves whatever size its arguments declare.
+
+    torch's safe loader allows ``bytearray`` (``bytearray(2**30)`` is 1 GiB of zeros), ``torch.Tensor`` and
+    every legacy typed tensor class (``torch.FloatTensor(n)``, also their ``sparse`` / ``cuda`` / other backends'
+    namesakes), and the storage classes (``torch.storage.UntypedStorage(n)``); ``torch.save`` calls none of them.
+    """
+    module, _, qualname = name.rpartition(".")
+    parts = module.split(".")
+    legacy = parts[0] == "torch" and (len(parts) == 1 or parts[1] not in _MODERN_TENSOR_MODULES)
+    return name == "builtins.bytearray" or (legacy and qualname.endswith(("Tensor", "Storage")))
+
+
+#: Where torch keeps tensor subclasses built from tensors (``DTensor(local, spec)``, nested tensors), not from a size:
+#: a user who registers one with ``add_safe_globals`` may load it.
+_MODERN_TENSOR_MODULES = frozenset({"distributed", "nested"})
+
+
+class ArchivePolicy(opcodes.Policy):
+    """A ``torch.save`` pickle's instructions, checked for calls that allocate a declared size.
+
+    torch's safe loader decides which globals may be named and what ``BUILD`` may touch; this adds what it
+    does not bound: a :func:`sized_constructor` is never called (``bytearray`` only of a string or bytes,
+    as ``torch.save`` writes one), also not through ``_rebuild_from_type_v2(func, type, args, state)``,
+    which calls ``func(*args)``; ``_rebuild_qtensor`` allocates the shape it declares only up to
+    :data:`QUANTIZED_VALUES_PER_BYTE` values per byte of the storage it is given. A storage itself is
+    safe: torch checks its record's size before it allocates one.
+    """
+
+    mappings = frozenset({"collections.OrderedDict", "collections.Counter"})
+
+    def named(self, module: str, name: str) -> opcodes.Value:
+        module, name = _compat_pickle.NAME_MAPPING.get((module, name), (_compat_pickle.IMPORT_MAPPING.get(module, module), name))
+        return opcodes.Global(f"{module}.{name}")  # which names may be called at all is torch's loader's decision
+
+    def call(self, func: opcodes.Value, args: tuple, opcode: str) -> opcodes.Value:
+        if not isinstance(func, opcodes.Global):
+            return opcodes.OTHER  # torch's loader calls nothing but allowed globals
+        name = func.name
+        if sized_constructor(name):
+            first = args[0] if args else None
+            from_data = isinstance(first, (str, tuple)) or first in (opcodes.BYTES, opcodes.LIST)
+            if name == "builtins.bytearray" and (first is None or from_data or (isinstance(first, opcodes.Made) and first.name == "_codecs.encode")):
+                return opcodes.Made(name)
+            raise opcodes.PickleRefused(f"{name}{_shown(args)}")
+        if name == "torch._tensor._rebuild_from_type_v2" and len(args) >= 3:
+            # It calls args[0](*args[2]); arguments that are not a literal tuple (a list, say) are judged unknown.
+            self.call(args[0], args[2] if isinstance(args[2], tuple) else (opcodes.OTHER,), opcode)
+        elif name == "torch._utils._rebuild_qtensor":
+            storage = args[0] if args else None
+            count = opcodes.size_of(args[2]) if len(args) > 2 else None
+            held = storage.detail if isinstance(storage, opcodes.Made) and storage.name == "storage" else None
+            if count is None or type(held) is not int or count > QUANTIZED_VALUES_PER_BYTE * held + 64:
+                raise opcodes.PickleRefused(f"{name} of shape {_shown(args[2:3])} over a storage of {held!r} bytes")
+        elif name == "torch.Size" and args:
+            return opcodes.Made(name, args[0])
+        return opcodes.Made(name)
+
+    def persistent(self, pid: opcodes.Value) -> opcodes.Value:
+        # ("storage", storage type, key, location, element count): torch reads the record after checking its size.
+        numel = pid[4] if isinstance(pid, tuple) and len(pid) == 5 and type(pid[4]) is int else None
+        return opcodes.Made("storage", numel)
+
+    def build(self, inst: opcodes.Value, state: opcodes.Value) -> None:
+        return None  # torch's loader builds only tensors, Parameters, OrderedDicts and registered types
+
+
+def _shown(args: tuple) -> str:
+    return "(" + ", ".join(repr(a)[:40] for a in args[:4]) + (", ..." if len(args) > 4 else "") + ")"
+
+
+def _check_pickle_record(data: bytes, where: str, record: str) -> None:
+    """Refuse a ``torch.save`` pickle that calls a constructor allocating a declared size (:class:`ArchivePolicy`)."""
+    if not any(token in data for token in SIZED_TOKENS):
+        return
+    try:
+        opcodes.check_pickle(data, ArchivePolicy())
+    except opcodes.PickleRefused as exc:
+        raise UnsafeCheckpointError(
+            f"{where}: its pickle {record!r} calls {exc}, which reserves whatever size the file declares before anything "
+            f"checks it against the bytes present; torch.save never writes that for a tensor, so it was crafted. "
+            f"If you trust this file, load it with {OPT_IN}."
+        ) from None
+    except opcodes.PickleDamaged as exc:
+        raise CorruptCheckpointError(f"{where}: its pickle {record!r} does not parse ({exc}); it is damaged.") from None
 
 
 def check_archive(stream: IO[bytes], length: int, where: str, *, compressed: bool = False, whole: Optional[bytes] = None) -> None:
@@ -316,13 +494,12 @@ def check_archive(stream: IO[bytes], length: int, where: str, *, compressed: boo
 
     :mod:`zipfile` reads the archive's directory (torch's reader trusts it): every record must lie
     inside the archive, stored uncompressed (or, with ``compressed``, deflated at most
-    :data:`MAX_COMPRESSION_RATIO` times), and the pickles must name no :data:`SIZED_CONSTRUCTORS`.
+    :data:`MAX_COMPRESSION_RATIO` times), and no pickle may call a :func:`sized_constructor` (:class:`ArchivePolicy`).
 
     ``whole``, the archive's bytes when the caller holds them, and loaded by ``torch.load(weights_only=True)``
-    (DCP's tensor items): its unpickler reaches a global only through the ``GLOBAL`` opcode, whose names
-    are literal UTF-8 (no ``STACK_GLOBAL``, no escaped strings), and a stored record's bytes are a slice of
-    ``whole``; so when no constructor's name occurs anywhere in ``whole`` no pickle can call one, and the
-    pickles are not read one by one (~25 us an archive).
+    (DCP's tensor items): a stored record's bytes are a slice of ``whole``, so when none of
+    :data:`SIZED_TOKENS` occurs anywhere in it no pickle can call one, and the pickles are not read one
+    by one (~25 us an archive).
 
     Raises:
         CorruptCheckpointError: naming ``where`` and the record.
@@ -341,17 +518,11 @@ def check_archive(stream: IO[bytes], length: int, where: str, *, compressed: boo
                     )
                 if record.header_offset + record.compress_size > length:
                     raise CorruptCheckpointError(f"{where}: record {record.filename!r} reaches past the end of its {length:,} bytes; it is truncated or altered.")
-            if whole is not None and not compressed and not any(name.rsplit(" ", 1)[-1].encode() in whole for name in SIZED_CONSTRUCTORS):
+            if whole is not None and not compressed and not any(token in whole for token in SIZED_TOKENS):
                 return  # every record stored (checked above): no pickle's bytes name one
             for record in records:
                 if record.filename.endswith(".pkl"):
-                    constructors = _sized_constructors(archive.read(record))
-                    if constructors:
-                        raise UnsafeCheckpointError(
-                            f"{where}: its pickle calls {[c.replace(' ', '.') for c in constructors]}, which reserves "
-                            f"whatever size the file declares; torch.save never writes that for a tensor, so it was crafted. "
-                            f"If you trust this file, load it with {OPT_IN}."
-                        )
+                    _check_pickle_record(archive.read(record), where, record.filename)
     except (CorruptCheckpointError, UnsafeCheckpointError):
         raise
     except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, OSError, ValueError, NotImplementedError, RecursionError, KeyError) as exc:
@@ -570,6 +741,13 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             where = _entry(self.source, fqn, info.relative_path)
             raise CorruptCheckpointError(f"{where}: the index and the item disagree on whether it is a tensor; the checkpoint is damaged.")
         dtype = entry.properties.dtype
+        storage = loaded.untyped_storage()
+        if loaded.device.type != "cpu" or (storage.nbytes() and not storage.data_ptr()):
+            where = _entry(self.source, fqn, info.relative_path)
+            raise CorruptCheckpointError(
+                f"{where}: the archive holds a tensor on the {loaded.device} device, with no bytes of its own in memory "
+                f"(DCP reads every item onto the CPU); it was crafted and is refused."
+            )
         if not self._chunks:  # each chunk's shape by (entry, offsets), built once per load
             self._chunks = {
                 (name, tuple(c.offsets)): tuple(c.sizes)
@@ -581,7 +759,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         if loaded.dtype != dtype:
             where = _entry(self.source, fqn, info.relative_path)
             raise CorruptCheckpointError(f"{where}: the archive holds a {loaded.dtype} tensor where the index declares {dtype}; it is refused, not cast.")
-        nbytes = loaded.untyped_storage().nbytes()
+        nbytes = storage.nbytes()
         if sizes is None or nbytes != math.prod(sizes) * loaded.element_size() or not _dense_from_start(loaded, sizes, item.storage_offsets):
             where = _entry(self.source, fqn, info.relative_path)
             raise CorruptCheckpointError(

@@ -11,7 +11,9 @@ the converter makes of it), with a ``__reduce__`` payload planted by rank 0 as a
 * trusted (``load_checkpoint(weights_only=False)``; for ``fit``, torch's
   ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1``, see below), the payload runs and ``fit`` resumes from
   either file exactly as from the clean checkpoint: the same parameters and optimizer state, bit
-  for bit.
+  for bit;
+* Hugging Face weights from a per-rank copy of the directory, rank 1's lacking a key: DCP's read is
+  strict, so every rank refuses it (issue 49) instead of rank 1 keeping that tensor as initialized.
 
 The single-process cases of every entry point are in tests/unit/test_checkpoint_security.py.
 """
@@ -79,6 +81,26 @@ def _plant(tmp: Path, marker: Path) -> tuple[Path, Path]:
     return bad_dir, bad_full
 
 
+def _hf_copy_lacking_a_key(tmp: Path) -> tuple[tuple[str, str], bool]:
+    """Each rank loads Hugging Face weights from its own copy of the directory (one per node, as on a cluster); rank 1's
+    copy lacks ``bias``. Rank 0 checked the headers of its complete copy, so only DCP's reader on rank 1 can notice:
+    its read is strict, and every rank refuses (a partial read once left ``bias`` as initialized on rank 1)."""
+    from safetensors.torch import save_file
+
+    from hp_lightning.checkpoint import load_weights
+
+    rank = dist.get_rank()
+    copy = tmp / f"hf_copy_on_rank{rank}"
+    copy.mkdir()
+    weights = {"weight": torch.full((4, 4), 2.0), "bias": torch.full((4,), 3.0)}
+    save_file({k: v for k, v in weights.items() if rank == 0 or k != "bias"}, str(copy / "model.safetensors"))
+    dist.barrier()
+    model = torch.nn.Linear(4, 4)
+    before = model.bias.detach().clone()
+    outcome = _outcome(lambda: load_weights(model, copy))
+    return outcome, torch.equal(model.bias.detach(), before)
+
+
 def security_run(tmp_dir: str) -> dict[str, Any]:
     from hp_lightning.checkpoint import load_checkpoint
 
@@ -130,6 +152,7 @@ def security_run(tmp_dir: str) -> dict[str, Any]:
     trusted_load = _outcome(lambda: load_checkpoint(bad_dir, RegressionModule(), [], weights_only=False))
     trusted_fabric = _outcome(lambda: fabric.load(bad_dir, fabric_state, weights_only=False))
     return {
+        "hf_strict": _hf_copy_lacking_a_key(tmp),
         "refused": refused,
         "untouched": untouched,
         "ran_before_trust": ran_before_trust,
@@ -160,6 +183,10 @@ def test_a_planted_payload_is_refused_on_every_rank_and_runs_only_when_trusted(t
         assert run["refused"] == runs[0]["refused"]
         assert run["untouched"] and not run["ran_before_trust"], rank
         assert run["ran_when_trusted"] and run["trusted_load"] == (("ok", ""), ("ok", ""), True), (rank, run["trusted_load"])
+        # Hugging Face weights read strictly: a key DCP's reader does not find on one rank is refused on every rank.
+        (kind, message), untouched_bias = run["hf_strict"]
+        assert kind == "CorruptCheckpointError" and "finds no tensor ['bias']" in message and "on rank 1" in message, (rank, kind, message)
+        assert untouched_bias, rank  # refused before any tensor was read, on every rank
         # Trusted, either file resumes exactly as the clean checkpoint does.
         for trusted in ("trusted_dir", "trusted_full"):
             assert run[trusted]["start_step"] == run["clean"]["start_step"] == SAVED_AT, (rank, trusted)

@@ -573,8 +573,8 @@ def test_outputs_never_replace_what_we_did_not_write(pretrained: dict[str, Path]
     again = model_class("llama").from_pretrained(tmp_path / "new")  # config.json names bf16 now
     assert again.lm_head.weight.dtype == torch.bfloat16
     assert torch.equal(again.lm_head.weight, model.lm_head.weight.to(torch.bfloat16))
-    assert names == [".hp_lightning_export.json", "config.json", "generation_config.json", "model-00001-of-00001.safetensors",
-                     "model.safetensors.index.json"], names
+    assert names == [".hp-lightning-token", ".hp_lightning_export.json", "config.json", "generation_config.json",
+                     "model-00001-of-00001.safetensors", "model.safetensors.index.json"], names
     assert (target / "notes.txt").read_text() == "keep"
 
 

@@ -22,7 +22,7 @@ import textwrap
 import threading
 import zipfile
 from collections.abc import Callable
-from pathlib import Path
+from pathlib import Path, PurePath, PurePosixPath
 from typing import Any
 
 import pytest
@@ -215,8 +215,75 @@ def test_an_index_written_by_python_3_11_early_loads_and_getattr_reaches_only_dc
     # getattr on anything but a member of DCP's own enums is refused as unsafe, before it is called.
     crafted = _sharded(tmp_path, "crafted")
     _repickle_index(crafted, lambda metadata: setattr(metadata, "planner_data", _GETATTR_PATH))
-    with pytest.raises(UnsafeCheckpointError, match=r"builtins\.getattr\(Path, 'home'\)"):
+    with pytest.raises(UnsafeCheckpointError, match=r"builtins\.getattr\(pathlib\.Path, 'home'\)"):
         _load_into_model(crafted)
+
+# ---------------------------------------------------------------- DCP's index: no instruction may touch a class
+
+_META = b"torch.distributed.checkpoint.metadata"
+#: Crafted ``.metadata`` pickles: (bytes, what the refusal names). The first is the 54-byte attack that rewrote
+#: pathlib for the whole process: ``GLOBAL pathlib.PurePath; BUILD (None, {"_str": "/attacker/path"})``.
+CLASS_INDEX_CASES = {
+    "BUILD on a class (pathlib)": (b"\x80\x02cpathlib\nPurePath\nN}X\x04\x00\x00\x00_strX\x0e\x00\x00\x00/attacker/paths\x86b.", "BUILD on pathlib.PurePath"),
+    "BUILD on one of DCP's classes": (
+        b"\x80\x02c" + _META + b"\nMetadata\nN}X\x0f\x00\x00\x00hp_test_plantedK\x01s\x86b.", "BUILD on torch.distributed.checkpoint.metadata.Metadata"),
+    "STACK_GLOBAL of strings from the memo, then BUILD": (
+        b"\x80\x04\x8c\x07pathlib\x94\x8c\x08PurePath\x94" b"00" b"h\x00h\x01\x93N}\x8c\x04_str\x8c\x0e/attacker/paths\x86b.", "BUILD on pathlib.PurePath"),
+    "slot state set on a DCP object": (
+        b"\x80\x02c" + _META + b"\nMetadataIndex\n)\x81N}X\x09\x00\x00\x00__class__cpathlib\nPurePath\ns\x86b.", "only a dict of its fields"),
+    "NEWOBJ of a callable only REDUCE may call": (b"\x80\x02cpathlib\nPosixPath\n)\x81.", "NEWOBJ of pathlib.PosixPath"),
+    "REDUCE of a class only NEWOBJ may make": (b"\x80\x02c" + _META + b"\nMetadata\n)R.", "REDUCE of torch.distributed.checkpoint.metadata.Metadata"),
+    "APPEND onto a class": (b"\x80\x02cpathlib\nPurePath\nX\x01\x00\x00\x00aa.", "APPEND on pathlib.PurePath"),
+    "INST of an allowed class": (b"(ipathlib\nPurePath\n.", "the INST instruction"),
+}
+
+
+@pytest.fixture
+def pathlib_guard() -> Any:
+    """The classes a crafted index aims at, restored after the test if it changed them (only the old reader did)."""
+    from torch.distributed.checkpoint import metadata as dcp_metadata
+
+    kept = dict(vars(PurePath))
+    yield
+    for name in set(vars(PurePath)) - set(kept):
+        delattr(PurePath, name)
+    for name, value in kept.items():
+        if vars(PurePath).get(name) is not value:
+            setattr(PurePath, name, value)
+    if "hp_test_planted" in vars(dcp_metadata.Metadata):
+        delattr(dcp_metadata.Metadata, "hp_test_planted")
+
+
+@pytest.mark.parametrize("case", list(CLASS_INDEX_CASES))
+def test_an_index_may_call_and_fill_only_dcps_own_objects(tmp_path: Path, case: str, pathlib_guard: Any) -> None:
+    from torch.distributed.checkpoint import metadata as dcp_metadata
+
+    from hp_lightning.checkpoint.unpickle import read_dcp_metadata
+
+    data, fragment = CLASS_INDEX_CASES[case]
+    hp, lightning = _sharded(tmp_path), _lightning(tmp_path)
+    for root in (hp, lightning):
+        (root / DCP_METADATA_FILE).write_bytes(data)
+        _resign(root)
+        for read in (read_dcp_metadata, _load_into_model, read_dcp):
+            with pytest.raises(UnsafeCheckpointError, match=re.escape(fragment)) as info:
+                read(root)
+            assert str(root / DCP_METADATA_FILE) in str(info.value)
+    # Refused before any instruction ran: paths and DCP's classes are what they were, in this process.
+    assert str(Path("/tmp/x")) == "/tmp/x" and os.fspath(PurePosixPath("a/b")) == "a/b"
+    assert str(Path("/tmp/x") / "y") == "/tmp/x/y"
+    assert "hp_test_planted" not in vars(dcp_metadata.Metadata)
+
+
+def test_the_index_allowlist_resolves_every_name_or_says_which_is_missing() -> None:
+    from hp_lightning.checkpoint.unpickle import INDEX_CALLS, INDEX_CLASSES, resolve_index_names
+
+    resolved = resolve_index_names([*INDEX_CLASSES, *INDEX_CALLS])
+    assert "torch.distributed.checkpoint.filesystem._StorageInfo" in resolved and "torch.serialization._get_layout" in resolved
+    renamed = [("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING_RENAMED"), ("torch", "Size")]
+    with pytest.raises(ImportError, match=re.escape("_MEM_FORMAT_ENCODING_RENAMED") + f".*torch {re.escape(torch.__version__)} lacks"):
+        resolve_index_names(renamed)
+
 
 # ---------------------------------------------------------------- DCP's index: bounded, covering, inside the files
 
@@ -436,13 +503,38 @@ def test_what_a_killed_save_left_is_ours_and_cleaned(tmp_path: Path) -> None:
 
 # ---------------------------------------------------------------- memory: one child under RLIMIT_AS
 
+_GIB = b"J\x00\x00\x00@"  # BININT 2**30
+#: Pickles calling each constructor torch's safe loader allows that reserves a declared size (1-16 GiB from a few
+#: bytes), each refused before it runs. The quantized one reads storage "0" (16 bytes, the record of ``torch.ones(4)``).
+SIZED_PICKLES = {
+    "torch.Tensor(4, 2**30)": HUGE_CONSTRUCTOR,
+    "bytearray(2**30)": b"\x80\x02cbuiltins\nbytearray\n" + _GIB + b"\x85R.",
+    "bytearray via __builtin__": b"\x80\x02c__builtin__\nbytearray\n" + _GIB + b"\x85R.",
+    "torch.FloatTensor(4, 2**30)": b"\x80\x02ctorch\nFloatTensor\nK\x04" + _GIB + b"\x86R.",
+    "torch.Tensor.__new__ (NEWOBJ)": b"\x80\x02ctorch\nTensor\nK\x04" + _GIB + b"\x86\x81.",
+    "torch.storage.UntypedStorage(2**30)": b"\x80\x02ctorch.storage\nUntypedStorage\n" + _GIB + b"\x85R.",
+    "torch.storage.TypedStorage(2**30)": b"\x80\x02ctorch.storage\nTypedStorage\n" + _GIB + b"\x85R.",
+    "_rebuild_from_type_v2 calling torch.FloatTensor": (
+        b"\x80\x02ctorch._tensor\n_rebuild_from_type_v2\n(ctorch\nFloatTensor\nctorch\nTensor\nK\x04" + _GIB + b"\x86}tR."
+    ),
+    "_rebuild_from_type_v2 calling torch.FloatTensor with a list": (
+        b"\x80\x02ctorch._tensor\n_rebuild_from_type_v2\n(ctorch\nFloatTensor\nctorch\nTensor\n](K\x04" + _GIB + b"e}tR."
+    ),
+    "_rebuild_qtensor of shape (2**30, 4) over 16 bytes": (
+        b"\x80\x02ctorch._utils\n_rebuild_qtensor\n((X\x07\x00\x00\x00storagectorch\nQUInt8Storage\nX\x01\x00\x00\x000"
+        b"X\x03\x00\x00\x00cpuK\x10tQK\x00" + _GIB + b"K\x04\x86K\x04K\x01\x86(ctorch\nper_tensor_affine\n"
+        b"G?\xf0\x00\x00\x00\x00\x00\x00K\x00t\x89ccollections\nOrderedDict\n)RtR."
+    ),
+}
+
 MEMORY_CHILD = textwrap.dedent(
     """
     import json, resource, sys
     from pathlib import Path
     import torch
     from torch import nn
-    from hp_lightning.checkpoint import load_checkpoint, read_full_file
+    from hp_lightning.checkpoint import load_checkpoint, load_weights, read_full_file
+    from hp_lightning.checkpoint.integrity import ReadCheck
     from hp_lightning.checkpoint.read import read_dcp, read_sharded
 
     def vm_bytes():
@@ -450,49 +542,97 @@ MEMORY_CHILD = textwrap.dedent(
             if line.startswith("VmSize:"):
                 return int(line.split()[1]) * 1024
 
-    limit = vm_bytes() + (768 << 20)  # what is mapped now, plus 768 MiB: far below any 16 GiB allocation
+    def verify_meta_item(path, name, offset, length):
+        records = json.loads((path / "hp_lightning.json").read_text())["files"]
+        ReadCheck(path, records).verify_item(name, int(offset), int(length), torch.empty(4, 4, device="meta"))
+
+    readers = {
+        "read_dcp": read_dcp,
+        "read_sharded": read_sharded,
+        "load_checkpoint": lambda path: load_checkpoint(path, nn.Linear(4, 4), []),
+        "load_weights": lambda path: load_weights(nn.Linear(4, 4), path),
+        "read_full_file": read_full_file,
+        "verify_meta_item": verify_meta_item,
+    }
+    limit = vm_bytes() + (768 << 20)  # what is mapped now, plus 768 MiB: below every allocation tried here (1-16 GiB)
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     outcomes = {}
-    for name, read in [
-        ("index 16 GiB, read_dcp", lambda: read_dcp(Path(sys.argv[1]))),
-        ("index 16 GiB, read_sharded", lambda: read_sharded(Path(sys.argv[1]))),
-        ("index 16 GiB, load_checkpoint", lambda: load_checkpoint(Path(sys.argv[1]), nn.Linear(4, 4), [])),
-        ("item zip bomb", lambda: load_checkpoint(Path(sys.argv[2]), nn.Linear(4, 4), [])),
-        ("item torch.Tensor(4, 2**30)", lambda: read_dcp(Path(sys.argv[3]))),
-        ("full torch.Tensor(4, 2**30)", lambda: read_full_file(Path(sys.argv[4]))),
-        ("full zip bomb", lambda: read_full_file(Path(sys.argv[5]))),
-        ("item escaped constructor", lambda: read_dcp(Path(sys.argv[6]))),
-    ]:
+    for name, (reader, path, *extra) in json.loads(sys.argv[1]).items():
         try:
-            read()
+            readers[reader](Path(path), *extra)
             outcomes[name] = "loaded"
         except BaseException as exc:
-            outcomes[name] = type(exc).__name__ + ": " + str(exc)[:300]
+            outcomes[name] = type(exc).__name__ + ": " + str(exc)[:1000]
     print(json.dumps(outcomes))
     """
 )
 
 
+def _meta_item_with_a_crc_range(tmp_path: Path) -> tuple[Path, Any]:
+    """A sharded checkpoint whose ``weight`` item is a valid ``torch.save`` of a *meta* tensor (a size, no memory), its
+    bytes' CRC-32 recorded as a data range the size of the tensor: what once made the in-place CRC read ``nbytes``
+    from address 0 (a SIGSEGV under ISA-L). Returns the directory and the item's index record."""
+    import zlib
+
+    hp = _sharded(tmp_path, "meta")
+    _replace_item(hp, "weight", _archive(torch.empty(4, 4, device="meta")))
+    with open(hp / DCP_METADATA_FILE, "rb") as f:
+        info = next(v for k, v in pickle.load(f).storage_data.items() if k.fqn.endswith("weight"))  # noqa: S301 - our own file
+    data = (hp / info.relative_path).read_bytes()
+    start, size = info.offset, 64  # inside the item, as many bytes as the meta tensor declares: the in-place path
+    manifest = json.loads((hp / MANIFEST_FILE).read_text())
+    manifest["files"][info.relative_path] = {
+        "size": len(data),
+        "crc32": f"{zlib.crc32(data[start + size:], zlib.crc32(data[:start])):08x}",
+        "crc32_ranges": [[start, size, f"{zlib.crc32(data[start:start + size]):08x}"]],
+    }
+    (hp / MANIFEST_FILE).write_text(json.dumps(manifest))
+    return hp, info
+
+
 def test_declared_sizes_never_allocate_under_a_memory_limit(tmp_path: Path) -> None:
+    """Every declared size, bounded before it is allocated; and a declared size with no memory behind it (the meta
+    tensor item) refused before anything reads it. One child process: a crash there fails the test, not the worker."""
     huge = _sharded(tmp_path, "huge")
     _edit_index(huge, _huge)
     bomb = _sharded(tmp_path, "bomb")
     _replace_item(bomb, "weight", _zip_bomb())
-    constructor = _lightning(tmp_path)
-    _replace_item(constructor, "weight", _rezip(_archive(torch.ones(4, 4)), replace={"data.pkl": HUGE_CONSTRUCTOR}))
-    full_constructor = tmp_path / "constructor.ckpt"
-    full_constructor.write_bytes(_rezip(_archive({"state_dict": dict(WEIGHTS)}), replace={"data.pkl": HUGE_CONSTRUCTOR}))
     full_bomb = tmp_path / "bomb.ckpt"
     full_bomb.write_bytes(_zip_bomb())
     escaped = _lightning(tmp_path, "escaped")
     _replace_item(escaped, "weight", _rezip(_archive(torch.ones(4, 4)), replace={"data.pkl": ESCAPED_CONSTRUCTOR}))
-    run = subprocess.run(
-        [sys.executable, "-c", MEMORY_CHILD, str(huge), str(bomb), str(constructor), str(full_constructor), str(full_bomb), str(escaped)],
-        capture_output=True, text=True, timeout=240,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
+    meta, info = _meta_item_with_a_crc_range(tmp_path)
+    cases: dict[str, tuple[str, ...]] = {
+        "index 16 GiB, read_dcp": ("read_dcp", str(huge)),
+        "index 16 GiB, read_sharded": ("read_sharded", str(huge)),
+        "index 16 GiB, load_checkpoint": ("load_checkpoint", str(huge)),
+        "item zip bomb": ("load_checkpoint", str(bomb)),
+        "full zip bomb": ("read_full_file", str(full_bomb)),
+        "item escaped constructor": ("read_dcp", str(escaped)),
+        "meta item, load_weights": ("load_weights", str(meta)),
+        "meta item, load_checkpoint": ("load_checkpoint", str(meta)),
+        "meta item, ReadCheck": ("verify_meta_item", str(meta), info.relative_path, str(info.offset), str(info.length)),
+    }
+    expected: dict[str, tuple[str, Any]] = dict.fromkeys(cases, ("CorruptCheckpointError", None))
+    for case in ("meta item, load_weights", "meta item, load_checkpoint"):
+        expected[case] = ("CorruptCheckpointError", f"Entry 'state_dict.weight' of {str(meta)!r}")
+    expected["meta item, ReadCheck"] = ("CorruptCheckpointError", str(meta / info.relative_path))
+    for number, (name, pickled) in enumerate(SIZED_PICKLES.items()):
+        item = _lightning(tmp_path, f"sized{number}")  # a DCP item: read by DCP's torch.load(weights_only=True)
+        _replace_item(item, "weight", _rezip(_archive(torch.ones(4)), replace={"data.pkl": pickled}))
+        full = tmp_path / f"sized{number}.ckpt"  # a full file: read by torch.load(weights_only=True)
+        full.write_bytes(_rezip(_archive(torch.ones(4)), replace={"data.pkl": pickled}))
+        cases[f"item {name}"], cases[f"full {name}"] = ("read_dcp", str(item)), ("read_full_file", str(full))
+        expected[f"item {name}"] = ("UnsafeCheckpointError", f"Entry 'state_dict.weight' of {str(item)!r}")
+        expected[f"full {name}"] = ("UnsafeCheckpointError", repr(str(full)))
+    run = subprocess.run([sys.executable, "-c", MEMORY_CHILD, json.dumps(cases)], capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, (run.returncode, run.stderr[-3000:])  # -11: the meta item crashed the reader
     outcomes = json.loads(run.stdout.strip().splitlines()[-1])
+    assert set(outcomes) == set(cases)
     for name, outcome in outcomes.items():
-        expected = "UnsafeCheckpointError" if "torch.Tensor" in name else "CorruptCheckpointError"
-        assert outcome.startswith(expected + ":"), (name, outcome)
+        kind, where = expected[name]
+        assert outcome.startswith(kind + ":"), (name, outcome)
         assert "can't allocate" not in outcome and "MemoryError" not in outcome, (name, outcome)
+        assert where is None or where in outcome, (name, outcome)
+        if kind == "UnsafeCheckpointError":
+            assert "its pickle 'archive/data.pkl' calls" in outcome and "weights_only=False" in outcome, (name, outcome)

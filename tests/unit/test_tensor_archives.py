@@ -21,7 +21,8 @@ import torch.distributed.checkpoint as dcp
 
 from hp_lightning.checkpoint import CorruptCheckpointError, UnsafeCheckpointError
 from hp_lightning.checkpoint.read import read_dcp
-from hp_lightning.checkpoint.unpickle import MAX_COMPRESSION_RATIO, check_archive
+from hp_lightning.checkpoint.unpickle import MAX_COMPRESSION_RATIO, SIZED_TOKENS, check_archive
+from tests.unit.test_crafted_checkpoints import SIZED_PICKLES
 
 
 def _tensors() -> dict[str, torch.Tensor]:
@@ -92,5 +93,43 @@ def test_check_archive_accepts_what_torch_writes_and_bounds_the_rest() -> None:
     for pickle_bytes in (b"\x80\x02ctorch\nTensor\nK\x04J\x00\x00\x00@\x86R.", b"\x80\x04\x8c\x05torch\x94\x8c\x06Tensor\x94\x93K\x04\x85R."):
         with pytest.raises(UnsafeCheckpointError, match="torch.Tensor"):
             _check(_rezip(plain, replace=pickle_bytes))
+    # Every other constructor that reserves a declared size, in a DCP item's fast path and in a full file's walk alike.
+    small = _archive(torch.ones(4))
+    for name, pickle_bytes in SIZED_PICKLES.items():
+        crafted = _rezip(small, replace=pickle_bytes)
+        for whole in (crafted, None):
+            with pytest.raises(UnsafeCheckpointError, match="reserves whatever size"):
+                check_archive(io.BytesIO(crafted), len(crafted), name, whole=whole)
     with pytest.raises(CorruptCheckpointError, match="not a readable torch.save archive"):
         _check(plain[: len(plain) // 2])
+
+
+def test_what_torch_writes_with_the_constructors_named_is_not_refused() -> None:
+    """The constructors are refused only when called with a size: torch.save names ``torch.Tensor`` as a type (a tensor
+    with Python attributes), ``torch.UntypedStorage`` as a storage type, calls ``bytearray`` on a string, and rebuilds a
+    quantized tensor with ``_rebuild_qtensor`` over a storage holding its values; each is checked, then loads."""
+    import warnings
+
+    with_attribute = torch.arange(3.0)
+    with_attribute.note = "kept"  # type: ignore[attr-defined]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch deprecates its quantized dtypes
+        values = [
+            with_attribute,
+            torch.UntypedStorage(8),
+            bytearray(b"any bytes"),
+            torch.quantize_per_tensor(torch.rand(8, 4), 0.1, 3, torch.quint8),
+            torch.quantize_per_tensor(torch.rand(9), 0.1, 3, torch.quint4x2),
+            torch.quantize_per_channel(torch.rand(4, 3), torch.rand(4) + 0.1, torch.zeros(4, dtype=torch.long), 0, torch.qint8),
+        ]
+        for value in values:
+            archive = _archive(value)
+            assert any(token in archive for token in SIZED_TOKENS), type(value)  # the walk runs, not the fast path
+            for whole in (archive, None):
+                check_archive(io.BytesIO(archive), len(archive), "item", whole=whole)
+            loaded = torch.load(io.BytesIO(archive), weights_only=True)
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(loaded.int_repr() if value.is_quantized else loaded, value.int_repr() if value.is_quantized else value)
+            else:
+                assert bytes(loaded) == bytes(value)  # a storage comes back typed (uint8): the same bytes
+    assert torch.load(io.BytesIO(_archive(with_attribute)), weights_only=True).note == "kept"
