@@ -419,7 +419,9 @@ def _storage_crc(storage: Any) -> Optional[int]:
     device's address is not host memory.
     """
     size = storage.nbytes()
-    if storage.device.type != "cpu":
+    from hp_lightning.core.devices import CPU  # torch is loaded already: a storage exists
+
+    if storage.device.type != CPU:
         return None
     if size == 0:
         return crc32(b"")

@@ -742,7 +742,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             raise CorruptCheckpointError(f"{where}: the index and the item disagree on whether it is a tensor; the checkpoint is damaged.")
         dtype = entry.properties.dtype
         storage = loaded.untyped_storage()
-        if loaded.device.type != "cpu" or (storage.nbytes() and not storage.data_ptr()):
+        if loaded.device != devices.cpu_device() or (storage.nbytes() and not storage.data_ptr()):
             where = _entry(self.source, fqn, info.relative_path)
             raise CorruptCheckpointError(
                 f"{where}: the archive holds a tensor on the {loaded.device} device, with no bytes of its own in memory "
