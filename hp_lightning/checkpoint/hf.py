@@ -50,9 +50,11 @@ from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
 from hp_lightning.checkpoint import layout
+from hp_lightning.checkpoint.adapters import ADAPTER_WEIGHTS, adapter_state, check_peft_export, merged_adapters
 from hp_lightning.checkpoint.collective import agree, on_every_rank, on_rank0, rank, warn_rank0
 from hp_lightning.checkpoint.integrity import open_regular, outside_reason
 from hp_lightning.checkpoint.layout import MODEL_KEY, TOKEN_FILE, CorruptCheckpointError, UnsafeCheckpointError
+from hp_lightning.checkpoint.names import FileNames
 from hp_lightning.checkpoint.read import read_full_file, read_sharded
 from hp_lightning.core.materialize.preloaded import awaits_materialization, defer_weights
 from hp_lightning.fully_shard.policies import parse_dtype
@@ -305,6 +307,13 @@ def _plan_load(
             f"{len(missing)} module key(s) missing from the files {missing[:6]}, {len(unexpected)} file key(s) the module "
             f"lacks {unexpected[:6]}.{hint} Pass strict=False to load the keys that match and keep the rest as initialized."
         )
+    if not mapping and entries:
+        hint = _prefix_hint(list(ours), list(entries), prefix)
+        raise ValueError(
+            f"Hugging Face weights {source} fill no tensor of the module{' under prefix ' + repr(prefix) if prefix else ''}, "
+            f"even with strict=False: the module's keys look like {list(ours)[:3]}, the files' like {list(entries)[:3]}.{hint} "
+            f"Training would start from the initialization alone; pass the prefix where the Hugging Face model sits."
+        )
     shapes, casts = [], []
     for hf_key, module_key in mapping.items():
         entry, target = entries[hf_key], module_state[module_key]
@@ -350,15 +359,19 @@ class _DeferredLoad:
         source = repr(str(self.path))
         elsewhere = set(self.module.__dict__.get("_hp_pipeline_elsewhere", ()))
         entries = on_rank0(lambda: _inspect(self.path))
+        names = FileNames(self.module)
         ties = _tie_groups(self.module)
 
         def plan() -> set[str]:
-            # Names, shapes and dtypes only: the tensors are still on the meta device.
+            # Names, shapes and dtypes only: the tensors are still on the meta device. Compared under the
+            # files' names (no torch.compile wrapper, peft's base layers in place); returned under the module's own.
+            own = self.module.state_dict()
+            by_file = names.mapping(own)
             mapping, _, _ = _plan_load(
-                entries, self.module.state_dict(), ties, prefix=self.prefix, strict=self.strict, allow_cast=self.allow_cast,
-                elsewhere=elsewhere, source=source,
+                entries, {file: own[name] for file, name in by_file.items()}, _file_ties(names, ties), prefix=self.prefix,
+                strict=self.strict, allow_cast=self.allow_cast, elsewhere=elsewhere, source=source,
             )
-            return set(mapping.values())
+            return {by_file[file] for file in mapping.values()}
 
         covered = on_every_rank(plan)
         for group in ties:
@@ -424,10 +437,15 @@ def load_hf_weights(
     source = repr(str(path))
     elsewhere = set(elsewhere) | set(module.__dict__.get("_hp_pipeline_elsewhere", ()))
     entries = on_rank0(lambda: _inspect(path))
-    module_state: dict[str, Any] = {}
+    names = FileNames(module)
+    ties = _file_ties(names, _tie_groups(module))
+    module_state: dict[str, Any] = {}  # under the files' names (see FileNames); by_file gives the module's own
+    by_file: dict[str, str] = {}
 
     def compare() -> tuple[dict[str, str], list[str], list[str]]:
-        module_state.update(get_model_state_dict(module))
+        own = get_model_state_dict(module)
+        by_file.update(names.mapping(own))
+        module_state.update({file: own[name] for file, name in by_file.items()})
         on_meta = [k for k, v in module_state.items() if k.startswith(prefix) and getattr(v, "is_meta", False)]
         if on_meta:
             raise ValueError(
@@ -437,11 +455,11 @@ def load_hf_weights(
                 f"the model (on_fit_start, or after fabric.setup); or materialize it yourself first (module.to_empty(device=...))."
             )
         return _plan_load(
-            entries, module_state, _tie_groups(module), prefix=prefix, strict=strict, allow_cast=allow_cast, elsewhere=elsewhere, source=source
+            entries, module_state, ties, prefix=prefix, strict=strict, allow_cast=allow_cast, elsewhere=elsewhere, source=source
         )
 
     mapping, missing, unexpected = on_every_rank(compare)
-    copies = _tied_copies(entries, _tie_groups(module), prefix)
+    copies = _tied_copies(entries, ties, prefix)
     if dist.is_initialized():  # a pipeline stage may tie names the others do not hold: rank 0 compares every rank's
         every: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(every, copies)
@@ -462,7 +480,7 @@ def load_hf_weights(
         error = CorruptCheckpointError(str(ours[0]) if ours else f"Hugging Face weights {source} could not be read: {type(exc).__name__}: {exc}")
     if error is not None:
         raise error
-    loaded = {mapping_key: request[hf_key] for hf_key, mapping_key in mapping.items()}
+    loaded = {by_file[file_key]: request[hf_key] for hf_key, file_key in mapping.items()}
     set_model_state_dict(module, loaded, options=StateDictOptions(strict=False))
 
 
@@ -504,6 +522,12 @@ class StrictHFPlanner(DefaultLoadPlanner):
                 f"files place those tensors elsewhere than their headers' shapes say. Nothing is loaded."
             )
         return plan
+
+
+def _file_ties(names: FileNames, ties: list[list[str]]) -> list[list[str]]:
+    """Tied groups under the files' names (a group of adapters only drops out)."""
+    groups = [[file for name in group if (file := names.file_name(name)) is not None] for group in ties]
+    return [group for group in groups if len(group) > 1]
 
 
 def _tied_copies(entries: Mapping[str, _Entry], ties: list[list[str]], prefix: str) -> list[tuple[str, ...]]:
@@ -819,6 +843,7 @@ def save_hf(
     max_shard_size: Union[int, str] = "5GB",
     dtype: Union[str, torch.dtype, None] = None,
     overwrite: bool = False,
+    peft: Optional[str] = None,
 ) -> Path:
     """Write the (sharded) module as a Hugging Face directory, every rank writing its own part; call on every rank.
 
@@ -838,26 +863,41 @@ def save_hf(
         max_shard_size: the largest file, like ``save_pretrained``'s (``"5GB"``, ``"500MB"``, bytes).
         dtype: cast floating tensors on write (``"bf16"``); None keeps the module's dtype.
         overwrite: replace an earlier export of ours at ``path`` (only the files it recorded).
+        peft: for a model with peft (LoRA) adapters, required: ``"merged"`` writes the base model with
+            each adapter folded into its layer's weight (``W + scale B A``, computed on the shards:
+            no layer is gathered), which ``from_pretrained`` loads as the fine-tuned model;
+            ``"adapter"`` writes peft's own adapter directory (``adapter_model.safetensors``,
+            ``adapter_config.json``; the adapters gathered to rank 0, small), which
+            ``PeftModel.from_pretrained(base, path)`` loads.
 
     Returns:
         ``path``.
 
     Raises:
         FileExistsError: ``path`` is not empty and ``overwrite`` is False.
-        ValueError: ``path`` holds weights we did not write, a bad size or dtype, or no key under ``prefix``.
+        ValueError: ``path`` holds weights we did not write, a bad size or dtype, or no key under ``prefix``;
+            a model with adapters without ``peft`` (its keys are not the base model's), or an adapter
+            ``"merged"`` cannot fold (DoRA, a LoRA bias, a non-LoRA tuner: use ``"adapter"``).
     """
     out = Path(path)
     limit = parse_size(max_shard_size)
     cast = parse_dtype(dtype, name="dtype")
+    names = FileNames(module)
+    check_peft_export(names, peft)
+    if peft == "adapter":
+        return _save_adapter(module, out, names, overwrite=overwrite)
 
     state: dict[str, Any] = {}
 
     def select() -> dict[str, int]:
-        full = get_model_state_dict(module)
+        own = get_model_state_dict(module)
+        if peft == "merged":
+            own = merged_adapters(module, own)
+        full = {file: own[name] for file, name in names.mapping(own).items()}
         chosen = {k[len(prefix):]: v for k, v in full.items() if k.startswith(prefix)}
         if not chosen:
             raise ValueError(f"save_hf: the module has no key under prefix {prefix!r} (its keys look like {list(full)[:3]}).")
-        state.update(_cast(_untie(chosen, _tie_groups(module), prefix), cast))
+        state.update(_cast(_untie(chosen, _file_ties(names, _tie_groups(module)), prefix), cast))
         return {k: _nbytes(v) for k, v in state.items()}
 
     sizes = on_every_rank(select)
@@ -898,6 +938,31 @@ def save_hf(
         return _publish(staging, out, previous, config, token, cast)
 
     on_rank0(finish)
+    return out
+
+
+def _save_adapter(module: nn.Module, out: Path, names: FileNames, *, overwrite: bool) -> Path:
+    """peft's adapter directory for ``module``'s one ``PeftModel``: gathered to rank 0, written, published as an export of ours."""
+    from safetensors.torch import save_file
+
+    peft_model, state = adapter_state(module, names)  # every rank: the gather is a collective
+
+    def write() -> None:
+        previous = _check_target(out, overwrite=overwrite)
+        token = layout.new_token()
+        out.parent.mkdir(parents=True, exist_ok=True)
+        staging = layout.staging_path(out, token)
+        staging.mkdir()
+        try:
+            save_file({k: v.contiguous() for k, v in state.items()}, str(staging / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+            peft_model.peft_config[peft_model.active_adapter].save_pretrained(str(staging))
+            _publish(staging, out, previous, None, token, None)
+        except BaseException:
+            if staging.is_dir():
+                shutil.rmtree(staging)  # our own staging directory, named with this save's token
+            raise
+
+    on_rank0(write)
     return out
 
 

@@ -43,8 +43,11 @@ import threading
 import uuid
 import zipfile
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Optional, TypeVar
+
+import torch
 
 from hp_lightning._version import __version__
 
@@ -79,6 +82,59 @@ MODEL_KEY = "state_dict"
 FSDP_MODEL_KEY = "model"
 #: Lightning's list of optimizer states; in a sharded checkpoint they are ``optimizer_0``, ``optimizer_1`` ...
 OPTIMIZER_KEY = "optimizer_states"
+#: Lightning's list of LR scheduler states.
+SCHEDULERS_KEY = "lr_schedulers"
+#: The Lightning version that wrote a checkpoint; Lightning's Trainer refuses one without it.
+VERSION_KEY = "pytorch-lightning_version"
+#: Where a save by hp_lightning's Fabric strategy records the ``state`` keys of its model, optimizers
+#: and schedulers, and which layout holds them (``"fabric"``: the keys themselves; ``"trainer"``).
+FABRIC_RECORD_KEY = "hp_lightning_fabric"
+
+
+@dataclass(frozen=True)
+class StateKeys:
+    """Where a Lightning Fabric single-file checkpoint keeps each part: the ``state`` keys of ``fabric.save``."""
+
+    model: str
+    optimizers: tuple[str, ...] = ()
+    schedulers: tuple[str, ...] = ()
+
+    @classmethod
+    def recorded(cls, checkpoint: Mapping[str, Any]) -> Optional[StateKeys]:
+        """The keys a Fabric-layout save of ours recorded (None without such a record, or a malformed one)."""
+        record = checkpoint.get(FABRIC_RECORD_KEY)
+        if not isinstance(record, Mapping) or record.get("layout") != "fabric":
+            return None
+        model, optimizers, schedulers = record.get("model"), record.get("optimizers", []), record.get("lr_schedulers", [])
+        names = [model, *optimizers, *schedulers] if isinstance(optimizers, list) and isinstance(schedulers, list) else [None]
+        if not all(isinstance(n, str) for n in names):
+            return None
+        return cls(model, tuple(optimizers), tuple(schedulers))
+
+
+def in_trainer_layout(checkpoint: dict[str, Any], keys: Optional[StateKeys]) -> Optional[dict[str, Any]]:
+    """A Lightning Fabric single-file checkpoint (``{"model": ..., "optimizer": ..., "step": ...}``) in the
+    Trainer's layout (``state_dict``, ``optimizer_states``, ``lr_schedulers``), by ``keys`` or by the keys a save
+    of ours recorded; None when it is neither (no model entry of tensors under the key).
+
+    Lightning's own Fabric strategies, its consolidated sharded checkpoints and hp_lightning's Fabric
+    ``state_dict_type="full"`` saves are in this layout. The result carries a record of the keys
+    (:data:`FABRIC_RECORD_KEY`), so the Fabric strategy knows which entries were the user's.
+    """
+    keys = keys or StateKeys.recorded(checkpoint)
+    model = checkpoint.get(keys.model) if keys is not None else None
+    if keys is None or not isinstance(model, Mapping) or not all(isinstance(v, torch.Tensor) for v in model.values()):
+        return None
+    parts = {keys.model, MODEL_KEY, *keys.optimizers, *keys.schedulers}  # our saves hold the model under both keys
+    out = {k: v for k, v in checkpoint.items() if k not in parts}
+    out[MODEL_KEY] = dict(model)
+    out[OPTIMIZER_KEY] = [checkpoint[k] for k in keys.optimizers if k in checkpoint]
+    out[SCHEDULERS_KEY] = [checkpoint[k] for k in keys.schedulers if k in checkpoint]
+    out.setdefault(VERSION_KEY, "unknown (Lightning Fabric)")  # resumable state, not a bare weights file
+    out[FABRIC_RECORD_KEY] = {
+        "model": keys.model, "optimizers": list(keys.optimizers), "lr_schedulers": list(keys.schedulers), "layout": "fabric",
+    }
+    return out
 #: Marks a save in progress (or one a kill interrupted); loaders refuse these names.
 STAGING_MARKER = ".hp-partial-"
 #: Marks an entry being deleted; it disappears from its real name in one rename first.

@@ -79,6 +79,7 @@ def load_checkpoint(
     weights_only: Optional[bool] = None,
     verify: bool = True,
     elsewhere: Collection[str] = (),
+    keys: Optional[layout.StateKeys] = None,
 ) -> dict[str, Any]:
     """Load a checkpoint of any supported format into the sharded ``model`` and ``optimizers``.
 
@@ -103,7 +104,9 @@ def load_checkpoint(
             with the tensors before it loaded); with a SHA-256 recorded (``checksums=True``) every
             byte is read before any tensor moves. Single files: their zip CRC-32s.
         elsewhere: model keys other ranks load (a pipeline's other stages): neither missing here
-            nor unexpected. A single file is first written once as a temporary sharded directory
+            nor unexpected.
+        keys: a Lightning Fabric single file's ``state`` keys (Fabric's ``fabric.load``), read in
+            the Trainer's layout (:func:`~hp_lightning.checkpoint.layout.in_trainer_layout`). A single file is first written once as a temporary sharded directory
             next to it, so each stage reads only its part.
 
     Returns:
@@ -130,7 +133,7 @@ def load_checkpoint(
     if elsewhere and kind is CheckpointKind.FULL_FILE:
         return _load_full_into_stage(path, model, optimizers, strict=strict, weights_only=weights_only, verify=verify, elsewhere=elsewhere)
     if kind is CheckpointKind.FULL_FILE:
-        return _load_full(path, model, optimizers, strict=strict, weights_only=weights_only, verify=verify)
+        return _load_full(path, model, optimizers, strict=strict, weights_only=weights_only, verify=verify, keys=keys)
     return _load_sharded(path, kind, model, optimizers, strict=strict, weights_only=weights_only, verify=verify, elsewhere=elsewhere)
 
 
@@ -395,13 +398,14 @@ def _load_full(
     weights_only: Optional[bool],
     verify: bool,
     prefix: str = "",
+    keys: Optional[layout.StateKeys] = None,
 ) -> dict[str, Any]:
     """Rank 0 reads the file; the others receive its tensors by broadcast, so only rank 0 needs the file."""
     source = repr(str(path))
     loaded: dict[str, Any] = {}
 
     def summarize() -> dict[str, Any]:
-        loaded.update(read_full_file(path, weights_only=weights_only, verify=verify))
+        loaded.update(read_full_file(path, weights_only=weights_only, verify=verify, keys=keys))
         if prefix:
             loaded[MODEL_KEY] = {k[len(prefix) :]: v for k, v in loaded[MODEL_KEY].items() if k.startswith(prefix)}
         optimizer_states = loaded.get(OPTIMIZER_KEY) or []

@@ -37,7 +37,9 @@ from hp_lightning.core.state_dict import Shape
 # ------------------------------------------------ single files
 
 
-def read_full_file(path: Path, *, weights_only: Optional[bool] = None, verify: bool = True) -> dict[str, Any]:
+def read_full_file(
+    path: Path, *, weights_only: Optional[bool] = None, verify: bool = True, keys: Optional[layout.StateKeys] = None
+) -> dict[str, Any]:
     """Read a single-file checkpoint into a dict on this process (with plain ``torch.load``: not memory-mapped).
 
     Bare state dicts and ``.safetensors`` files come back as ``{"state_dict": ...}``.
@@ -47,6 +49,10 @@ def read_full_file(path: Path, *, weights_only: Optional[bool] = None, verify: b
             tensors, primitive containers and registered safe globals; False: unpickle anything,
             which runs code the file carries: only for files you trust.
         verify: check the zip CRC-32s first.
+        keys: where a Lightning Fabric checkpoint (its own layout: the ``state`` keys) keeps the
+            model, optimizers and schedulers; it comes back in the Trainer's layout
+            (:func:`~hp_lightning.checkpoint.layout.in_trainer_layout`). A Fabric-layout save of ours
+            says so itself.
 
     Raises:
         UnsafeCheckpointError: safe loading refused a type (the file, the type and the opt-in named).
@@ -66,13 +72,18 @@ def read_full_file(path: Path, *, weights_only: Optional[bool] = None, verify: b
         raise ValueError(f"{str(path)!r} holds a {type(checkpoint).__name__}, not a checkpoint dict or a state dict.")
     if isinstance(checkpoint.get(FULL_INFO_KEY), Mapping):
         layout.check_version(checkpoint[FULL_INFO_KEY], path)
+    # A Fabric-layout file: the keys it recorded (ours) or the load's (Lightning's own Fabric).
+    fabric = layout.in_trainer_layout(checkpoint, keys if MODEL_KEY not in checkpoint else None)
+    if fabric is not None:
+        return fabric
     if MODEL_KEY in checkpoint and isinstance(checkpoint[MODEL_KEY], Mapping):
         return checkpoint
     if checkpoint and all(isinstance(v, torch.Tensor) for v in checkpoint.values()):
         return {MODEL_KEY: checkpoint}  # a bare model.state_dict()
     raise ValueError(
-        f"{str(path)!r} is neither a Lightning checkpoint (no {MODEL_KEY!r} entry) nor a state dict of tensors; "
-        f"its top-level keys are {sorted(map(str, checkpoint))[:8]}."
+        f"{str(path)!r} is neither a Lightning checkpoint (no {MODEL_KEY!r} entry), a Lightning Fabric checkpoint"
+        f"{f' (no model under {keys.model!r})' if keys else ''} nor a state dict of tensors; its top-level keys are "
+        f"{sorted(map(str, checkpoint))[:8]}."
     )
 
 

@@ -1,6 +1,9 @@
-"""Fabric's ``state`` dicts mapped onto the Trainer's checkpoint layout, so either front end reads the other's.
+"""Fabric's ``state`` dicts and the two checkpoint layouts, so either front end (and Lightning's own Fabric) reads the other's.
 
-``fabric.save(path, {"model": model, "optimizer": optimizer, "step": 3})`` writes what
+A full (single-file) save is in Lightning Fabric's own layout: the ``state`` keys as given, the
+model and optimizers as full state dicts (what Lightning's ``fabric.load`` and its consolidated
+files hold), plus ``"pytorch-lightning_version"`` and the record below. A sharded save,
+``fabric.save(path, {"model": model, "optimizer": optimizer, "step": 3})``, writes what
 ``Trainer.save_checkpoint`` writes, through the same :mod:`hp_lightning.checkpoint` functions:
 
 =====================================  =====================================================
@@ -14,9 +17,11 @@ anything else                          stored under its own key (``state_dict()`
 =====================================  =====================================================
 
 plus ``"pytorch-lightning_version"`` (the Trainer's loader requires it) and a record of the
-``state`` keys (:data:`RECORD_KEY`), so a load with several optimizers matches them by name. The
-Trainer ignores the record and the extra keys; a Trainer checkpoint read by Fabric has no record,
-and its optimizers and schedulers are matched in order (``configure_optimizers``' order).
+``state`` keys (:data:`RECORD_KEY`, with the layout), so a load with several optimizers matches
+them by name and the Trainer reads a Fabric-layout file in its own layout
+(:func:`hp_lightning.checkpoint.layout.in_trainer_layout`). A Trainer checkpoint read by Fabric
+has no record, and its optimizers and schedulers are matched in order (``configure_optimizers``'
+order); a Lightning Fabric file without a record is read by the keys the load passes.
 """
 
 from __future__ import annotations
@@ -35,15 +40,11 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from hp_lightning import checkpoint as checkpoint_io
 from hp_lightning.checkpoint import layout
-from hp_lightning.checkpoint.layout import FULL_INFO_KEY, META_FILE, MODEL_KEY, OPTIMIZER_KEY
+from hp_lightning.checkpoint.layout import FABRIC_RECORD_KEY, FULL_INFO_KEY, META_FILE, MODEL_KEY, OPTIMIZER_KEY, SCHEDULERS_KEY, VERSION_KEY
 from hp_lightning.checkpoint.unpickle import torch_load
 
 #: Where a Fabric-written checkpoint records the ``state`` keys of its model, optimizers and schedulers.
-RECORD_KEY = "hp_lightning_fabric"
-#: The Trainer's list of LR scheduler states.
-SCHEDULERS_KEY = "lr_schedulers"
-#: The Lightning version that wrote the checkpoint; the Trainer refuses a checkpoint without it.
-VERSION_KEY = "pytorch-lightning_version"
+RECORD_KEY = FABRIC_RECORD_KEY
 #: Keys the mapping itself writes: a ``state`` entry of another kind may not use them.
 RESERVED_KEYS = (MODEL_KEY, OPTIMIZER_KEY, SCHEDULERS_KEY, VERSION_KEY, RECORD_KEY, FULL_INFO_KEY)
 
@@ -116,23 +117,39 @@ def split_state(state: Mapping[str, Any], call: str) -> StateParts:
 
 
 def to_checkpoint(parts: StateParts, *, full: bool) -> dict[str, Any]:
-    """The Trainer-layout checkpoint dict for ``parts`` (a collective: every rank calls it).
+    """The checkpoint dict for ``parts`` (a collective: every rank calls it).
 
-    With ``full=True`` the model and optimizer states are gathered to rank 0 one tensor at a time
-    (empty on the other ranks, which write nothing).
+    ``full=True``: Lightning Fabric's own single-file layout, the ``state`` keys as given (what
+    Lightning's ``fabric.load`` reads); the model and optimizer states are gathered to rank 0 one
+    tensor at a time (empty on the other ranks, which write nothing). ``full=False``: the
+    Trainer's layout (DCP keys ``state_dict`` / ``optimizer_*``, which both front ends resume).
+    Both carry the record of the keys, so either front end maps one to the other.
     """
     model = parts.model
-    checkpoint: dict[str, Any] = {
-        MODEL_KEY: checkpoint_io.model_state_dict(model, full=full),
-        OPTIMIZER_KEY: [checkpoint_io.optimizer_state_dict(model, opt, full=full) for _, opt in parts.optimizers],
-        SCHEDULERS_KEY: [scheduler.state_dict() for _, scheduler in parts.schedulers],
-        VERSION_KEY: lightning.__version__,
-        RECORD_KEY: {
-            "model": parts.model_key,
-            "optimizers": [k for k, _ in parts.optimizers],
-            "lr_schedulers": [k for k, _ in parts.schedulers],
-        },
+    record = {
+        "model": parts.model_key,
+        "optimizers": [k for k, _ in parts.optimizers],
+        "lr_schedulers": [k for k, _ in parts.schedulers],
+        "layout": "fabric" if full else "trainer",
     }
+    checkpoint: dict[str, Any]
+    if full:
+        weights = checkpoint_io.model_state_dict(model, full=True)
+        checkpoint = {
+            parts.model_key: weights,
+            # The same tensors under Lightning's key too (torch.save writes each storage once): the file
+            # also loads with plain LightningModule.load_from_checkpoint.
+            MODEL_KEY: weights,
+            **{key: checkpoint_io.optimizer_state_dict(model, opt, full=True) for key, opt in parts.optimizers},
+            **{key: scheduler.state_dict() for key, scheduler in parts.schedulers},
+        }
+    else:
+        checkpoint = {
+            MODEL_KEY: checkpoint_io.model_state_dict(model, full=False),
+            OPTIMIZER_KEY: [checkpoint_io.optimizer_state_dict(model, opt, full=False) for _, opt in parts.optimizers],
+            SCHEDULERS_KEY: [scheduler.state_dict() for _, scheduler in parts.schedulers],
+        }
+    checkpoint.update({VERSION_KEY: lightning.__version__, RECORD_KEY: record})
     for key, value in parts.others.items():
         checkpoint[key] = value.state_dict() if _is_stateful(value) else value
     return checkpoint

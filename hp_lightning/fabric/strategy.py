@@ -25,6 +25,7 @@ from typing_extensions import override
 from hp_lightning import checkpoint as hp_checkpoint
 from hp_lightning._lightning_private import BackwardSyncControl, FabricSubprocessScriptLauncher, PathLike
 from hp_lightning.checkpoint.collective import on_rank0
+from hp_lightning.checkpoint.layout import StateKeys
 from hp_lightning.core.materialize import move_unsharded_states
 from hp_lightning.core.options import HSDPOptions
 from hp_lightning.fabric import state as fabric_state
@@ -364,8 +365,9 @@ class HSDPFabricStrategy(FabricConstructor, ParallelStrategy):
         label = repr(str(source))
         optimizers = fabric_state.in_stored_order(parts.optimizers, (record or {}).get("optimizers"), "optimizers", label)
         schedulers = fabric_state.in_stored_order(parts.schedulers, (record or {}).get("lr_schedulers"), "LR schedulers", label)
+        keys = StateKeys(parts.model_key, tuple(k for k, _ in optimizers), tuple(k for k, _ in schedulers))
         rest = hp_checkpoint.load_checkpoint(
-            source, parts.model, [o for _, o in optimizers], strict=strict, weights_only=weights_only
+            source, parts.model, [o for _, o in optimizers], strict=strict, weights_only=weights_only, keys=keys
         )
         return fabric_state.restore_rest(parts, rest, state, strict=strict, source=label, scheduler_order=schedulers)
 

@@ -91,7 +91,9 @@ def _fit(strategy, names: tuple[str, str] = ("tensor_parallel", "data_parallel")
     }
 
 
-def _fabric_losses(strategy) -> list[float]:
+def _fabric_losses(strategy, *, save: str | None = None, resume: str | None = None) -> list[float]:
+    """Losses of a Fabric loop: ``STEPS + 1`` steps, saving ``{"model", "optimizer", "step"}`` after ``STEPS``
+    (``save``); or, with ``resume``, the steps after that checkpoint's."""
     from lightning.fabric import Fabric
 
     seed_everything(0)
@@ -102,10 +104,18 @@ def _fabric_losses(strategy) -> list[float]:
     model = fabric.setup_module(model)
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
     batches = fabric.setup_dataloaders(loader(), use_distributed_sampler=True)
+    state = {"model": model, "optimizer": optimizer, "step": 0}
+    if resume:
+        fabric.load(resume, state)
     losses = []
     for step, (x, y) in enumerate(batches):
-        if step == STEPS:
+        if step < state["step"]:
+            continue
+        if step == STEPS + 1:
             break
+        if step == STEPS and save:
+            state["step"] = step
+            fabric.save(save, state)
         loss = nn.functional.mse_loss(model(x), y)
         fabric.backward(loss)
         optimizer.step()
@@ -114,10 +124,16 @@ def _fabric_losses(strategy) -> list[float]:
     return losses
 
 
-def worker() -> dict:
+def worker(tmp: str) -> dict:
     from lightning.fabric.strategies import ModelParallelStrategy as FabricModelParallel
 
     import hp_lightning
+
+    def theirs() -> FabricModelParallel:
+        return FabricModelParallel(parallelize_fn=parallelize, data_parallel_size=2, tensor_parallel_size=2, save_distributed_checkpoint=False)
+
+    def ours() -> hp_lightning.HSDPFabricStrategy:
+        return hp_lightning.HSDPFabricStrategy(parallelize_fn=parallelize, data_parallel_size=2, tensor_parallel_size=2, state_dict_type="full")
 
     out: dict = {}
     for dp, tp in ((2, 2), (4, 1)):  # the example's one changed line: strategy_for("model_parallel" | "hsdp", ...)
@@ -125,8 +141,12 @@ def worker() -> dict:
         out[f"hp_{dp}x{tp}"] = _fit(strategy_for("hsdp", dp, tp))
     # hp_lightning's own names, TP and FSDP applied by hand under tensor_parallel_size=2.
     out["hp_names"] = _fit(hp_lightning.HSDPStrategy(mesh_shape=[2], tensor_parallel_size=2), names=("tp", "shard"))
-    out["fabric_lightning"] = _fabric_losses(FabricModelParallel(parallelize_fn=parallelize, data_parallel_size=2, tensor_parallel_size=2))
-    out["fabric_hp"] = _fabric_losses(hp_lightning.HSDPFabricStrategy(parallelize_fn=parallelize, data_parallel_size=2, tensor_parallel_size=2))
+    lightning_file, hp_file = f"{tmp}/lightning_fabric.ckpt", f"{tmp}/hp_fabric.ckpt"
+    out["fabric_lightning"] = _fabric_losses(theirs(), save=lightning_file)
+    out["fabric_hp"] = _fabric_losses(ours(), save=hp_file)
+    # Each side resumes the other's single file: Lightning Fabric's layout both ways.
+    out["hp_resumes_lightning"] = _fabric_losses(ours(), resume=lightning_file)
+    out["lightning_resumes_hp"] = _fabric_losses(theirs(), resume=hp_file)
     try:
         Trainer(devices=WORLD, strategy=hp_lightning.HSDPStrategy(mesh_shape=[WORLD]), max_steps=1, **trainer_kwargs()).fit(
             WithFSDP1(), loader()
@@ -138,8 +158,8 @@ def worker() -> dict:
 
 
 @pytest.fixture(scope="module")
-def results() -> list[dict]:
-    return run_distributed(worker, WORLD, timeout=400)
+def results(tmp_path_factory) -> list[dict]:
+    return run_distributed(worker, WORLD, str(tmp_path_factory.mktemp("contracts")), timeout=400)
 
 
 @pytest.mark.parametrize("shape", ["2x2", "4x1"])
@@ -176,8 +196,15 @@ def test_hand_applied_tp_and_fsdp_are_recognized_under_hp_names(results):
 
 def test_fabric_parallelize_fn_is_lightnings(results):
     for res in results:
-        assert len(res["fabric_hp"]) == STEPS
+        assert len(res["fabric_hp"]) == STEPS + 1
         assert res["fabric_hp"] == pytest.approx(res["fabric_lightning"], abs=1e-6, rel=1e-6)
+
+
+def test_fabric_checkpoints_are_lightning_fabrics_both_ways(results):
+    # The step after the checkpoint, resumed by the other side, equals the uninterrupted run's.
+    for res in results:
+        for run in ("hp_resumes_lightning", "lightning_resumes_hp"):
+            assert res[run] == pytest.approx(res["fabric_lightning"][STEPS:], abs=1e-6, rel=1e-6), run
 
 
 def test_trainer_refuses_fsdp1_like_fabric(results):
