@@ -25,7 +25,8 @@ def _rank() -> int:
 
 def unwrap_optimizer(optimizer: Any) -> Optimizer:
     """The torch optimizer behind Lightning's ``LightningOptimizer`` wrapper."""
-    return getattr(optimizer, "_optimizer", optimizer)
+    inner = getattr(optimizer, "optimizer", None)  # Lightning's and Fabric's wrappers expose it publicly
+    return inner if isinstance(inner, Optimizer) else optimizer
 
 
 # Whole tensors, gathered by torch one at a time and kept (on the CPU) by rank 0 only: the other

@@ -124,7 +124,9 @@ class HSDPStrategy(TrainerConstructor, ParallelStrategy):
         return [self.model] if isinstance(self.model, HSDPModule) else []
 
     def _agreement_trainer(self) -> Any:
-        return getattr(self.lightning_module, "_trainer", None)
+        # Lightning's public property: it raises when the module is not attached (never a silent skip of the checks).
+        module = self.lightning_module
+        return None if module is None else module.trainer
 
     # ------------------------------------------------------------------ setup
 
