@@ -104,9 +104,8 @@ def adapter_state(module: nn.Module, names: FileNames) -> tuple[Any, dict[str, t
         )
     path, peft_model = found[0]
     inside = f"{path}." if path else ""
-    whole = {
-        name[len(inside):]: (value.full_tensor() if isinstance(value, DTensor) else value).detach().cpu()
-        for name, value in get_model_state_dict(module).items()
-        if name.startswith(inside) and names.is_adapter(name)
-    }
+    whole: dict[str, torch.Tensor] = {}
+    for name, value in get_model_state_dict(module).items():
+        if name.startswith(inside) and names.is_adapter(name) and isinstance(value, torch.Tensor):
+            whole[name[len(inside):]] = (value.full_tensor() if isinstance(value, DTensor) else value).detach().cpu()
     return peft_model, get_peft_model_state_dict(peft_model, state_dict=whole, adapter_name=peft_model.active_adapter)

@@ -106,8 +106,8 @@ class StateKeys:
         if not isinstance(record, Mapping) or record.get("layout") != "fabric":
             return None
         model, optimizers, schedulers = record.get("model"), record.get("optimizers", []), record.get("lr_schedulers", [])
-        names = [model, *optimizers, *schedulers] if isinstance(optimizers, list) and isinstance(schedulers, list) else [None]
-        if not all(isinstance(n, str) for n in names):
+        names = [*optimizers, *schedulers] if isinstance(optimizers, list) and isinstance(schedulers, list) else [None]
+        if not isinstance(model, str) or not all(isinstance(n, str) for n in names):
             return None
         return cls(model, tuple(optimizers), tuple(schedulers))
 
