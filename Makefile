@@ -8,14 +8,20 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 # The CPU wheel of torch lies on disk; pinning it keeps pip from pulling a multi-GB CUDA build.
+# torch and Lightning are pinned to releases of the tested window (README "Supported versions"): the
+# whole suite runs on these; tests/unit/test_private_apis.py compares them (`make tested-pins`) with
+# the releases the adapters were verified on and with pyproject.toml's ranges.
 TORCH_PIN ?= torch==2.13.0
+LIGHTNING_PIN ?= lightning==2.6.6 pytorch-lightning==2.6.6
+# Each requirement quoted for the shell (a range's < or > is no redirection).
+quoted = $(foreach requirement,$(1),'$(requirement)')
 
-.PHONY: install test lint test-fast demo bench bench-cluster bench-overhead bench-checkpoint bench-pipeline bench-ft bench-hf gpu-check clean
+.PHONY: install test test-compat tested-pins lint test-fast demo bench bench-cluster bench-overhead bench-checkpoint bench-pipeline bench-ft bench-hf gpu-check clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet "$(TORCH_PIN)"
+	$(PY) -m pip install --quiet $(call quoted,$(TORCH_PIN) $(LIGHTNING_PIN))
 	$(PY) -m pip install --quiet -e ".[test,bench]"
 	touch $(STAMP)
 
@@ -31,6 +37,44 @@ TEST_WORKERS ?= 2
 test: $(STAMP) lint
 	$(PY) -m compileall -q hp_lightning tests examples benchmarks > /dev/null
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
+
+# The rest of the tested window (README "Supported versions"): each torch in COMPAT_TORCH gets a venv
+# of its own, .venv-torch<major.minor>, and runs the compat slice, tests/compat_slice.txt (the tests that
+# touch every private name and every composition once; each line says why it is there), on TEST_WORKERS.
+# torch 2.14 is paired with the oldest Lightning supported (LIGHTNING_OLDEST), torch 2.15 with the newest
+# (LIGHTNING_PIN), so both ends of the Lightning range are tested too. Each venv's pins are also its pip
+# constraints (PIP_CONSTRAINT): nothing installed later moves them, and they replace this machine's pip cap
+# (/etc/xdg/pip caps torch at the 2.14.1 on its disk; 2.15.0, a CUDA build, comes from the package index:
+# ~2.8 GB; each venv takes about 2 minutes to build here and ~6 GB of disk).
+COMPAT_TORCH ?= 2.14 2.15
+LIGHTNING_OLDEST ?= 2.6.0
+COMPAT_PINS_2.14 := torch==2.14.1 lightning==$(LIGHTNING_OLDEST) pytorch-lightning==$(LIGHTNING_OLDEST)
+COMPAT_PINS_2.15 := torch==2.15.0 $(LIGHTNING_PIN)
+COMPAT_STAMPS := $(foreach v,$(COMPAT_TORCH),.venv-torch$(v)/.installed)
+
+.venv-torch%/.installed: pyproject.toml Makefile
+	@test -n "$(COMPAT_PINS_$*)" || { echo "Makefile: no COMPAT_PINS_$* for torch $*" >&2; exit 1; }
+	$(PYTHON) -m venv .venv-torch$*
+	printf '%s\n' $(call quoted,$(COMPAT_PINS_$*)) > .venv-torch$*/constraints.txt
+	PIP_CONSTRAINT=$(CURDIR)/.venv-torch$*/constraints.txt .venv-torch$*/bin/python -m pip install --quiet --upgrade pip
+	PIP_CONSTRAINT=$(CURDIR)/.venv-torch$*/constraints.txt .venv-torch$*/bin/python -m pip install --quiet $(call quoted,$(COMPAT_PINS_$*))
+	PIP_CONSTRAINT=$(CURDIR)/.venv-torch$*/constraints.txt .venv-torch$*/bin/python -m pip install --quiet -e ".[test]"
+	touch $@
+
+# The compat slice on every other torch of the window, one venv after the other (comments stripped from
+# tests/compat_slice.txt into pytest's @file). Each version's slice must stay under 300 s on 2 cores.
+test-compat: $(COMPAT_STAMPS)
+	@set -e; for v in $(COMPAT_TORCH); do \
+	  echo "== compat slice on .venv-torch$$v: $$(.venv-torch$$v/bin/python -c 'import torch, lightning, transformers; print("torch", torch.__version__, "lightning", lightning.__version__, "transformers", transformers.__version__)')"; \
+	  sed -e 's/[[:space:]]*#.*//' -e '/^$$/d' tests/compat_slice.txt > .venv-torch$$v/compat_slice.args; \
+	  .venv-torch$$v/bin/python -m compileall -q hp_lightning tests examples benchmarks > /dev/null; \
+	  .venv-torch$$v/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder @.venv-torch$$v/compat_slice.args; \
+	done
+
+# What each venv of the window pins, one line each (read by tests/unit/test_private_apis.py).
+tested-pins:
+	@echo "$(VENV): $(TORCH_PIN) $(LIGHTNING_PIN)"
+	@$(foreach v,$(COMPAT_TORCH),echo ".venv-torch$(v): $(COMPAT_PINS_$(v))";)
 
 lint: $(STAMP)
 	$(PY) -m ruff check hp_lightning
@@ -78,4 +122,4 @@ gpu-check: $(STAMP)
 	bash scripts/gpu_check.sh
 
 clean:
-	rm -rf $(VENV) runs lightning_logs .pytest_cache
+	rm -rf $(VENV) $(foreach v,$(COMPAT_TORCH),.venv-torch$(v)) runs lightning_logs .pytest_cache

@@ -9,8 +9,11 @@ Lightning upgrade moves one, this file is the only place to change. Two guards, 
   hp_lightning replaces or calls in its place (``tests/unit/test_private_apis.py`` runs both);
 * on a Lightning outside :data:`TESTED_LIGHTNING`, ``import hp_lightning`` still works, and the
   first use of a feature that needs a missing name raises
-  :class:`~hp_lightning.core._torch_private.MissingPrivateNameError` naming the name, the feature
-  and the tested versions.
+  :class:`~hp_lightning.core._torch_private.MissingPrivateNameError` naming the name, the feature,
+  the releases it was verified on (:data:`VERIFIED_LIGHTNING`) and the tested range.
+
+A method hp_lightning wraps passes on whatever arguments Lightning's own caller gives (``resume_start``
+gained ``weights_only`` in 2.6), so a release that adds one needs no change here.
 """
 
 from __future__ import annotations
@@ -20,34 +23,41 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from typing import Any
 
-from hp_lightning.core._torch_private import MissingPrivateNameError, PrivateName, missing_error, placeholder_class, resolve
+from hp_lightning.core._torch_private import MissingPrivateNameError, PrivateName, entry_for, missing_error, placeholder_class, resolve, tested_range
 
-#: The Lightning releases hp_lightning is tested with (``pyproject.toml`` pins the same range).
-TESTED_LIGHTNING = ">=2.6,<2.7"
-#: The releases every name below was checked against.
-CHECKED_LIGHTNING_VERSIONS = ("2.6",)
+#: The Lightning releases hp_lightning is tested on, oldest first: the oldest it supports (the compat
+#: slice runs on it beside torch 2.14, Makefile: ``LIGHTNING_OLDEST``) and the newest (the whole suite,
+#: Makefile: ``LIGHTNING_PIN``, and the compat slice beside torch 2.15).
+VERIFIED_LIGHTNING: tuple[str, ...] = ("2.6.0", "2.6.6")
+#: The Lightning releases hp_lightning supports: the range its verified releases span (``pyproject.toml`` pins the same).
+TESTED_LIGHTNING = tested_range(VERIFIED_LIGHTNING)
+
+
+def _name(module: str, path: str, feature: str) -> PrivateName:
+    return PrivateName(module, path, feature, verified=VERIFIED_LIGHTNING)
+
 
 _DIST = "lightning.fabric.utilities.distributed"
 _PRIVATE_NAMES: tuple[PrivateName, ...] = (
-    PrivateName(_DIST, "_init_dist_connection", "process-group creation from the cluster environment"),
-    PrivateName(_DIST, "_distributed_is_initialized", "the strategies' barrier"),
-    PrivateName("lightning.fabric.utilities.types", "_PATH", "the checkpoint hooks' path type"),
-    PrivateName("lightning.fabric.utilities.types", "_Stateful", "resumable_dataloaders (telling a stateful loader apart)"),
-    PrivateName(_DIST, "_sync_ddp_if_available", "the strategies' all_reduce (logged metrics with sync_dist)"),
-    PrivateName(_DIST, "_all_gather_ddp_if_available", "the strategies' all_gather"),
-    PrivateName("lightning.pytorch.strategies.launchers.subprocess_script", "_SubprocessScriptLauncher", "launching `python train.py` runs (Trainer)"),
-    PrivateName("lightning.fabric.strategies.launchers.subprocess_script", "_SubprocessScriptLauncher", "launching `python train.py` runs (Fabric)"),
-    PrivateName("lightning.fabric.strategies.strategy", "_BackwardSyncControl", "fabric.no_backward_sync (HSDPFabricStrategy)"),
-    PrivateName("lightning.fabric.accelerators.registry", "_AcceleratorRegistry", "registering the NPU accelerator"),
-    PrivateName("lightning.pytorch.trainer.connectors.accelerator_connector", "_AcceleratorConnector._choose_auto_accelerator",
-                "accelerator='auto' choosing NPUs (enable_npu_auto_selection)"),
-    PrivateName("lightning.pytorch.trainer.connectors.checkpoint_connector", "_CheckpointConnector.resume_start",
-                "the checkpoint-path agreement before a resume (fit(ckpt_path=...))"),
-    PrivateName("lightning.pytorch.trainer.connectors.signal_connector", "_SignalConnector._slurm_sigusr_handler_fn",
-                "SLURM auto-requeue at a step boundary"),
-    PrivateName("lightning.pytorch.loops.fit_loop", "_FitLoop._should_accumulate", "gradient accumulation (which micro-batches skip sync)"),
-    PrivateName("lightning.pytorch.loops.training_epoch_loop", "_TrainingEpochLoop._broadcast_sigterm_tensor",
-                "preemption agreement once per optimizer step (instead of Lightning's per-batch broadcast)"),
+    _name(_DIST, "_init_dist_connection", "process-group creation from the cluster environment"),
+    _name(_DIST, "_distributed_is_initialized", "the strategies' barrier"),
+    _name("lightning.fabric.utilities.types", "_PATH", "the checkpoint hooks' path type"),
+    _name("lightning.fabric.utilities.types", "_Stateful", "resumable_dataloaders (telling a stateful loader apart)"),
+    _name(_DIST, "_sync_ddp_if_available", "the strategies' all_reduce (logged metrics with sync_dist)"),
+    _name(_DIST, "_all_gather_ddp_if_available", "the strategies' all_gather"),
+    _name("lightning.pytorch.strategies.launchers.subprocess_script", "_SubprocessScriptLauncher", "launching `python train.py` runs (Trainer)"),
+    _name("lightning.fabric.strategies.launchers.subprocess_script", "_SubprocessScriptLauncher", "launching `python train.py` runs (Fabric)"),
+    _name("lightning.fabric.strategies.strategy", "_BackwardSyncControl", "fabric.no_backward_sync (HSDPFabricStrategy)"),
+    _name("lightning.fabric.accelerators.registry", "_AcceleratorRegistry", "registering the NPU accelerator"),
+    _name("lightning.pytorch.trainer.connectors.accelerator_connector", "_AcceleratorConnector._choose_auto_accelerator",
+          "accelerator='auto' choosing NPUs (enable_npu_auto_selection)"),
+    _name("lightning.pytorch.trainer.connectors.checkpoint_connector", "_CheckpointConnector.resume_start",
+          "the checkpoint-path agreement before a resume (fit(ckpt_path=...))"),
+    _name("lightning.pytorch.trainer.connectors.signal_connector", "_SignalConnector._slurm_sigusr_handler_fn",
+          "SLURM auto-requeue at a step boundary"),
+    _name("lightning.pytorch.loops.fit_loop", "_FitLoop._should_accumulate", "gradient accumulation (which micro-batches skip sync)"),
+    _name("lightning.pytorch.loops.training_epoch_loop", "_TrainingEpochLoop._broadcast_sigterm_tensor",
+          "preemption agreement once per optimizer step (instead of Lightning's per-batch broadcast)"),
 )
 
 #: Lightning methods hp_lightning replaces on an instance, or calls itself where Lightning decides:
@@ -81,9 +91,8 @@ def missing_private_names(names: Sequence[PrivateName] = _PRIVATE_NAMES) -> list
 def _error(module_path: str, attribute_path: str) -> MissingPrivateNameError:
     import lightning
 
-    name = f"{module_path}.{attribute_path}"
-    feature = next((entry.feature for entry in _PRIVATE_NAMES if entry.name == name), "this feature")
-    return missing_error(name, feature, library="lightning", version=lightning.__version__, tested=TESTED_LIGHTNING)
+    entry = entry_for(f"{module_path}.{attribute_path}", _PRIVATE_NAMES, VERIFIED_LIGHTNING)
+    return missing_error(entry, tested=TESTED_LIGHTNING, version=lightning.__version__)
 
 
 def _load(module_path: str, attribute_path: str) -> Any:
@@ -204,9 +213,9 @@ def before_resume(trainer: Any, check: Any) -> None:
         raise _error("lightning.pytorch.trainer.connectors.checkpoint_connector", "_CheckpointConnector.resume_start")
     original = getattr(connector.resume_start, "__hp_lightning_original__", connector.resume_start)
 
-    def resume_start(checkpoint_path: Any = None, weights_only: Any = None) -> None:
+    def resume_start(checkpoint_path: Any = None, *args: Any, **kwargs: Any) -> None:
         check(checkpoint_path)
-        original(checkpoint_path, weights_only)
+        original(checkpoint_path, *args, **kwargs)  # 2.6: weights_only
 
     resume_start.__hp_lightning_original__ = original  # type: ignore[attr-defined]
     connector.resume_start = resume_start

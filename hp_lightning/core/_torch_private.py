@@ -1,19 +1,24 @@
 """Every private torch name hp_lightning touches, behind one small function each, resolved honestly.
 
 torch's public API does not cover these needs (each function says which one); when a torch upgrade
-renames one, this file is the only place to change. Two guards:
+renames one, this file is the only place to change. It knows the torch releases it was verified on
+(:data:`VERIFIED_TORCH`, each name's :attr:`PrivateName.verified`), and two guards hold it to them:
 
 * :func:`missing_private_names` resolves every name for real, attribute by attribute (an attribute
   torch sets per instance is looked up on a real instance: a unit sharded on a one-rank fake process
-  group, run forward and backward), and ``tests/unit/test_private_apis.py`` fails with its list;
+  group, run forward and backward), and ``tests/unit/test_private_apis.py``, which CI runs on every
+  verified release, fails with its list;
 * on a torch outside :data:`TESTED_TORCH`, ``import hp_lightning`` still works, and the first use
   of a feature that needs a missing name raises :class:`MissingPrivateNameError` naming the name,
-  the feature and the tested versions (nothing here is resolved strictly at import).
+  the feature, the releases it was verified on and the tested range (nothing here is resolved
+  strictly at import, and nothing falls back silently to doing less).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
+import inspect
 import types
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -26,10 +31,26 @@ from torch import nn
 
 from hp_lightning.core import devices
 
-#: The torch releases hp_lightning is tested with (``pyproject.toml`` pins the same range).
-TESTED_TORCH = ">=2.13,<2.14"
-#: The releases every name below was checked against.
-CHECKED_TORCH_VERSIONS = ("2.13",)
+#: The torch releases hp_lightning is tested on, oldest first: CI runs the whole suite on the first
+#: (Makefile: ``TORCH_PIN``) and the compat slice (``tests/compat_slice.txt``) on each other one
+#: (Makefile: ``COMPAT_PINS_<major.minor>``); every name below was resolved on each of them.
+VERIFIED_TORCH: tuple[str, ...] = ("2.13.0", "2.14.1", "2.15.0")
+
+
+def tested_range(verified: Sequence[str]) -> str:
+    """The pip range that releases ``verified`` (oldest first) span: from the oldest to the next minor after the newest.
+
+    ``("2.13.0", "2.14.1", "2.15.0")`` gives ``">=2.13,<2.16"``; ``("2.5.2", "2.6.6")`` gives ``">=2.5.2,<2.7"``.
+    """
+    oldest, newest = verified[0], verified[-1]
+    floor = oldest.removesuffix(".0") if oldest.count(".") == 2 else oldest
+    major, minor = (int(part) for part in newest.split(".")[:2])
+    return f">={floor},<{major}.{minor + 1}"
+
+
+#: The torch releases hp_lightning supports: exactly the range its verified releases span
+#: (``pyproject.toml`` pins the same; ``tests/unit/test_private_apis.py`` compares them).
+TESTED_TORCH = tested_range(VERIFIED_TORCH)
 
 
 class MissingPrivateNameError(ImportError):
@@ -48,18 +69,26 @@ class PrivateName:
         module: the module it is reached from.
         path: attributes from the module on (``"FSDPParamGroup.post_forward_mesh_info"``).
         feature: what in hp_lightning needs it, in a user's words (the error says it).
-        per_instance: the last attribute is set on each instance (in ``__init__`` or later), so
-            it is checked on a real instance of the class before it (see :func:`missing_private_names`).
+        per_instance: the attributes after the first (a class) are set on each instance (in
+            ``__init__`` or later), so they are checked on a real instance of that class (see
+            :func:`missing_private_names`).
+        verified: the releases of its library it was resolved on (a subset of that library's
+            verified releases where a release lacks it and the code takes another route there).
     """
 
     module: str
     path: str
     feature: str
     per_instance: bool = False
+    verified: tuple[str, ...] = VERIFIED_TORCH
 
     @property
     def name(self) -> str:
         return f"{self.module}.{self.path}"
+
+    @property
+    def library(self) -> str:
+        return self.module.split(".")[0]
 
 
 _FSDP = "torch.distributed.fsdp._fully_shard"
@@ -77,10 +106,12 @@ _PRIVATE_NAMES: tuple[PrivateName, ...] = (
     PrivateName(f"{_FSDP}._fsdp_param_group", "FSDPParamGroup._training_state", "forward_methods", per_instance=True),
     PrivateName(f"{_FSDP}._fsdp_param_group", "FSDPParamGroup.is_unsharded", "forward_methods"),
     PrivateName(f"{_FSDP}._fsdp_param_group", "FSDPParamGroup.fsdp_params", "sharding introspection", per_instance=True),
-    PrivateName(f"{_FSDP}._fsdp_param_group", "FSDPParamGroup.mp_policy", "sharding introspection", per_instance=True),
     PrivateName(f"{_FSDP}._fsdp_param_group", "FSDPParamGroup.offload_policy", "sharding introspection", per_instance=True),
     PrivateName(f"{_FSDP}._fsdp_param_group", "FSDPParamGroup._partial_reduce_output", "gradient accumulation checks", per_instance=True),
     PrivateName(f"{_FSDP}._fsdp_param", "FSDPParam.sharded_param", "sharding introspection", per_instance=True),
+    # Each parameter's own mixed-precision policy: torch 2.15 resolves one per parameter (MixedPrecisionPolicy's
+    # param_dtype_override_fn) and dropped FSDPParamGroup.mp_policy (2.13 and 2.14 have both, the same object).
+    PrivateName(f"{_FSDP}._fsdp_param", "FSDPParam.mp_policy", "sharding introspection", per_instance=True),
     PrivateName(f"{_FSDP}._fsdp_param", "FSDPParam.unsharded_accumulated_grad", "gradient accumulation checks", per_instance=True),
     PrivateName(f"{_FSDP}._fsdp_param", "FSDPParam._unsharded_param", "gradient accumulation checks", per_instance=True),
     PrivateName("torch.distributed.distributed_c10d", "_get_default_store", "the fault watchdog"),
@@ -97,19 +128,26 @@ _PRIVATE_NAMES: tuple[PrivateName, ...] = (
     PrivateName("torch._subclasses.fake_tensor", "FakeTensorMode", "the planner (fake tensors)"),
     PrivateName("torch._subclasses.fake_tensor", "DataDependentOutputException", "the planner (fake tensors)"),
     PrivateName("torch._subclasses.fake_tensor", "UnsupportedOperatorException", "the planner (fake tensors)"),
-    PrivateName("torch.distributed.tensor._sharding_prop", "ShardingPropagator.propagate_op_sharding", "the planner", per_instance=True),
-    PrivateName("torch.distributed.tensor._sharding_prop", "ShardingPropagator._propagate_tensor_meta_cached", "the planner"),
+    # Their caches (the same functools.lru_cache API on every verified release) hold meshes of an earlier fake world.
+    PrivateName("torch.distributed.tensor._sharding_prop", "ShardingPropagator.propagate_op_sharding.cache_clear", "the planner", per_instance=True),
+    PrivateName("torch.distributed.tensor._sharding_prop", "ShardingPropagator._propagate_tensor_meta_cached.cache_clear", "the planner"),
     PrivateName("torch.utils._pytree", "tree_flatten", "the planner"),
 )
 
 
-def missing_error(name: str, feature: str, *, library: str = "torch", version: Optional[str] = None, tested: str = TESTED_TORCH) -> MissingPrivateNameError:
-    """The one error for a private name this installation lacks: the name, the feature, the tested versions."""
+def _versions(versions: Sequence[str]) -> str:
+    return versions[0] if len(versions) == 1 else f"{', '.join(versions[:-1])} and {versions[-1]}"
+
+
+def missing_error(entry: PrivateName, *, tested: str = TESTED_TORCH, version: Optional[str] = None) -> MissingPrivateNameError:
+    """The one error for a private name this installation lacks: the name, the feature, where it was verified, the tested range."""
+    library = entry.library
     version = version or torch.__version__
+    adapter = "hp_lightning/core/_torch_private.py" if library == "torch" else "hp_lightning/_lightning_private.py"
     return MissingPrivateNameError(
-        f"hp_lightning's {feature} needs {library}'s private {name}, which {library} {version} lacks. hp_lightning is "
-        f"tested with {library}{tested}: install one of those (pip install '{library}{tested}'), or update "
-        f"hp_lightning's adapter ({'hp_lightning/core/_torch_private.py' if library == 'torch' else 'hp_lightning/_lightning_private.py'})."
+        f"hp_lightning's {entry.feature} needs {library}'s private {entry.name}, which {library} {version} lacks. "
+        f"It was verified on {library} {_versions(entry.verified)}; hp_lightning is tested with {library}{tested}: "
+        f"install one of those (pip install '{library}{tested}'), or update hp_lightning's adapter ({adapter})."
     )
 
 
@@ -133,8 +171,20 @@ def _resolve(module_path: str, attribute_path: str) -> bool:
     return True
 
 
-def _feature(name: str) -> str:
-    return next((entry.feature for entry in _PRIVATE_NAMES if entry.name == name), "this feature")
+def entry_for(name: str, entries: Sequence[PrivateName], verified: tuple[str, ...] = VERIFIED_TORCH) -> PrivateName:
+    """The entry of ``entries`` for the private ``name`` (or for a longer name it starts).
+
+    A name no entry lists (none should be) gets one that says "this feature" and the library's ``verified`` releases.
+    """
+    for entry in entries:
+        if entry.name == name or entry.name.startswith(f"{name}."):
+            return entry
+    module, _, path = name.partition(".")
+    return PrivateName(module, path, "this feature", verified=verified)
+
+
+def _error(name: str) -> MissingPrivateNameError:
+    return missing_error(entry_for(name, _PRIVATE_NAMES))
 
 
 def _private(module_path: str, attribute_path: str) -> Any:
@@ -142,7 +192,7 @@ def _private(module_path: str, attribute_path: str) -> Any:
     try:
         return resolve(module_path, attribute_path)
     except (ImportError, AttributeError):
-        raise missing_error(f"{module_path}.{attribute_path}", _feature(f"{module_path}.{attribute_path}")) from None
+        raise _error(f"{module_path}.{attribute_path}") from None
 
 
 def _field(obj: Any, owner: str, attribute: str) -> Any:
@@ -150,7 +200,23 @@ def _field(obj: Any, owner: str, attribute: str) -> Any:
     try:
         return getattr(obj, attribute)
     except AttributeError:
-        raise missing_error(f"{owner}.{attribute}", _feature(f"{owner}.{attribute}")) from None
+        raise _error(f"{owner}.{attribute}") from None
+
+
+@functools.lru_cache(maxsize=None)
+def _declared(owner: str, attribute: str) -> None:
+    """Check once that torch's class ``owner`` (``module.Class``) still declares the per-instance ``attribute``.
+
+    For an attribute torch sets only after some event (``FSDPParam._unsharded_param``, at the unit's
+    first all-gather): its absence from an instance then means "not yet", never "renamed".
+
+    Raises:
+        MissingPrivateNameError: the class no longer declares it (a renamed attribute would otherwise read as "not yet").
+    """
+    module, _, cls_name = owner.rpartition(".")
+    cls = _private(module, cls_name)
+    if not any(attribute in inspect.get_annotations(klass) for klass in cls.__mro__):
+        raise _error(f"{owner}.{attribute}")
 
 
 def placeholder_class(name: str, error: Callable[[], MissingPrivateNameError]) -> type:
@@ -179,8 +245,7 @@ else:
     try:
         TorchDispatchMode = resolve("torch.utils._python_dispatch", "TorchDispatchMode")
     except (ImportError, AttributeError):
-        _NAME = "torch.utils._python_dispatch.TorchDispatchMode"
-        TorchDispatchMode = placeholder_class("TorchDispatchMode", lambda: missing_error(_NAME, _feature(_NAME)))
+        TorchDispatchMode = placeholder_class("TorchDispatchMode", lambda: _error("torch.utils._python_dispatch.TorchDispatchMode"))
 
 __all__ = ["MissingPrivateNameError", "TorchDispatchMode"]
 
@@ -212,12 +277,20 @@ def _instances() -> list[Any]:
         return [state, group, group.fsdp_params[0], weight, DTensor._op_dispatcher.sharding_propagator]
 
 
+def _has_path(obj: Any, attribute_path: str) -> bool:
+    for part in attribute_path.split("."):
+        if not hasattr(obj, part):
+            return False
+        obj = getattr(obj, part)
+    return True
+
+
 def missing_private_names(names: Sequence[PrivateName] = _PRIVATE_NAMES) -> list[str]:
     """The private torch names (of ``names``) this installation lacks, each resolved for real; empty when all are there.
 
     Class-level names are looked up attribute by attribute from their module; a ``per_instance``
-    name on a real instance of its class (:func:`_instances`, built on a fake process group). The
-    text of torch's weights-only refusal is checked by a real refused ``torch.load``.
+    name's class (the first attribute of its path) from its module, the rest on a real instance of
+    that class (:func:`_instances`, built on a fake process group).
 
     Raises:
         RuntimeError: when per-instance names are checked in a process that has a process group.
@@ -225,12 +298,12 @@ def missing_private_names(names: Sequence[PrivateName] = _PRIVATE_NAMES) -> list
     missing: list[str] = []
     instances: Optional[list[Any]] = None
     for entry in names:
-        owner_path, _, attribute = entry.path.rpartition(".")
         if not entry.per_instance:
             if not _resolve(entry.module, entry.path):
                 missing.append(entry.name)
             continue
-        if not owner_path or not _resolve(entry.module, owner_path):
+        owner_path, _, attribute_path = entry.path.partition(".")
+        if not attribute_path or not _resolve(entry.module, owner_path):
             missing.append(entry.name)
             continue
         owner = resolve(entry.module, owner_path)
@@ -238,7 +311,7 @@ def missing_private_names(names: Sequence[PrivateName] = _PRIVATE_NAMES) -> list
         samples = [obj for obj in instances if isinstance(obj, owner)]
         if not samples:
             missing.append(f"{entry.name} (no instance of {owner_path} to check it on)")
-        elif not all(hasattr(obj, attribute) for obj in samples):
+        elif not all(_has_path(obj, attribute_path) for obj in samples):
             missing.append(entry.name)
     return missing
 
@@ -289,8 +362,6 @@ def wrap_as_forward(root: nn.Module, method_name: str) -> None:
     Raises:
         MissingPrivateNameError: this torch lacks a name it needs (said here, at wrapping, not mid-step).
     """
-    import functools
-
     idle, forward = _private(f"{_FSDP}._fsdp_common", "TrainingState.IDLE"), _private(f"{_FSDP}._fsdp_common", "TrainingState.FORWARD")
     state = fsdp_state(root)
     pre_forward, post_forward = _field(state, _STATE, "_pre_forward"), _field(state, _STATE, "_post_forward")
@@ -359,12 +430,15 @@ def local_tensor(tensor: Any) -> Any:
 def managed_params(unit: nn.Module) -> list[tuple[Any, Any, Any]]:
     """``(sharded parameter, mp_policy, offload_policy)`` for every parameter ``unit`` itself manages.
 
-    FSDP2 keeps these on its (private) parameter groups; there is no public listing.
+    FSDP2 keeps these on its (private) parameter groups and parameters; there is no public listing.
+    The mixed-precision policy is the parameter's own (torch 2.15 resolves one per parameter; on 2.13
+    and 2.14 it is the group's), the offload policy the group's.
     """
     out = []
     for group in param_groups(unit):
-        policies = _field(group, _GROUP, "mp_policy"), _field(group, _GROUP, "offload_policy")
-        out += [(_field(fsdp_param, _PARAM, "sharded_param"), *policies) for fsdp_param in _field(group, _GROUP, "fsdp_params")]
+        offload = _field(group, _GROUP, "offload_policy")
+        out += [(_field(fsdp_param, _PARAM, "sharded_param"), _field(fsdp_param, _PARAM, "mp_policy"), offload)
+                for fsdp_param in _field(group, _GROUP, "fsdp_params")]
     return out
 
 
@@ -379,7 +453,9 @@ def held_gradients(unit: nn.Module) -> list[torch.Tensor]:
         held.append(_field(group, _GROUP, "_partial_reduce_output"))
         for fsdp_param in _field(group, _GROUP, "fsdp_params"):
             held.append(_field(fsdp_param, _PARAM, "unsharded_accumulated_grad"))
-            # Set at the unit's first all-gather: before it, there is no unsharded gradient either.
+            # Set at the unit's first all-gather: before it, there is no unsharded gradient either
+            # (absent from an instance means "not yet" only while the class still declares it).
+            _declared(_PARAM, "_unsharded_param")
             unsharded = getattr(fsdp_param, "_unsharded_param", None)
             if unsharded is not None:
                 held.append(unsharded.grad)
@@ -408,14 +484,13 @@ def reset_dtensor_caches() -> None:
     """Forget DTensor's cached sharding decisions, which hold the meshes (and group names) of an earlier fake world.
 
     Each simulated rank joins a new fake world; a cached decision for an equal-looking mesh would
-    name a process group of a world that no longer exists.
+    name a process group of a world that no longer exists. Both caches are ``functools.lru_cache``
+    on every verified torch; one that no longer has ``cache_clear`` is the clear error, not skipped.
     """
     propagator = _private("torch.distributed.tensor", "DTensor._op_dispatcher.sharding_propagator")
     owner = "torch.distributed.tensor._sharding_prop.ShardingPropagator"
     for name in ("propagate_op_sharding", "_propagate_tensor_meta_cached"):
-        clear = getattr(_field(propagator, owner, name), "cache_clear", None)
-        if clear is not None:  # a cache in this torch (the method exists either way)
-            clear()
+        _field(_field(propagator, owner, name), f"{owner}.{name}", "cache_clear")()
 
 
 @contextmanager

@@ -104,7 +104,12 @@ class FaultTolerance:
         timeout: seconds for the cross-group collectives, the commit vote and the state transfer
             while healing.
         connect_timeout: seconds to reach the lighthouse and the peers' managers; the lighthouse
-            must answer within it at setup, or setup fails with that error.
+            must answer within it at setup, or setup fails with that error (under torchrun the
+            job then ends instead of restarting: a wrong address fails every attempt alike).
+        join_timeout: seconds a group restarted in place by torchrun waits for a lighthouse that
+            answered earlier in the same run (one restarting itself, most likely) before it fails
+            with an error naming the address and ends the job. A lighthouse never reached in
+            the run is a configuration error and ends the job after ``connect_timeout``.
         init_sync: at step 0, every group but the quorum's first copies that one's state, so all
             start identical. Turn off only when every group initializes identically (same seed):
             it saves one state transfer.
@@ -122,6 +127,7 @@ class FaultTolerance:
     quorum_timeout: float = 60.0
     timeout: float = 60.0
     connect_timeout: float = 10.0
+    join_timeout: float = 300.0
     init_sync: bool = True
     manager_port: int = 0
     hostname: str | None = None
@@ -149,7 +155,7 @@ class FaultTolerance:
             )
         if isinstance(self.lighthouse, str):
             _parse_lighthouse(owner, self.lighthouse, "given")
-        for name in ("quorum_timeout", "timeout", "connect_timeout"):
+        for name in ("quorum_timeout", "timeout", "connect_timeout", "join_timeout"):
             object.__setattr__(self, name, _require_seconds(owner, name, getattr(self, name)))
         if not isinstance(self.init_sync, bool):
             raise TypeError(f"{owner}(init_sync=...) expects a bool; got {type(self.init_sync).__name__} {self.init_sync!r}.")
@@ -241,7 +247,7 @@ def check_lighthouse_reachable(address: str, timeout: float) -> None:
     """Wait until the lighthouse accepts a TCP connection, for at most ``timeout`` seconds.
 
     Raises:
-        ConnectionError: nothing listens at ``address`` within ``timeout``.
+        ConnectionError: nothing listens at ``address`` within ``timeout`` (its cause: the last connection error).
     """
     host, port = _parse_lighthouse("FaultTolerance", address, "resolved")
     deadline = time.monotonic() + timeout
@@ -257,7 +263,7 @@ def check_lighthouse_reachable(address: str, timeout: float) -> None:
                 f"FaultTolerance: no lighthouse reachable at {address} within connect_timeout={timeout:g}s ({last}). "
                 f"Start it first (`python -m hp_lightning.ft lighthouse --bind {host}:{port}`), check the address "
                 f"(lighthouse=... or {LIGHTHOUSE_ENV}) and that the port is open, or raise connect_timeout."
-            )
+            ) from last
         time.sleep(0.1)
 
 

@@ -88,6 +88,27 @@ FIELD_DOCS: dict[str, str] = {
         'module spec or parameter glob below name the whole model: a stage applies the ones it holds, and '
         'only an entry that matches nothing anywhere is refused.'
     ),
+    'activation_checkpointing_mode': (
+        'What the ``activation_checkpointing`` blocks recompute. ``"full"``: the whole block (only its input '
+        'is kept; the least memory, one extra forward per block). ``"selective_op"``: torch\'s selective '
+        'checkpointing with a policy that keeps the outputs of the expensive ops (matrix products, attention) '
+        'and recomputes the cheap ones (norms, activations, elementwise): memory between none and full, step '
+        "time close to none (torchtitan's op-level SAC)."
+    ),
+    'activation_checkpointing_every': (
+        'Checkpoint every N-th of the ``activation_checkpointing`` blocks, in model order, starting with the '
+        "first (1: all of them): fewer recomputed blocks, more memory (torchtitan's selective layer "
+        'checkpointing).'
+    ),
+    'compile': (
+        "``torch.compile`` each block's ``forward`` (the sharding units the plan chooses, not the root): "
+        "after TP and activation checkpointing, before sharding, as torchtitan does; FSDP's gather and free "
+        "hooks stay outside the compiled region. ``True``: torch's defaults (inductor); a mapping: "
+        "``torch.compile``'s keyword arguments (``backend``, ``mode``, ``fullgraph``, ``dynamic``, "
+        '``options``). Module names and state-dict keys do not change (no ``_orig_mod.``). The first steps '
+        'pay the compilation (seconds to minutes); a recompile after them would mean shapes or modes change '
+        'every step. Not with pipeline or expert parallelism yet.'
+    ),
     'ignored_params': (
         'Parameter-name globs left alone: not sharded, gradients **not** synchronized. For frozen parameters, '
         'or parameters each rank keeps for itself (a trainable one diverges across ranks). Every glob must '
@@ -215,6 +236,20 @@ FIELD_DOCS: dict[str, str] = {
         'preemption decision; ``docs/benchmarks.md``). ``"off"``: no walk, and the control all-reduce carries '
         'the preemption signal only. (YAML reads a bare ``off`` as False: False means ``"off"``, True '
         '``"per_step"``.)'
+    ),
+    'replica_check_every': (
+        'Replica audit: every N optimizer steps, right after the step, each rank checksums its local shards '
+        'per sharding unit (the bits summed as integers, on the device) and the replicate dim compares them, '
+        'so a replica corrupted silently (a flipped bit on one host) is found at the next check, naming the '
+        'unit, the replicate ranks and the step (see :mod:`hp_lightning.core.replica_audit`). Cost per check: '
+        'one read of the local shards, an all-gather of one int64 per unit over the replicate dim, a '
+        'one-integer all-reduce over the world and one host read; nothing on the other steps. Needs an HSDP '
+        'mesh with at least 2 replicas. None (default): off.'
+    ),
+    'replica_check_action': (
+        'What a replica mismatch does: ``"raise"`` stops every rank with ``ReplicaMismatchError`` at that '
+        'step, before another checkpoint is written (resume from the last good one); ``"warn"`` warns on rank '
+        '0 and trains on.'
     ),
     'fault_tolerance': (
         "Fault-tolerant HSDP on torchft (``pip install 'hp-lightning[ft]'``, :mod:`hp_lightning.ft`): this "

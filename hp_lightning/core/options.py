@@ -40,6 +40,7 @@ from typing import Any, Literal, Optional, Union
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from hp_lightning.core import replica_audit
 from hp_lightning.core.accumulation import check_mode
 from hp_lightning.core.checks import REDUCE_OPS, check_schedule, parse_dtype, validate_scaling_factor, validate_split_points, validate_tp_plan
 from hp_lightning.core.checks import SCHEDULES as PIPELINE_SCHEDULES
@@ -50,6 +51,8 @@ from hp_lightning.core.units import validate_unit_specs
 from hp_lightning.core.watchdog import check_seconds
 
 STATE_DICT_TYPES = ("sharded", "full")
+#: ``activation_checkpointing_mode``: what a checkpointed block recomputes.
+CHECKPOINTING_MODES = ("full", "selective_op")
 #: ``divergence_check``: compare what each rank's backward reaches before gradient collectives, or not.
 DIVERGENCE_CHECKS = ("per_step", "off")
 #: torch.distributed's default collective timeout (30 minutes).
@@ -125,6 +128,42 @@ def _check_prefetch(prefetch: Any) -> int:
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
         raise ValueError(f"HSDPStrategy(prefetch=...) expects an int >= 0 (0 = off); got {prefetch!r}.")
     return prefetch
+
+
+def _check_positive_int(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise TypeError(f"HSDPStrategy({name}=...) expects an int >= 1; got {type(value).__name__} {value!r}.")
+    return value
+
+
+#: The keyword arguments of ``torch.compile`` the ``compile`` option passes on.
+COMPILE_ARGUMENTS = ("backend", "mode", "fullgraph", "dynamic", "options")
+
+
+def _check_compile(value: Any, done: Mapping[str, Any]) -> Union[bool, dict[str, Any]]:
+    """``compile``: a bool or a mapping of ``torch.compile`` arguments; refused under PP and EP (not supported yet)."""
+    if isinstance(value, Mapping):
+        unknown = sorted(set(map(str, value)) - set(COMPILE_ARGUMENTS))
+        if unknown:
+            raise ValueError(f"HSDPStrategy(compile={dict(value)!r}): unknown key(s) {unknown}; torch.compile takes {list(COMPILE_ARGUMENTS)}.")
+        value = dict(value)
+    elif not isinstance(value, bool):
+        raise TypeError(
+            f"HSDPStrategy(compile=...) expects True/False or a mapping of torch.compile arguments such as "
+            f"{{'backend': 'inductor', 'fullgraph': True}}; got {type(value).__name__} {value!r}."
+        )
+    if value is not False:
+        for name in ("pipeline_parallel_size", "expert_parallel_size"):
+            if done.get(name, 1) > 1:
+                raise ValueError(
+                    f"HSDPStrategy(compile=...) with {name}={done[name]} is not supported yet: compile each stage's or expert "
+                    f"block's forward yourself (module.compile()) or set compile=False."
+                )
+    return value
+
+
+def _callable_name(fn: Any) -> str:
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__name__)}"
 
 
 def _check_parallelize_fn(fn: Any) -> Optional[Callable[[nn.Module, DeviceMesh], nn.Module]]:
@@ -296,6 +335,27 @@ class ShardingOptions(_OptionGroup):
     pipeline, this and every module spec or parameter glob below name the whole model: a stage
     applies the ones it holds, and only an entry that matches nothing anywhere is refused."""
 
+    activation_checkpointing_mode: Literal["full", "selective_op"] = "full"
+    """What the ``activation_checkpointing`` blocks recompute. ``"full"``: the whole block (only
+    its input is kept; the least memory, one extra forward per block). ``"selective_op"``: torch's
+    selective checkpointing with a policy that keeps the outputs of the expensive ops (matrix
+    products, attention) and recomputes the cheap ones (norms, activations, elementwise):
+    memory between none and full, step time close to none (torchtitan's op-level SAC)."""
+
+    activation_checkpointing_every: int = 1
+    """Checkpoint every N-th of the ``activation_checkpointing`` blocks, in model order, starting
+    with the first (1: all of them): fewer recomputed blocks, more memory (torchtitan's selective
+    layer checkpointing)."""
+
+    compile: Union[bool, Mapping[str, Any]] = False
+    """``torch.compile`` each block's ``forward`` (the sharding units the plan chooses, not the
+    root): after TP and activation checkpointing, before sharding, as torchtitan does; FSDP's
+    gather and free hooks stay outside the compiled region. ``True``: torch's defaults (inductor);
+    a mapping: ``torch.compile``'s keyword arguments (``backend``, ``mode``, ``fullgraph``,
+    ``dynamic``, ``options``). Module names and state-dict keys do not change (no
+    ``_orig_mod.``). The first steps pay the compilation (seconds to minutes); a recompile
+    after them would mean shapes or modes change every step. Not with pipeline or expert parallelism yet."""
+
     ignored_params: Optional[Sequence[str]] = None
     """Parameter-name globs left alone: not sharded, gradients **not** synchronized. For frozen
     parameters, or parameters each rank keeps for itself (a trainable one diverges across ranks).
@@ -354,6 +414,9 @@ class ShardingOptions(_OptionGroup):
             "reshard_after_forward": _check_bool(self.reshard_after_forward, "reshard_after_forward"),
             "cpu_offload": _check_bool(self.cpu_offload, "cpu_offload"),
             "activation_checkpointing": validate_unit_specs(self.activation_checkpointing, "activation_checkpointing") or None,
+            "activation_checkpointing_mode": _check_choice(self.activation_checkpointing_mode, "activation_checkpointing_mode", CHECKPOINTING_MODES),
+            "activation_checkpointing_every": _check_positive_int(self.activation_checkpointing_every, "activation_checkpointing_every"),
+            "compile": _check_compile(self.compile, done),
             "ignored_params": _check_patterns(self.ignored_params, "ignored_params"),
             "replicate_params": _check_patterns(self.replicate_params, "replicate_params"),
             "comm_fusion": _check_bool(self.comm_fusion, "comm_fusion"),
@@ -483,6 +546,21 @@ class FaultOptions(_OptionGroup):
     walk, and the control all-reduce carries the preemption signal only. (YAML reads a bare
     ``off`` as False: False means ``"off"``, True ``"per_step"``.)"""
 
+    replica_check_every: Optional[int] = None
+    """Replica audit: every N optimizer steps, right after the step, each rank checksums its local
+    shards per sharding unit (the bits summed as integers, on the device) and the replicate dim
+    compares them, so a replica corrupted silently (a flipped bit on one host) is found at the next
+    check, naming the unit, the replicate ranks and the step (see
+    :mod:`hp_lightning.core.replica_audit`). Cost per check: one read of the local shards, an
+    all-gather of one int64 per unit over the replicate dim, a one-integer all-reduce over the
+    world and one host read; nothing on the other steps. Needs an HSDP mesh with at least 2
+    replicas. None (default): off."""
+
+    replica_check_action: Literal["raise", "warn"] = "raise"
+    """What a replica mismatch does: ``"raise"`` stops every rank with ``ReplicaMismatchError``
+    at that step, before another checkpoint is written (resume from the last good one);
+    ``"warn"`` warns on rank 0 and trains on."""
+
     fault_tolerance: Union[FaultTolerance, dict[str, Any], Literal["env"], None] = None
     """Fault-tolerant HSDP on torchft (``pip install 'hp-lightning[ft]'``, :mod:`hp_lightning.ft`):
     this job is one *replica group*; it shards over its own ranks (a 1-D mesh), and torchft's
@@ -506,6 +584,8 @@ class FaultOptions(_OptionGroup):
             "failure_exit_grace": check_seconds(self.failure_exit_grace, "failure_exit_grace", "HSDPStrategy"),
             "save_on_preemption": _check_bool(self.save_on_preemption, "save_on_preemption"),
             "divergence_check": _check_divergence_check(self.divergence_check),
+            "replica_check_every": replica_audit.check_every(self.replica_check_every),
+            "replica_check_action": replica_audit.check_action(self.replica_check_action),
         }
 
 
@@ -620,9 +700,11 @@ class HSDPOptions(PipelineOptions, FaultOptions, CheckpointOptions, PrecisionOpt
     def settings(self, owner: str = "HSDPStrategy") -> dict[str, Any]:
         """Every option as ``"HSDPStrategy(name=...)" -> value``: what all ranks must agree on."""
         settings = {f"{owner}({f.name}=...)": getattr(self, f.name) for f in fields(self)}
-        if self.parallelize_fn is not None:  # by name: a function's repr holds an address
-            fn = self.parallelize_fn
-            settings[f"{owner}(parallelize_fn=...)"] = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__name__)}"
+        # Callables compare by name: a function's repr holds an address, different in each process.
+        if self.parallelize_fn is not None:
+            settings[f"{owner}(parallelize_fn=...)"] = _callable_name(self.parallelize_fn)
+        if isinstance(self.compile, Mapping):
+            settings[f"{owner}(compile=...)"] = {k: _callable_name(v) if callable(v) else v for k, v in self.compile.items()}
         if self.tp_plan:  # style objects compare by name: their default repr holds an address
             settings[f"{owner}(tp_plan=...)"] = {k: v if isinstance(v, str) else type(v).__name__ for k, v in self.tp_plan.items()}
         return settings

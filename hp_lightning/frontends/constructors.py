@@ -54,6 +54,9 @@ class TrainerConstructor(StrategyCore):
         reshard_after_forward: bool = True,
         cpu_offload: bool = False,
         activation_checkpointing: Optional[Sequence[Union[str, type]]] = None,
+        activation_checkpointing_mode: Literal["full", "selective_op"] = "full",
+        activation_checkpointing_every: int = 1,
+        compile: Union[bool, Mapping[str, Any]] = False,
         ignored_params: Optional[Sequence[str]] = None,
         replicate_params: Optional[Sequence[str]] = None,
         comm_fusion: bool = False,
@@ -78,6 +81,8 @@ class TrainerConstructor(StrategyCore):
         failure_exit_grace: float = 30.0,
         save_on_preemption: bool = False,
         divergence_check: Union[Literal["per_step", "off"], bool] = "per_step",
+        replica_check_every: Optional[int] = None,
+        replica_check_action: Literal["raise", "warn"] = "raise",
         fault_tolerance: Union[FaultTolerance, dict[str, Any], Literal["env"], None] = None,
         pipeline_split_points: Union[Literal["auto"], Sequence[str], None] = None,
         pipeline_schedule: Literal["1f1b", "gpipe", "interleaved_1f1b", "looped_bfs", "interleaved_zb", "zbv", "dualpipev"] = "1f1b",
@@ -150,6 +155,20 @@ class TrainerConstructor(StrategyCore):
                 backward instead of stored: one extra forward per block. State-dict keys do not change. Under a pipeline, this
                 and every module spec or parameter glob below name the whole model: a stage applies the ones it holds, and
                 only an entry that matches nothing anywhere is refused.
+            activation_checkpointing_mode: What the ``activation_checkpointing`` blocks recompute. ``"full"``: the whole
+                block (only its input is kept; the least memory, one extra forward per block). ``"selective_op"``: torch's
+                selective checkpointing with a policy that keeps the outputs of the expensive ops (matrix products, attention)
+                and recomputes the cheap ones (norms, activations, elementwise): memory between none and full, step time close
+                to none (torchtitan's op-level SAC).
+            activation_checkpointing_every: Checkpoint every N-th of the ``activation_checkpointing`` blocks, in model
+                order, starting with the first (1: all of them): fewer recomputed blocks, more memory (torchtitan's selective
+                layer checkpointing).
+            compile: ``torch.compile`` each block's ``forward`` (the sharding units the plan chooses, not the root): after
+                TP and activation checkpointing, before sharding, as torchtitan does; FSDP's gather and free hooks stay
+                outside the compiled region. ``True``: torch's defaults (inductor); a mapping: ``torch.compile``'s keyword
+                arguments (``backend``, ``mode``, ``fullgraph``, ``dynamic``, ``options``). Module names and state-dict keys
+                do not change (no ``_orig_mod.``). The first steps pay the compilation (seconds to minutes); a recompile after
+                them would mean shapes or modes change every step. Not with pipeline or expert parallelism yet.
             ignored_params: Parameter-name globs left alone: not sharded, gradients **not** synchronized. For frozen
                 parameters, or parameters each rank keeps for itself (a trainable one diverges across ranks). Every glob must
                 match a parameter; none may be in ``replicate_params`` too.
@@ -227,6 +246,16 @@ class TrainerConstructor(StrategyCore):
                 integers per parameter in the step's one control all-reduce (host-side gloo, shared with the preemption
                 decision; ``docs/benchmarks.md``). ``"off"``: no walk, and the control all-reduce carries the preemption
                 signal only. (YAML reads a bare ``off`` as False: False means ``"off"``, True ``"per_step"``.)
+            replica_check_every: Replica audit: every N optimizer steps, right after the step, each rank checksums its
+                local shards per sharding unit (the bits summed as integers, on the device) and the replicate dim compares
+                them, so a replica corrupted silently (a flipped bit on one host) is found at the next check, naming the unit,
+                the replicate ranks and the step (see :mod:`hp_lightning.core.replica_audit`). Cost per check: one read of the
+                local shards, an all-gather of one int64 per unit over the replicate dim, a one-integer all-reduce over the
+                world and one host read; nothing on the other steps. Needs an HSDP mesh with at least 2 replicas. None
+                (default): off.
+            replica_check_action: What a replica mismatch does: ``"raise"`` stops every rank with ``ReplicaMismatchError``
+                at that step, before another checkpoint is written (resume from the last good one); ``"warn"`` warns on rank 0
+                and trains on.
             fault_tolerance: Fault-tolerant HSDP on torchft (``pip install 'hp-lightning[ft]'``, :mod:`hp_lightning.ft`):
                 this job is one *replica group*; it shards over its own ranks (a 1-D mesh), and torchft's Manager averages the
                 gradients over the groups alive at each step, so a dead group costs the others one uncommitted step, not a
@@ -288,6 +317,9 @@ class TrainerConstructor(StrategyCore):
                 reshard_after_forward=reshard_after_forward,
                 cpu_offload=cpu_offload,
                 activation_checkpointing=activation_checkpointing,
+                activation_checkpointing_mode=activation_checkpointing_mode,
+                activation_checkpointing_every=activation_checkpointing_every,
+                compile=compile,
                 ignored_params=ignored_params,
                 replicate_params=replicate_params,
                 comm_fusion=comm_fusion,
@@ -312,6 +344,8 @@ class TrainerConstructor(StrategyCore):
                 failure_exit_grace=failure_exit_grace,
                 save_on_preemption=save_on_preemption,
                 divergence_check=divergence_check,
+                replica_check_every=replica_check_every,
+                replica_check_action=replica_check_action,
                 fault_tolerance=fault_tolerance,
                 pipeline_split_points=pipeline_split_points,
                 pipeline_schedule=pipeline_schedule,
@@ -346,6 +380,9 @@ class FabricConstructor(StrategyCore):
         reshard_after_forward: bool = True,
         cpu_offload: bool = False,
         activation_checkpointing: Optional[Sequence[Union[str, type]]] = None,
+        activation_checkpointing_mode: Literal["full", "selective_op"] = "full",
+        activation_checkpointing_every: int = 1,
+        compile: Union[bool, Mapping[str, Any]] = False,
         ignored_params: Optional[Sequence[str]] = None,
         replicate_params: Optional[Sequence[str]] = None,
         comm_fusion: bool = False,
@@ -370,6 +407,8 @@ class FabricConstructor(StrategyCore):
         failure_exit_grace: float = 30.0,
         save_on_preemption: bool = False,
         divergence_check: Union[Literal["per_step", "off"], bool] = "per_step",
+        replica_check_every: Optional[int] = None,
+        replica_check_action: Literal["raise", "warn"] = "raise",
         fault_tolerance: Union[FaultTolerance, dict[str, Any], Literal["env"], None] = None,
         pipeline_split_points: Union[Literal["auto"], Sequence[str], None] = None,
         pipeline_schedule: Literal["1f1b", "gpipe", "interleaved_1f1b", "looped_bfs", "interleaved_zb", "zbv", "dualpipev"] = "1f1b",
@@ -442,6 +481,20 @@ class FabricConstructor(StrategyCore):
                 backward instead of stored: one extra forward per block. State-dict keys do not change. Under a pipeline, this
                 and every module spec or parameter glob below name the whole model: a stage applies the ones it holds, and
                 only an entry that matches nothing anywhere is refused.
+            activation_checkpointing_mode: What the ``activation_checkpointing`` blocks recompute. ``"full"``: the whole
+                block (only its input is kept; the least memory, one extra forward per block). ``"selective_op"``: torch's
+                selective checkpointing with a policy that keeps the outputs of the expensive ops (matrix products, attention)
+                and recomputes the cheap ones (norms, activations, elementwise): memory between none and full, step time close
+                to none (torchtitan's op-level SAC).
+            activation_checkpointing_every: Checkpoint every N-th of the ``activation_checkpointing`` blocks, in model
+                order, starting with the first (1: all of them): fewer recomputed blocks, more memory (torchtitan's selective
+                layer checkpointing).
+            compile: ``torch.compile`` each block's ``forward`` (the sharding units the plan chooses, not the root): after
+                TP and activation checkpointing, before sharding, as torchtitan does; FSDP's gather and free hooks stay
+                outside the compiled region. ``True``: torch's defaults (inductor); a mapping: ``torch.compile``'s keyword
+                arguments (``backend``, ``mode``, ``fullgraph``, ``dynamic``, ``options``). Module names and state-dict keys
+                do not change (no ``_orig_mod.``). The first steps pay the compilation (seconds to minutes); a recompile after
+                them would mean shapes or modes change every step. Not with pipeline or expert parallelism yet.
             ignored_params: Parameter-name globs left alone: not sharded, gradients **not** synchronized. For frozen
                 parameters, or parameters each rank keeps for itself (a trainable one diverges across ranks). Every glob must
                 match a parameter; none may be in ``replicate_params`` too.
@@ -519,6 +572,16 @@ class FabricConstructor(StrategyCore):
                 integers per parameter in the step's one control all-reduce (host-side gloo, shared with the preemption
                 decision; ``docs/benchmarks.md``). ``"off"``: no walk, and the control all-reduce carries the preemption
                 signal only. (YAML reads a bare ``off`` as False: False means ``"off"``, True ``"per_step"``.)
+            replica_check_every: Replica audit: every N optimizer steps, right after the step, each rank checksums its
+                local shards per sharding unit (the bits summed as integers, on the device) and the replicate dim compares
+                them, so a replica corrupted silently (a flipped bit on one host) is found at the next check, naming the unit,
+                the replicate ranks and the step (see :mod:`hp_lightning.core.replica_audit`). Cost per check: one read of the
+                local shards, an all-gather of one int64 per unit over the replicate dim, a one-integer all-reduce over the
+                world and one host read; nothing on the other steps. Needs an HSDP mesh with at least 2 replicas. None
+                (default): off.
+            replica_check_action: What a replica mismatch does: ``"raise"`` stops every rank with ``ReplicaMismatchError``
+                at that step, before another checkpoint is written (resume from the last good one); ``"warn"`` warns on rank 0
+                and trains on.
             fault_tolerance: Fault-tolerant HSDP on torchft (``pip install 'hp-lightning[ft]'``, :mod:`hp_lightning.ft`):
                 this job is one *replica group*; it shards over its own ranks (a 1-D mesh), and torchft's Manager averages the
                 gradients over the groups alive at each step, so a dead group costs the others one uncommitted step, not a
@@ -580,6 +643,9 @@ class FabricConstructor(StrategyCore):
                 reshard_after_forward=reshard_after_forward,
                 cpu_offload=cpu_offload,
                 activation_checkpointing=activation_checkpointing,
+                activation_checkpointing_mode=activation_checkpointing_mode,
+                activation_checkpointing_every=activation_checkpointing_every,
+                compile=compile,
                 ignored_params=ignored_params,
                 replicate_params=replicate_params,
                 comm_fusion=comm_fusion,
@@ -604,6 +670,8 @@ class FabricConstructor(StrategyCore):
                 failure_exit_grace=failure_exit_grace,
                 save_on_preemption=save_on_preemption,
                 divergence_check=divergence_check,
+                replica_check_every=replica_check_every,
+                replica_check_action=replica_check_action,
                 fault_tolerance=fault_tolerance,
                 pipeline_split_points=pipeline_split_points,
                 pipeline_schedule=pipeline_schedule,

@@ -22,7 +22,7 @@ An adapter keeps only the hooks its front end calls differently; a hook it must 
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, ExitStack
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Optional, Union, cast
@@ -42,8 +42,9 @@ from torchmetrics import Metric
 from hp_lightning import checkpoint as hp_checkpoint
 from hp_lightning._lightning_private import PathLike, all_gather_ddp_if_available, distributed_is_initialized, init_dist_connection, sync_ddp_if_available
 from hp_lightning.checkpoint import AsyncSaves
-from hp_lightning.core import agreement, devices, watchdog
+from hp_lightning.core import agreement, devices, replica_audit, watchdog
 from hp_lightning.core.accumulation import check_mode, no_gradient_sync
+from hp_lightning.core.ema import require_average
 from hp_lightning.core.fault_tolerance import check_accumulation_mode
 from hp_lightning.core.introspection import ShardingSummary, summarize, units_in_order
 from hp_lightning.core.materialize import link_construction, meta_init_context
@@ -149,6 +150,7 @@ class StrategyCore:
         self._train_timeout_set = False
         self._async_saves = AsyncSaves()
         self._failed = False
+        self._replica_audit: Optional[replica_audit.ReplicaAudit] = None
         self._init_front_end()
 
     # ------------------------------------------------------------------ what the adapters provide
@@ -274,6 +276,7 @@ class StrategyCore:
         try:
             self._layout = None
             self.layout  # noqa: B018  (resolved here, once: setup_environment builds the mesh from it)
+            replica_audit.check_layout(self.options.replica_check_every, self.layout)
         except ValueError as exc:
             watchdog.print_once_per_job(exc)  # every torchrun worker raises it: one traceback per job
             raise
@@ -302,6 +305,7 @@ class StrategyCore:
         )
         agreement.check_rank_agreement(settings, stage="setup")
         self._mesh = build_parallel_mesh(self.root_device.type, self.layout)
+        self._replica_audit = replica_audit.ReplicaAudit.on_mesh(self.options.replica_check_every, self.options.replica_check_action, self._mesh)
         if self._agreement.group is None:  # once: later setups (fit, then test) reuse it
             self._agreement.group = agreement.host_group(self.options.timeout)
         self._hsdp_precision.data_parallel_group = self._mesh.dp_group  # clipping: one norm per replica
@@ -507,7 +511,16 @@ class StrategyCore:
             # After the first step every rank is in step: a collective that waits longer is a hang.
             set_collective_timeout(self.parallel_mesh, cast(timedelta, self.options.train_timeout))  # HSDPOptions normalizes it to a timedelta
             self._train_timeout_set = True
+        if self._replica_audit is not None:  # off by default; a check every replica_check_every steps, nothing between
+            trainer = self._agreement_trainer()
+            self._replica_audit.after_step(self._audited_models, None if trainer is None else trainer.global_step + 1)
         return output
+
+    def _audited_models(self) -> tuple[list[nn.Module], set[str]]:
+        """The sharded models the replica audit checksums, and the parameters each rank keeps for itself (not compared)."""
+        roots = self._sharded_roots()
+        ignored = {name for root in roots if (sharded := prepared(root)) is not None for name in sharded.ignored}
+        return roots, ignored
 
     # ------------------------------------------------------------------ collectives
 
@@ -610,6 +623,8 @@ class StrategyCore:
         max_shard_size: Union[int, str] = "5GB",
         dtype: Optional[str] = None,
         overwrite: bool = False,
+        ema: bool = False,
+        peft: Optional[str] = None,
     ) -> Path:
         """Write the sharded model as a Hugging Face directory (``from_pretrained`` loads it); call on every rank.
 
@@ -627,10 +642,16 @@ class StrategyCore:
             max_shard_size: the largest safetensors file (``"5GB"``, ``"500MB"``, bytes).
             dtype: cast floating tensors on write (``"bf16"``); None keeps the model's dtype.
             overwrite: replace an earlier export of ours at ``path``.
+            ema: write the averaged weights of the ``ShardedEMA`` following ``module`` instead of
+                the weights (swapped into the shards for the write, put back after).
+            peft: a model with peft (LoRA) adapters: ``"merged"`` (the adapters folded into the base
+                weights: ``from_pretrained`` loads the fine-tuned model) or ``"adapter"`` (peft's
+                adapter directory); see :func:`hp_lightning.checkpoint.hf.save_hf`.
 
         Raises:
             FileExistsError, ValueError: as :func:`hp_lightning.checkpoint.hf.save_hf`; ValueError
-                also when ``module`` is None and there is not exactly one model to write.
+                also when ``module`` is None and there is not exactly one model to write, or with
+                ``ema=True`` when no average follows ``module`` or it has not started.
         """
         if module is None:
             candidates = [m for m in [getattr(self, "lightning_module", None)] if isinstance(m, nn.Module)] or self._sharded_roots()
@@ -638,10 +659,11 @@ class StrategyCore:
                 raise ValueError(f"save_hf needs module=... here: {len(candidates)} models are set up; pass the one to write.")
             module = candidates[0]
         self.wait_for_checkpoint()
-        return hp_checkpoint.save_hf(
-            module, Path(path), prefix=prefix, config=None if config is None else Path(config),
-            max_shard_size=max_shard_size, dtype=dtype, overwrite=overwrite,
-        )
+        with require_average(module, "save_hf(ema=True)").swapped() if ema else nullcontext():
+            return hp_checkpoint.save_hf(
+                module, Path(path), prefix=prefix, config=None if config is None else Path(config),
+                max_shard_size=max_shard_size, dtype=dtype, overwrite=overwrite, peft=peft,
+            )
 
     # ------------------------------------------------------------------ teardown, registration
 

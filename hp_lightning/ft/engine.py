@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
+import sys
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import Any
@@ -33,7 +34,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from hp_lightning.core.devices import CPU, CUDA
-from hp_lightning.core.watchdog import elastic
+from hp_lightning.core.watchdog import elastic, waiting_on_purpose
 from hp_lightning.ft.config import FaultTolerance, check_lighthouse_reachable, require_torchft
 from hp_lightning.ft.state import Stateful, TrainingState
 
@@ -99,6 +100,51 @@ def _check_sharding(model: nn.Module, group_world_size: int) -> None:
         )
 
 
+#: The torchrun run note (:func:`~hp_lightning.core.watchdog.elastic.run_note`) naming the lighthouse an attempt reached.
+LIGHTHOUSE_NOTE = "fault_tolerance.lighthouse"
+
+
+def _reach_lighthouse(config: FaultTolerance, address: str, group_rank: int) -> None:
+    """Return once the lighthouse at ``address`` answers; tell a restarting lighthouse from a wrong address.
+
+    An address that never answered in this torchrun run is a configuration error: after
+    ``connect_timeout`` the job ends instead of restarting (every attempt would fail alike). One
+    that answered an earlier attempt of the run (noted in the agents' store, which outlives the
+    attempts) is most likely a lighthouse restarting itself: the group waits for it up to
+    ``join_timeout``, then fails naming the address, and the job ends (waiting again in another
+    attempt would only multiply the wait).
+
+    Raises:
+        ConnectionError: the lighthouse did not answer in time.
+    """
+    try:
+        check_lighthouse_reachable(address, config.connect_timeout)
+    except ConnectionError:
+        if elastic.run_note(LIGHTHOUSE_NOTE) != address:
+            # A wrong address fails every attempt alike: under torchrun, end the job instead of retrying.
+            elastic.end_job_without_restart(f"fault_tolerance: no lighthouse reachable at {address}.")
+            raise
+        if group_rank == 0:
+            sys.stderr.write(
+                f"[hp_lightning] fault_tolerance: the lighthouse at {address} answered earlier in this run but does not "
+                f"now; waiting for it up to join_timeout={config.join_timeout:g}s (it may be restarting).\n"
+            )
+            sys.stderr.flush()
+        try:
+            with waiting_on_purpose():  # join_timeout may exceed the fault watchdog's heartbeat_timeout
+                check_lighthouse_reachable(address, config.join_timeout)
+        except ConnectionError as exc:
+            reason = (
+                f"fault_tolerance: the lighthouse at {address} answered earlier in this run, but not within "
+                f"join_timeout={config.join_timeout:g}s after this replica group's restart (last error: {exc.__cause__}). "
+                f"Restart it at that address (`python -m hp_lightning.ft lighthouse --bind <host:port>`), or raise join_timeout."
+            )
+            elastic.end_job_without_restart(reason)
+            raise ConnectionError(reason) from None
+    if group_rank == 0:
+        elastic.set_run_note(LIGHTHOUSE_NOTE, address)
+
+
 class FaultTolerantHSDP:
     """Wires one replica group's sharded model and optimizers to torchft's Manager.
 
@@ -162,12 +208,7 @@ class FaultTolerantHSDP:
                 f"on {device_type!r}, which has none yet. Train on {CPU!r} or {CUDA!r}, or without fault tolerance."
             )
         lighthouse = config.lighthouse_address()
-        try:
-            check_lighthouse_reachable(lighthouse, config.connect_timeout)
-        except ConnectionError:
-            # A wrong address fails every attempt alike: under torchrun, end the job instead of retrying.
-            elastic.end_job_without_restart(f"fault_tolerance: no lighthouse reachable at {lighthouse}.")
-            raise
+        _reach_lighthouse(config, lighthouse, group_rank)
         torchft = require_torchft()
         from torchft.manager import MANAGER_ADDR_KEY, REPLICA_ID_KEY
         from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL

@@ -17,9 +17,14 @@ and keeps Lightning's own bookkeeping in step with the commit decision:
 - ``on_train_batch_end`` of the window's last micro-batch: after an uncommitted step, the
   schedulers go back to the snapshot (Lightning steps them after the optimizer step, where no hook
   runs in between). The uncommitted window's batches are not trained again (torchft's
-  semantics), said in one info line.
+  semantics), said in one info line;
+- what Lightning does after ``on_train_batch_end`` (it steps ``ReduceLROnPlateau`` schedulers, once
+  the step's metrics are logged, and counts the step for the loggers) is taken back at the next
+  point a hook runs: the next step's start, the epoch's end or the end of training, whichever
+  comes first.
 
-Healed with the weights: optimizer state, LR schedulers and ``trainer.global_step``. Requirements,
+Healed with the weights: optimizer state, LR schedulers, ``trainer.global_step`` and the loggers'
+step. Requirements,
 checked at fit start (refused with a message otherwise): automatic optimization, one optimizer and,
 with ``accumulate_grad_batches > 1``, the strategy's ``accumulation_mode="skip"``. Data:
 Lightning's loader prefetches a batch before the quorum is known, so the Trainer path splits data
@@ -133,6 +138,51 @@ def _optimizer_step_progress(trainer: Trainer) -> Any:
     return trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.step
 
 
+#: The training epoch loop's checkpoint key for the step it gives loggers (its ``_batches_that_stepped``).
+_LOGGER_STEP_KEY = "_batches_that_stepped"
+
+
+def _logger_step(trainer: Trainer) -> int:
+    """The step Lightning gives loggers: optimizer steps counted by the training epoch loop.
+
+    Read and written through the loop's own checkpoint hooks (``on_save_checkpoint`` /
+    ``on_load_checkpoint``), which carry exactly this counter, rather than its private attribute.
+    """
+    return int(trainer.fit_loop.epoch_loop.on_save_checkpoint().get(_LOGGER_STEP_KEY, 0))
+
+
+def _set_logger_step(trainer: Trainer, step: int) -> None:
+    trainer.fit_loop.epoch_loop.on_load_checkpoint({_LOGGER_STEP_KEY: step})
+
+
+class _AfterBatchEnd:
+    """What Lightning changes after ``on_train_batch_end``, as it was when an uncommitted step began.
+
+    After ``on_train_batch_end`` Lightning logs the step's metrics, then steps the per-step
+    ``ReduceLROnPlateau`` schedulers (they read those metrics) and counts the step for the loggers,
+    with no hook in between. Restoring this snapshot at the next hook takes an uncommitted step back
+    there too, so plateau schedulers and the logged step follow committed steps only. (The
+    uncommitted step's own metrics were logged under the step number the next step also uses.)
+    """
+
+    def __init__(self, trainer: Trainer) -> None:
+        epoch_loop = trainer.fit_loop.epoch_loop
+        self.plateau = {
+            index: config.scheduler.state_dict()
+            for index, config in enumerate(trainer.lr_scheduler_configs)
+            if config.reduce_on_plateau and config.interval == "step"
+        }
+        self.scheduler_progress = epoch_loop.scheduler_progress.state_dict()
+        self.logger_step = _logger_step(trainer)
+
+    def restore(self, trainer: Trainer) -> None:
+        configs = trainer.lr_scheduler_configs
+        for index, state in self.plateau.items():
+            configs[index].scheduler.load_state_dict(state)
+        trainer.fit_loop.epoch_loop.scheduler_progress.load_state_dict(self.scheduler_progress)
+        _set_logger_step(trainer, self.logger_step)
+
+
 def _uncount_step(trainer: Trainer) -> None:
     """Take back the optimizer step Lightning is counting, from inside ``optimizer.step`` (an uncommitted step).
 
@@ -148,7 +198,7 @@ def _uncount_step(trainer: Trainer) -> None:
 
 
 class _LoopProgress:
-    """Lightning's fit-loop counters (epoch, batch index, optimizer and scheduler steps) as one healed object.
+    """Lightning's fit-loop counters (epoch, batch index, optimizer and scheduler steps, the loggers' step) as one healed object.
 
     Read and written through the loops' public progress objects (not the loops' own
     ``load_state_dict``, which would mark them as restarting from a checkpoint).
@@ -167,11 +217,12 @@ class _LoopProgress:
         }
 
     def state_dict(self) -> dict[str, Any]:
-        return {name: progress.state_dict() for name, progress in self._progress().items()}
+        return {**{name: progress.state_dict() for name, progress in self._progress().items()}, "logger_step": _logger_step(self.trainer)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for name, progress in self._progress().items():
             progress.load_state_dict(state[name])
+        _set_logger_step(self.trainer, int(state["logger_step"]))
 
 
 class _CallbacksState:
@@ -239,6 +290,9 @@ class FaultToleranceCallback(Callback):
         self.ft: FaultTolerantHSDP | None = None
         self._optimizer: CommittingOptimizer | None = None
         self._schedulers_before: dict[str, Any] | None = None
+        self._after_batch_end_before: _AfterBatchEnd | None = None
+        #: Set by an uncommitted step: restored at the next hook (see :meth:`_take_back_after_batch_end`).
+        self._take_back: _AfterBatchEnd | None = None
         self._in_step = False
         self._data = _DataPosition()
         #: The training loader the strategy wrapped (None: the data position is not healed).
@@ -297,12 +351,7 @@ class FaultToleranceCallback(Callback):
         self._data.advance(trainer.current_epoch)
         self.micro_batch += 1
         if not self._in_step:  # the first micro-batch of an optimizer step's window
-            self.micro_batch = 0
-            previous = self.participation
-            self.participation = self.ft.begin_step()  # a returning group's counters, data position, weights heal here
-            _log_participation(previous, self.participation)
-            self._in_step = True
-            self._schedulers_before = self._schedulers.state_dict()
+            self._begin_window(trainer)
         position = (self._data.epoch, self._data.index)
         self.positions.append(position)
         if held is None or held == position:
@@ -333,14 +382,38 @@ class FaultToleranceCallback(Callback):
             return datamodule.on_before_batch_transfer(batch, 0)
         return trainer.lightning_module.on_before_batch_transfer(batch, 0)
 
+    def _begin_window(self, trainer: Trainer) -> None:
+        """Join the quorum for the step whose window starts now (a returning group heals here); snapshot what an
+        uncommitted step takes back."""
+        assert self.ft is not None
+        self._take_back_after_batch_end(trainer)  # before the quorum: a heal then overrides it
+        self.micro_batch = 0
+        previous = self.participation
+        self.participation = self.ft.begin_step()  # a returning group's counters, data position, weights heal here
+        _log_participation(previous, self.participation)
+        self._in_step = True
+        self._schedulers_before = self._schedulers.state_dict()
+        self._after_batch_end_before = _AfterBatchEnd(trainer)
+
+    def _take_back_after_batch_end(self, trainer: Trainer) -> None:
+        """After an uncommitted step: restore plateau schedulers, scheduler progress and the loggers' step (once)."""
+        if self._take_back is not None:
+            self._take_back.restore(trainer)
+            self._take_back = None
+
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         if not self._in_step:  # added by hand, without the strategy's option: no data healing
-            assert self.ft is not None
-            self.micro_batch = 0
-            self.participation = self.ft.begin_step()
-            self._in_step = True
-            self._schedulers_before = self._schedulers.state_dict()
+            self._begin_window(trainer)
+
+    @override
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # Before epoch-interval schedulers step and ModelCheckpoint saves (both come after this hook).
+        self._take_back_after_batch_end(trainer)
+
+    @override
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._take_back_after_batch_end(trainer)
 
     @property
     def last_committed(self) -> bool | None:
@@ -364,8 +437,10 @@ class FaultToleranceCallback(Callback):
         if self._optimizer.last_committed is False:
             # Not applied: Lightning stepped its schedulers after the step; take that back (the step
             # counter was taken back inside the step already, see _uncount_step).
-            assert self._schedulers_before is not None
+            assert self._schedulers_before is not None and self._after_batch_end_before is not None
             self._schedulers.load_state_dict(self._schedulers_before)
+            self._after_batch_end_before.restore(trainer)  # scheduler progress now; plateau and loggers' step again later
+            self._take_back = self._after_batch_end_before
             window = trainer.accumulate_grad_batches
             batches = "its batch" if window == 1 else f"the {window} batches of its window up to"
             rank_zero_info(

@@ -413,6 +413,7 @@ def _pipeline_step(
     stage_input: tuple[tuple[int, ...], torch.dtype] | None, schedule: str,
 ) -> tuple[tuple[int, int], tuple[tuple[int, ...], torch.dtype]]:
     """One pipeline step of this stage: torch's schedule order, torch's stage gradient-sync calls."""
+    from torch.distributed.fsdp import FSDPModule
     from torch.distributed.pipelining import PipelineStage
 
     if workload.accumulation != 1:
@@ -420,6 +421,11 @@ def _pipeline_step(
     stages = candidate.pp
     microbatches = workload.pp_microbatches(stages)
     torch_stage = PipelineStage(module, stage, stages, devices.cpu_device(), group=mesh.pp.get_group())
+    # As torch's schedules run a stage: it has a backward (torch 2.15's perform_reduce_grad reduces FSDP's gradients
+    # only then) and, where FSDP finalizes backward manually (2.15's FSDPModule.set_manual_backward_finalization,
+    # which the stage turns on before each forward), that is on.
+    torch_stage.has_backward = True
+    manual_finalization = getattr(module, "set_manual_backward_finalization", None) if isinstance(module, FSDPModule) else None
     outputs: dict[int, Any] = {}
     inputs: dict[int, Any] = {}
     in_bytes = out_bytes = 0
@@ -427,6 +433,8 @@ def _pipeline_step(
     order = schedule_order(schedule, stage, stages, microbatches)
     for action, index in order:
         if action == "F":
+            if manual_finalization is not None:
+                manual_finalization(True)
             if stage == 0:
                 x, y = _tokens(workload, workload.micro_batch, vocab)
             else:

@@ -6,15 +6,18 @@
    FSDP shards TP's DTensors further over the data-parallel dims (FSDP2's 2-D composition);
 2. expert parallelism on the ``ep`` dim: experts split over EP ranks, tokens moved by all-to-all;
 3. activation checkpointing on the chosen blocks (before sharding, so FSDP's gather/free hooks
-   sit outside the recomputed region and recomputation sees gathered parameters);
-4. ``fully_shard`` on each unit, bottom-up, each with only the replicate/ignored parameters it
+   sit outside the recomputed region and recomputation sees gathered parameters): whole blocks,
+   or selectively (matmul and attention outputs kept), on every block or every N-th;
+4. ``torch.compile`` of each block's ``forward`` (``compile``), around its checkpointing, FSDP's
+   hooks outside;
+5. ``fully_shard`` on each unit, bottom-up, each with only the replicate/ignored parameters it
    owns; expert modules are units of their own on the data-parallel dims without ``ep``;
-5. ``fully_shard`` on the root, which takes every parameter no unit owns (embeddings, heads,
+6. ``fully_shard`` on the root, which takes every parameter no unit owns (embeddings, heads,
    final norms) and drives lazy initialization;
-6. forward-method registration on the root, so the root's parameters are gathered whichever
+7. forward-method registration on the root, so the root's parameters are gathered whichever
    method the user's code enters through (``training_step``, ``generate``, ...);
-7. explicit prefetch between consecutive units;
-8. reduce op and gradient scaling.
+8. explicit prefetch between consecutive units;
+9. reduce op and gradient scaling.
 
 Materialization of meta-device parameters is a separate step (:func:`materialize`), run after
 the model is sharded, so that no rank ever allocates the whole model.
@@ -41,7 +44,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import parallelize_module as torch_parallelize_module
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from hp_lightning.core import devices
 from hp_lightning.core._torch_private import prefetch_targets, wrap_as_forward
@@ -191,23 +194,84 @@ def apply_expert_parallel(model: nn.Module, mesh: ParallelMesh, plan: ShardingPl
     return find_expert_modules(model)
 
 
-def apply_activation_checkpointing(model: nn.Module, specs: Sequence[UnitSpec] | None) -> list[nn.Module]:
+#: Ops whose outputs selective checkpointing keeps (the expensive ones); everything else is recomputed.
+SAVED_OPS: frozenset[Any] = frozenset(
+    getattr(torch.ops.aten, name).default
+    for name in (
+        "mm", "addmm", "bmm", "baddbmm",
+        "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_cudnn_attention",
+    )
+    if hasattr(torch.ops.aten, name)
+)
+
+
+def _save_expensive_ops(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective_contexts() -> tuple[Any, Any]:
+    return create_selective_checkpoint_contexts(_save_expensive_ops)
+
+
+def apply_activation_checkpointing(
+    model: nn.Module, specs: Sequence[UnitSpec] | None, mode: str = "full", every: int = 1
+) -> list[nn.Module]:
     """Recompute the chosen blocks' activations in backward instead of storing them.
 
     Wraps each block's ``forward`` (not the module), so parameter names and state-dict keys
-    stay the same. Costs one extra forward per block in backward; saves its activations.
+    stay the same. ``"full"`` keeps only each block's input and costs one extra forward per block
+    in backward; ``"selective_op"`` keeps the outputs of :data:`SAVED_OPS` too and recomputes only
+    the cheap ops. ``every``: only every N-th chosen block (the first, the N+1-th, ...).
     """
     if not specs:
         return []
-    blocks = select_modules(model, specs, option="activation_checkpointing", whole_model=whole_model_modules(model))
+    blocks = select_modules(model, specs, option="activation_checkpointing", whole_model=whole_model_modules(model))[::every]
+    _turn_off_kv_caches(model)
+    extra: dict[str, Any] = {"context_fn": _selective_contexts} if mode == "selective_op" else {}
     for block in blocks:
         inner = block.forward
 
         @functools.wraps(inner)
         def checkpointed(*args, _inner=inner, **kwargs):
-            return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
+            return checkpoint(_inner, *args, use_reentrant=False, **extra, **kwargs)
 
         block.forward = checkpointed
+    return blocks
+
+
+def _turn_off_kv_caches(model: nn.Module) -> None:
+    """Hugging Face models with ``config.use_cache``: off, with a warning (as their own gradient checkpointing does).
+
+    A key/value cache filled in forward is filled again when a checkpointed block is recomputed
+    in backward, so the recomputation would attend over twice the keys (or, selectively, fail).
+    """
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if getattr(config, "use_cache", False) is True:
+            config.use_cache = False  # type: ignore[union-attr]
+            warnings.warn(
+                f"activation_checkpointing: {type(module).__name__}.config.use_cache was True, which a recomputed "
+                f"block would fill twice; set to False for training (as Hugging Face's gradient checkpointing does).",
+                UserWarning,
+                stacklevel=3,
+            )
+
+
+def apply_compile(model: nn.Module, plan: ShardingPlan) -> list[nn.Module]:
+    """``torch.compile`` the forward of each block the plan makes a unit (not the root, not the user's units).
+
+    The bound ``forward`` is replaced, not the module: names and state-dict keys stay, and FSDP's
+    pre/post-forward hooks (registered on the module by ``fully_shard`` afterwards) run outside
+    the compiled region, around it. Compilation itself happens at the first call.
+    """
+    setting = plan.options.compile
+    if setting is False:
+        return []
+    arguments: dict[str, Any] = {} if setting is True else dict(setting)
+    blocks = [m for m in planned_units(model, plan) if m is not model and not isinstance(m, FSDPModule)]
+    for block in blocks:
+        block.forward = torch.compile(block.forward, **arguments)
     return blocks
 
 
@@ -478,19 +542,21 @@ def parallelize(model: nn.Module, mesh: ParallelMesh | DeviceMesh, plan: Shardin
     # 1. Tensor parallelism, then 2. expert parallelism: both before FSDP shards their DTensors.
     apply_tensor_parallel(model, mesh, plan)
     experts = apply_expert_parallel(model, mesh, plan) or find_expert_modules(model)
-    # 3. Activation checkpointing before sharding.
-    apply_activation_checkpointing(model, plan.options.activation_checkpointing)
-    # 4 + 5. Units bottom-up, then the root.
+    # 3. Activation checkpointing before sharding, then 4. compiling each block around it.
+    options = plan.options
+    apply_activation_checkpointing(model, options.activation_checkpointing, options.activation_checkpointing_mode, options.activation_checkpointing_every)
+    apply_compile(model, plan)
+    # 5 + 6. Units bottom-up, then the root.
     units, ignored, replicated = shard_units(model, mesh, plan, experts)
     root = model
     if not isinstance(root, HSDPModule):  # pragma: no cover - shard_units always shards or adopts the root
         raise RuntimeError(f"parallelize left the root {type(root).__name__} unsharded.")
-    # 6. Step and generate methods gather the root's parameters.
+    # 7. Step and generate methods gather the root's parameters.
     register_forward_methods(root, plan.options.forward_methods)
-    # 7. Prefetch in forward order (units came bottom-up; reverse pre-order reversed is pre-order).
+    # 8. Prefetch in forward order (units came bottom-up; reverse pre-order reversed is pre-order).
     forward_order = list(reversed(units))
     wire_prefetch([u for u in forward_order if u is not root], plan.options.prefetch)  # type: ignore[misc]
-    # 8. Reduction semantics.
+    # 9. Reduction semantics.
     apply_reduction(root, plan)
     return ShardedModel(root=root, units=forward_order, ignored=ignored, replicated=replicated)  # type: ignore[arg-type]
 

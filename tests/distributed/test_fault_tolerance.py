@@ -5,9 +5,10 @@ own MASTER_PORT rendezvous and gloo process group, FSDP2 over its own 1-D mesh. 
 in the test process (torchft's LighthouseServer, bound to 127.0.0.1). Everything is loopback and
 every wait is bounded: a hang fails the test, it never stalls the suite.
 
-Engine (no Lightning): no-fault parity with plain HSDP 2x2, SIGKILL + heal. Lightning (each group a
-Trainer job with HSDPStrategy + FaultToleranceCallback): parity with Lightning HSDP 2x2, SIGKILL +
-heal with global_step and the LR scheduler agreeing with torchft's step.
+Engine (no Lightning): no-fault parity with plain HSDP 2x2. Lightning (each group a Trainer job with
+HSDPStrategy + FaultToleranceCallback): parity with Lightning HSDP 2x2, SIGKILL + heal with
+global_step, the LR schedulers (a plateau one included) and the loggers' step agreeing with
+torchft's step, and the same with the killed group restarted in place by torchrun.
 """
 
 from __future__ import annotations
@@ -94,16 +95,11 @@ def _hsdp_reference(steps: int) -> dict:
 
 def _train_until_stopped(ft: Any, step: Any, group_rank: int, out_dir: str, max_steps: int | None,
                          progress_path: Path) -> list[tuple[int, int, bool]]:
-    """Steps until ``max_steps`` or the harness's ``stop_at`` file: quorum, this rank's share by participants, ``step(idx)``.
-
-    With a ``pace`` file (seconds), each step is followed by that pause: a group waiting for another
-    to start then leaves the CPU to the other's imports instead of stepping flat out."""
+    """Steps until ``max_steps`` or the harness's ``stop_at`` file: quorum, this rank's share by participants, ``step(idx)``."""
     from hp_lightning.ft import ParticipantBatches
 
     batches = ParticipantBatches(len(make_dataset()), GLOBAL_BATCH)
     stop_file = Path(out_dir) / "stop_at"
-    pace_file = Path(out_dir) / "pace"
-    pace = float(pace_file.read_text()) if pace_file.exists() else 0.0
     history = []
     while True:
         stop_at = max_steps if max_steps is not None else (int(stop_file.read_text()) if stop_file.exists() else None)
@@ -116,8 +112,6 @@ def _train_until_stopped(ft: Any, step: Any, group_rank: int, out_dir: str, max_
         history.append((p.step, p.count, committed))
         with open(progress_path, "a") as f:
             f.write(json.dumps({"step": ft.step, "participants": p.count, "committed": committed, "t": time.time()}) + "\n")
-        if pace:
-            time.sleep(pace)
 
 
 def _run_group_rank(body: Any, group: int, group_rank: int, master_port: int, lighthouse: str, out_dir: str,
@@ -171,39 +165,55 @@ def _engine_rank(group: int, group_rank: int, lighthouse: str, out_dir: str, max
 
 
 def _lightning_rank(group: int, group_rank: int, lighthouse: str, out_dir: str, max_steps: int | None,
-                   min_replicas: int, progress_path: Path) -> dict:
+                   min_replicas: int, progress_path: Path, kill_after_together: int | None = None) -> dict:
     """One rank of a replica group that is a Lightning job: ``Trainer(strategy=HSDPStrategy(fault_tolerance=...))``.
 
     Plain ``DataLoader`` (Lightning injects the replica-aware sampler). ``max_steps`` given: a
-    ``ModelCheckpoint`` every 2 steps into the shared ``ckpt`` folder. ``max_steps=None``: an LR
-    scheduler too, progress lines for the harness, and stop at the step the harness writes into
+    ``ModelCheckpoint`` every 2 steps into the shared ``ckpt`` folder. ``max_steps=None``: LR
+    schedulers too (``StepLR`` and ``ReduceLROnPlateau``, both per step), a ``CSVLogger`` logging
+    every step, progress lines for the harness, and stop at the step the harness writes into
     ``stop_at``. ``accumulate_grad_batches`` is the number in the ``accumulate`` file (default 1);
-    progress lines are written at each window's end.
+    progress lines are written at each window's end. ``kill_after_together``: group 1's rank 1
+    SIGKILLs itself in the backward of its first step after that many steps committed with group 0
+    (torchrun's first attempt, ``tests/scripts/ft_torchrun_group.py``).
     """
     from lightning.pytorch import Callback, Trainer, seed_everything
     from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.loggers import CSVLogger
 
     import hp_lightning
     from tests.distributed.test_parity import GLOBAL_BATCH as PARITY_BATCH  # the reference's global batch
     from tests.helpers import RegressionModule, loader, trainer_kwargs
 
     class ScheduledModule(RegressionModule):
+        """StepLR, and ReduceLROnPlateau on a metric that never improves (the same in every group and rank):
+        its lr drops every second committed step, its ``last_epoch`` counts the steps it was given."""
+
+        def training_step(self, batch, batch_idx):
+            self.log("plateau_metric", 1.0)
+            return super().training_step(batch, batch_idx)
+
         def configure_optimizers(self):
             optimizer = super().configure_optimizers()
-            scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.97)
-            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+            step = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.97)
+            plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, factor=0.9, patience=1, min_lr=1e-5)
+            return [optimizer], [{"scheduler": step, "interval": "step"},
+                                 {"scheduler": plateau, "interval": "step", "monitor": "plateau_metric"}]
 
     class HarnessLink(Callback):
         """Writes a progress line per step; checks ``global_step`` == torchft's step in every training hook."""
 
         def __init__(self) -> None:
-            self.steps_off: list[tuple[str, int, int]] = []  # (hook, trainer.global_step, torchft's step)
+            self.steps_off: list[tuple[str, int, int, int]] = []  # (hook, global_step, torchft's step, logger's step)
             self.healed_at: list[int] = []
+            self.together = 0  # steps committed with the other group
 
         def _check(self, trainer, hook: str) -> None:
             engine = trainer.strategy.fault_tolerance.ft
-            if trainer.global_step != engine.step:
-                self.steps_off.append((hook, trainer.global_step, engine.step))
+            # The step loggers are given: counted after on_train_batch_end, so read at a step's start.
+            logger_step = trainer.fit_loop.epoch_loop._batches_that_stepped if hook == "on_train_batch_start" else engine.step
+            if not trainer.global_step == engine.step == logger_step:
+                self.steps_off.append((hook, trainer.global_step, engine.step, logger_step))
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             self._check(trainer, "on_train_batch_start")
@@ -215,8 +225,9 @@ def _lightning_rank(group: int, group_rank: int, lighthouse: str, out_dir: str, 
 
         def on_before_backward(self, trainer, pl_module, loss):
             self._check(trainer, "on_before_backward")
-            if ((group, group_rank) == (1, 1) and (Path(out_dir) / "kill_in_backward").exists()
-                    and trainer.strategy.fault_tolerance.micro_batch == 0):
+            kill = (Path(out_dir) / "kill_in_backward").exists() or (
+                kill_after_together is not None and self.together >= kill_after_together)
+            if (group, group_rank) == (1, 1) and kill and trainer.strategy.fault_tolerance.micro_batch == 0:
                 # Mid-step (with accumulation: mid-window), before this group's gradients reach the
                 # cross-group all-reduce: the survivor's step cannot commit (certain, not luck).
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -232,6 +243,7 @@ def _lightning_rank(group: int, group_rank: int, lighthouse: str, out_dir: str, 
             ft = trainer.strategy.fault_tolerance
             if ft.micro_batch != accumulate - 1:
                 return  # inside the window
+            self.together += bool(ft.last_committed) and ft.participation.count == 2
             with open(progress_path, "a") as f:
                 f.write(json.dumps({"step": trainer.global_step, "participants": ft.participation.count,
                                     "committed": ft.last_committed, "position": ft.positions[-1],
@@ -272,15 +284,16 @@ def _lightning_rank(group: int, group_rank: int, lighthouse: str, out_dir: str, 
     link = HarnessLink()
     callbacks = [link] if scheduled else [ModelCheckpoint(dirpath=folder, every_n_train_steps=2, save_top_k=-1),
                                           CountCrossGroupAllReduces()]
+    logging = {"logger": CSVLogger(out_dir, name=f"logs_g{group}"), "log_every_n_steps": 1} if scheduled else {}
     trainer = Trainer(devices=GROUP_WORLD, strategy=hp_lightning.HSDPStrategy(fault_tolerance=config),
                       max_steps=max_steps or 10_000, callbacks=callbacks, accumulate_grad_batches=accumulate,
-                      **trainer_kwargs(enable_checkpointing=not scheduled))
+                      **trainer_kwargs(enable_checkpointing=not scheduled, **logging))
     trainer.fit(model, data, ckpt_path=ckpt_path)
     ft = trainer.strategy.fault_tolerance
     out = {"full": full_params(model), "global_step": trainer.global_step, "ft_step": ft.final_step,
            "state": _local_state(model, trainer.optimizers[0]), "positions": ft.positions,
            "epoch": trainer.current_epoch, "lr": [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs],
-           "steps_off": link.steps_off, "healed_at": link.healed_at,
+           "steps_off": link.steps_off, "healed_at": link.healed_at, "logger_step": trainer.fit_loop.epoch_loop._batches_that_stepped,
            "cross_group_allreduces": CountCrossGroupAllReduces.calls, "units_with_params": _units_with_params(model)}
     return out
 
@@ -541,9 +554,11 @@ def _kill_and_heal(tmp_path: Path, target: Any, *, mid_step: bool = False) -> tu
 
 
 def test_torchrun_restarts_a_killed_group_in_place_and_it_heals_from_the_live_group(tmp_path: Path) -> None:
-    """The engine loop, group 1 under ``torchrun --standalone --max-restarts=1`` (``tests/scripts/ft_torchrun_group.py``):
-    its rank 1 SIGKILLs itself mid-step; group 0 trains on alone; torchrun restarts group 1 in place, whose new
-    attempt forms a fresh process group, heals from group 0, and both end bitwise equal at the same step."""
+    """Group 1 a Trainer job under ``torchrun --standalone --max-restarts=1`` (``tests/scripts/ft_torchrun_group.py``):
+    its rank 1 SIGKILLs itself mid-step after 3 steps with group 0, which trains on alone at its own full pace;
+    torchrun restarts group 1 in place, whose new attempt forms a fresh process group, heals from group 0 (its
+    first quorum), and both end bitwise equal at the same step, LR schedulers (plateau included) and the loggers'
+    step equal to torchft's. (The engine loop's restart under torchrun: tests/integration/test_launchers.py.)"""
     import shutil
     import subprocess
 
@@ -552,17 +567,16 @@ def test_torchrun_restarts_a_killed_group_in_place_and_it_heals_from_the_live_gr
     root = Path(__file__).resolve().parents[2]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     env.update(PYTHONPATH=str(root) + os.pathsep + env.get("PYTHONPATH", ""), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    (tmp_path / "pace").write_text("0.2")  # both groups: leave the CPU to the restarting group's imports (a step is ~20 ms)
     cluster = _Cluster(tmp_path, min_replicas=1)
     job = None
     try:
         with open(tmp_path / "torchrun.log", "wb") as log:
             job = subprocess.Popen(
                 [torchrun, "--standalone", "--nproc-per-node", str(GROUP_WORLD), "--max-restarts", "1",
-                 str(root / "tests" / "scripts" / "ft_torchrun_group.py"), str(tmp_path), cluster.address],
+                 str(root / "tests" / "scripts" / "ft_torchrun_group.py"), str(tmp_path), cluster.address, "trainer"],
                 env=env, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT,
             )
-        cluster.start_group(0, None, _group_rank_main)  # warm processes: trains (paced) while group 1 starts
+        cluster.start_group(0, None, _lightning_group_rank_main)  # warm processes: train while group 1 starts
 
         def restarted_and_healed() -> bool:
             if job.poll() is not None:
@@ -579,23 +593,53 @@ def test_torchrun_restarts_a_killed_group_in_place_and_it_heals_from_the_live_gr
         if job is not None and job.poll() is None:
             job.kill()
         cluster.close()
-    lost = [json.loads(x) for x in (tmp_path / "progress_g0_r0.jsonl").read_text().splitlines() if x.strip()]
-    assert any(e["committed"] is False for e in lost), "the survivors' step during the kill committed"
+    assert any(e["committed"] is False for e in cluster.progress(0)), "the survivors' step during the kill committed"
+    first_attempt = [json.loads(x) for x in (tmp_path / "progress_g1a0_r0.jsonl").read_text().splitlines() if x.strip()]
+    restarted_first = cluster.progress(1)[0]
+    print(f"\ngroup 1's last step before the kill -> its restarted attempt's first committed step "
+          f"{restarted_first['t'] - first_attempt[-1]['t']:.2f}s (survivor's steps meanwhile: "
+          f"{restarted_first['step'] - first_attempt[-1]['step']})")
     for rank in range(GROUP_WORLD):
         status, restarted = cluster.result(1, rank)
         assert status == "ok", restarted
         survivor = survivors[(0, rank)]
         assert restarted["attempt"] == 1, "group 1 did not go through torchrun's restart"
-        assert restarted["history"][0][0] > 3, "the restarted attempt did not start from the quorum's step"
-        assert survivor["step"] == restarted["step"] == stop_at
+        assert restarted["healed_at"] and restarted["healed_at"][0] > 3, restarted["healed_at"]
+        for out in (survivor, restarted):
+            assert out["global_step"] == out["ft_step"] == out["logger_step"] == stop_at, (out["global_step"], out["ft_step"], out["logger_step"])
+            assert out["steps_off"] == [], out["steps_off"]
+            _assert_schedulers_followed_committed_steps(out["lr"], stop_at)
+        assert survivor["lr"] == restarted["lr"], (survivor["lr"], restarted["lr"])
         _assert_bit_identical(survivor["state"], restarted["state"], f"rank {rank}")
         _assert_bit_identical(survivor["full"], restarted["full"], f"rank {rank} full")
+    _assert_logged_steps(tmp_path / "logs_g0", stop_at)
+
+
+def _assert_schedulers_followed_committed_steps(lr: list[dict], committed: int) -> None:
+    """StepLR and ReduceLROnPlateau (both per step) were stepped once per committed step, never for an uncommitted one."""
+    step, plateau = lr
+    assert step["last_epoch"] == committed and plateau["last_epoch"] == committed, (committed, lr)
+
+
+def _assert_logged_steps(folder: Path, last: int) -> None:
+    """The logger (the survivor's, one run) was given committed steps only: its highest step is the last committed one's.
+
+    Lightning logs each step's metrics under the number of optimizer steps before it (the last step, ``last``,
+    under ``last - 1``); an uncommitted step that was counted would push every later step one higher.
+    """
+    import csv
+
+    files = sorted(folder.glob("version_*/metrics.csv"))
+    assert len(files) == 1, files
+    with open(files[0]) as f:
+        steps = [int(row["step"]) for row in csv.DictReader(f) if row.get("train_loss")]
+    assert steps and max(steps) == last - 1, (last, steps[-10:])
 
 
 @pytest.mark.parametrize("front_end", ["fabric"])
 def test_sigkill_survivor_keeps_training_and_restarted_group_heals(tmp_path: Path, front_end: str) -> None:
     """Kill one rank of group 1 mid-run: group 0 trains on alone; group 1 restarts, heals, ends identical.
-    (The engine loop's restart is torchrun's own: the test above.)"""
+    (The Trainer's restart is torchrun's own: the test above.)"""
     results, _, _, stop_at = _kill_and_heal(tmp_path, _group_rank_main if front_end == "engine" else _fabric_group_rank_main)
     for rank in range(GROUP_WORLD):
         survivor, healed = results[(0, rank)], results[(1, rank)]
@@ -628,7 +672,9 @@ def test_lightning_sigkill_counters_schedulers_and_data_agree_after_heal(tmp_pat
         survivor, healed = results[(0, rank)], results[(1, rank)]
         for out in (survivor, healed):
             # An uncommitted step (the survivor's, when the peer died) is not counted by Lightning.
-            assert out["global_step"] == out["ft_step"] == stop_at, (out["global_step"], out["ft_step"], stop_at)
+            # Nor by the LR schedulers (the plateau one included) or the logger's step.
+            assert out["global_step"] == out["ft_step"] == out["logger_step"] == stop_at, (out["global_step"], out["ft_step"], out["logger_step"])
+            _assert_schedulers_followed_committed_steps(out["lr"], stop_at)
             # ... and in every training hook of every step (the uncommitted and the healing one included).
             assert out["steps_off"] == [], out["steps_off"]
         assert healed["healed_at"] and healed["healed_at"][0] > 0, healed["healed_at"]
@@ -636,7 +682,7 @@ def test_lightning_sigkill_counters_schedulers_and_data_agree_after_heal(tmp_pat
         assert all(step < healed["healed_at"][0] for step in survivor["healed_at"]), (survivor["healed_at"], healed["healed_at"])
         _assert_bit_identical(survivor["state"], healed["state"], f"rank {rank}")
         _assert_bit_identical(survivor["full"], healed["full"], f"rank {rank} full")
-        assert survivor["lr"] == healed["lr"] and survivor["lr"][0]["last_epoch"] == stop_at, (survivor["lr"], healed["lr"])
+        assert survivor["lr"] == healed["lr"], (survivor["lr"], healed["lr"])
         assert survivor["epoch"] == healed["epoch"] >= 2, (survivor["epoch"], healed["epoch"])
         # The survivor read every batch in order (an uncommitted step's batch is consumed, torchft's semantics).
         positions = [tuple(p) for p in survivor["positions"]]
@@ -644,6 +690,7 @@ def test_lightning_sigkill_counters_schedulers_and_data_agree_after_heal(tmp_pat
             assert after == ((before[0], before[1] + 1) if before[1] + 1 < BATCHES_PER_EPOCH else (before[0] + 1, 0)), positions
     lines = [json.loads(x) for x in (tmp_path / "progress_g0_r0.jsonl").read_text().splitlines() if x.strip()]
     assert any(line["committed"] is False for line in lines), "the survivor's window during the mid-window kill committed"
+    _assert_logged_steps(tmp_path / "logs_g0", stop_at)
     # Every window, committed or not, read exactly `accumulate` batches; each committed one advanced the
     # step by one, an uncommitted one not at all (the survivor's first step may come from a heal at start-up).
     assert len(results[(0, 0)]["positions"]) == accumulate * len(lines), (len(results[(0, 0)]["positions"]), len(lines))

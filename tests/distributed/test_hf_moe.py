@@ -20,7 +20,16 @@ from tests.helpers import run_distributed
 SEQUENCES, LENGTH, VOCAB = 8, 6, 32
 
 
-def tiny_mixtral() -> torch.nn.Module:
+#: Mixtral's base_model_tp_plan as transformers 5.0-5.24 ship it: attention by torch's styles, the experts by
+#: Hugging Face's own (5.25 ships the attention entries only). The refusal is tested on this plan on every release.
+EXPERT_STYLES_PLAN = {
+    "layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.k_proj": "colwise", "layers.*.self_attn.v_proj": "colwise",
+    "layers.*.self_attn.o_proj": "rowwise", "layers.*.mlp.experts.gate_up_proj": "packed_colwise",
+    "layers.*.mlp.experts.down_proj": "rowwise", "layers.*.mlp.experts": "moe_tp_experts",
+}
+
+
+def tiny_mixtral(tp_plan: dict[str, str] | None = None) -> torch.nn.Module:
     from transformers import MixtralConfig, MixtralForCausalLM
 
     config = MixtralConfig(
@@ -28,6 +37,8 @@ def tiny_mixtral() -> torch.nn.Module:
         num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=16,
         bos_token_id=0, eos_token_id=0, pad_token_id=None,
     )
+    if tp_plan is not None:
+        config.base_model_tp_plan = dict(tp_plan)
     torch.manual_seed(0)
     return MixtralForCausalLM(config)
 
@@ -49,12 +60,12 @@ def gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).detach().clone() for n, p in model.named_parameters()}
 
 
-def run_sharded(mesh: Any, plan: Any) -> dict[str, Any]:
+def run_sharded(mesh: Any, plan: Any, tp_plan: dict[str, str] | None = None) -> dict[str, Any]:
     """This rank's data-parallel slice through the sharded model: its logits and the whole gradients."""
     from hp_lightning.core.diagnostics import CollectiveCounter
     from hp_lightning.recipe.prepare import prepare_model
 
-    model = tiny_mixtral()
+    model = tiny_mixtral(tp_plan)
     cpu = torch.device("cpu")
     prepare_model(model, mesh, plan, init_device=cpu, device=cpu)
     ids, target = batch()
@@ -83,7 +94,7 @@ def worker() -> dict[str, Any]:
     out: dict[str, Any] = {}
     tp_mesh = build_parallel_mesh("cpu", MeshLayout(dp=(2,), tp=2))
     try:
-        run_sharded(tp_mesh, ShardingPlan())
+        run_sharded(tp_mesh, ShardingPlan(), tp_plan=EXPERT_STYLES_PLAN)
         out["hf_plan"] = "no error"
     except ValueError as exc:
         out["hf_plan"] = str(exc)

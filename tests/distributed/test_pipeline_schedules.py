@@ -86,17 +86,18 @@ PLAN_OPTIONS = dict(reduce_dtype="fp64", shard_placement={"*[!m].weight": 1}, ig
 
 def plan_seen(module: torch.nn.Module) -> dict[str, Any]:
     """What FSDP was told for every module it shards on this rank: the stage pieces and views of virtual stages included."""
-    from torch.distributed.fsdp import FSDPModule, fully_shard
+    from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor, Shard
+
+    from hp_lightning.core._torch_private import managed_params
 
     views = module.__dict__.get("_hp_pipeline_views", [])
     roots = [m for m in [*module.modules(), *views] if isinstance(m, FSDPModule)]
-    groups = [fully_shard.state(m)._fsdp_param_group for m in roots]
     params = dict(module.named_parameters())
     return {
         "roots": len(roots),
         "views": len(views),
-        "reduce_dtypes": sorted({str(g.mp_policy.reduce_dtype) for g in groups if g is not None}),
+        "reduce_dtypes": sorted({str(policy.reduce_dtype) for m in roots for _, policy, _ in managed_params(m)}),
         "placements": {n: [repr(x) for x in p.placements] for n, p in params.items() if isinstance(p, DTensor)},
         "plain": sorted(n for n, p in params.items() if not isinstance(p, DTensor)),
         "dim1": repr(Shard(1)),

@@ -87,3 +87,39 @@ def test_step_agreement_without_peers_takes_the_local_signal_once_per_step():
     assert agreement.step_signal() == 0  # agreed at the exchange, before the signal
     assert agreement.step_signal() == signal.SIGTERM  # no exchange this step: agreed now
     assert agreement.exchanges == 0  # one process: nothing communicated
+
+
+def test_throughput_measures_one_steps_flops_and_reads_nothing_between_logs():
+    """``Throughput``'s FLOPs equal ``FlopCounterMode``'s count of one step (2 micro-batches); no read in any step."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from hp_lightning import HSDPStrategy
+    from hp_lightning.callbacks import Throughput
+
+    seed_everything(0)
+    reference = RegressionModule()
+    x, y = make_dataset().tensors
+    with FlopCounterMode(display=False) as counter:
+        for micro_batch in range(2):
+            batch = slice(8 * micro_batch, 8 * micro_batch + 8)
+            torch.nn.functional.mse_loss(reference.net(x[batch]), y[batch]).backward()
+
+    seed_everything(0)
+    throughput = Throughput(log_every_n_steps=2, measure_flops_at_step=1)
+    with HostReads() as reads:
+        steps = _StepReads(reads)
+        trainer = Trainer(
+            devices=1, strategy=HSDPStrategy(mesh_shape=[1], fault_watchdog=False), max_steps=6, accumulate_grad_batches=2,
+            callbacks=[steps, throughput], limit_val_batches=0, **trainer_kwargs(),
+        )
+        trainer.fit(RegressionModule(), loader(make_dataset(), 8))
+    assert steps.per_batch == [[]] * 12, steps.per_batch
+    assert throughput.flops_per_step == counter.get_total_flops() > 0
+    logged = [(int(h["step"]), sorted(h)) for h in throughput.history]
+    assert [step for step, _ in logged] == [2, 4, 6]
+    assert logged[0][1] == ["step", "throughput/flops_per_step"]
+    assert "throughput/tflops_per_sec" in logged[1][1] and "throughput/samples_per_sec" in logged[1][1]
+    assert "throughput/mfu" not in logged[1][1]  # no peak known for the CPU
+    rates = throughput.history[1]
+    assert rates["throughput/job_samples_per_sec"] == rates["throughput/samples_per_sec"] > 0
+    assert rates["throughput/peak_memory_gib"] > 0

@@ -21,6 +21,7 @@ the store connection, stacks), :mod:`.exits` (how a rank leaves and what it prin
 from hp_lightning.core.watchdog.exits import _one_line_if_uncaught, _quiet_signals, _record_for_torchrun, _say, print_once_per_job  # noqa: F401
 from hp_lightning.core.watchdog.failure_board import _FINE_POLL  # noqa: F401
 from hp_lightning.core.watchdog.fault_watchdog import FaultWatchdog, _generation  # noqa: F401
+from hp_lightning.core.watchdog.liveness import waiting_on_purpose
 from hp_lightning.core.watchdog.processes import (  # noqa: F401
     _TORCH_DIR,
     _connect_store,
@@ -58,4 +59,5 @@ __all__ = [
     "check_seconds",
     "is_communication_error",
     "print_once_per_job",
+    "waiting_on_purpose",
 ]

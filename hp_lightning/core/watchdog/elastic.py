@@ -9,16 +9,24 @@ addresses the *old* rank 0 published (gloo: ``connectFullMesh failed ... Connect
 a hang) before the new rank 0 overwrites them. Whether a restart survives is then a race between
 the ranks' start-up times; Lightning's own ``"ddp"`` strategy loses it most of the time too.
 
-The cure here is a key prefix per attempt (``TORCHELASTIC_RESTART_COUNT``): the default process
-group, and with it every group split from it (the mesh, the host-side agreement group), keeps its
-keys under ``hp_lightning/attempt_<n>/`` of the agent's store. Other keys in the same store are
-attempt-keyed where they are written (the fault watchdog's board) or cleared before use (torchft's
-manager address, :func:`clear_stale_keys`).
+The cure here is a key prefix per attempt: the default process group, and with it every group
+split from it (the mesh, the host-side agreement group), keeps its keys under
+``hp_lightning/<run>/attempt_<n>/`` of the agent's store. ``n`` must be the same on every rank of
+an attempt and new on every attempt. ``TORCHELASTIC_RESTART_COUNT`` is neither across nodes: an
+agent whose workers are healthy, restarting only because another node re-joined the rendezvous,
+does not count a restart (membership changes are not retries), so two nodes of one attempt can
+hold different counts, and one of them the count of an attempt that already used its keys.
+:func:`agree_attempt` therefore agrees ``n`` through the agents' store itself (a ticket protocol
+that needs nothing from the agents but the order of their rounds). Other keys in the same store
+are keyed by the agreed attempt where they are written (the fault watchdog's board) or cleared
+before use (torchft's manager address, :func:`clear_stale_keys`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import time
 from collections.abc import Iterable
 from datetime import timedelta
 from typing import Any, Optional
@@ -26,9 +34,27 @@ from typing import Any, Optional
 import torch.distributed as dist
 
 __all__ = [
-    "attempt_prefix", "attempt_store", "clear_stale_keys", "end_job_without_restart", "init_process_group", "restart_count",
-    "uses_agent_store",
+    "Attempt", "agree_attempt", "agreed_attempt", "attempt_key", "attempt_prefix", "attempt_store", "clear_stale_keys",
+    "end_job_without_restart", "init_process_group", "restart_count", "run_note", "set_run_note", "uses_agent_store",
 ]
+
+#: Seconds between two looks at the agreement's keys (each one store call).
+_AGREE_POLL = 0.02
+
+
+@dataclasses.dataclass(frozen=True)
+class Attempt:
+    """One attempt of a torchrun job, as its ranks agreed it (:func:`agree_attempt`).
+
+    Attributes:
+        number: unique within the run, larger for every later attempt (not consecutive).
+    """
+
+    number: int
+
+
+#: This process's attempt, once agreed (a process belongs to exactly one attempt).
+_agreed: Optional[Attempt] = None
 
 
 def uses_agent_store() -> bool:
@@ -42,16 +68,110 @@ def restart_count() -> int:
     return int(raw) if raw.isdigit() else 0
 
 
+def _run_id() -> str:
+    return os.environ.get("TORCHELASTIC_RUN_ID", "run")
+
+
+def agreed_attempt() -> Optional[Attempt]:
+    """This process's attempt once :func:`agree_attempt` ran (None before, and outside torchrun's agent store)."""
+    return _agreed
+
+
+def agree_attempt(store: dist.Store, *, rank: int, world_size: int, timeout: float | timedelta) -> Attempt:
+    """Agree with every rank of this attempt on its :class:`Attempt`, through the agents' store (once per process).
+
+    What makes it possible: torchrun stops every worker of an attempt before any agent joins the
+    next rendezvous round, and a round completes only when every agent joined it, so no two
+    attempts' workers are ever alive together. Every rank takes a ticket from one counter
+    (``store.add``): a later attempt's tickets are all larger. Rank 0's first ticket names the
+    attempt; it republishes the name beside a fresh ticket until every other rank has taken it.
+    A rank accepts a name only when it comes with a ticket larger than its own: that ticket was
+    drawn after this rank started, hence by this attempt's rank 0, never by a dead one. The cost:
+    a few store calls per rank and rank 0 polling every 20 ms, once per process.
+
+    Args:
+        store: a client of the agents' store (unprefixed).
+        rank: this process's global rank; world_size: the attempt's number of ranks.
+        timeout: how long to wait for the other ranks (the process-group timeout).
+
+    Raises:
+        TimeoutError: the other ranks did not all arrive within ``timeout`` (torchrun restarts an
+            attempt whose worker died long before that).
+    """
+    global _agreed
+    if _agreed is None:
+        _agreed = _agree(store, rank, world_size, timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout))
+    return _agreed
+
+
+def _agree(store: dist.Store, rank: int, world_size: int, seconds: float) -> Attempt:
+    """:func:`agree_attempt`'s protocol, without the per-process memory."""
+    deadline = time.monotonic() + seconds
+    base = f"hp_lightning/{_run_id()}/attempts/"
+    tickets, named = base + "tickets", base + "named"
+
+    def wait(what: str) -> None:
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"hp_lightning: rank {rank} waited {seconds:g} s for {what} to agree on this torchrun attempt's "
+                f"rendezvous (store {os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}); a rank "
+                f"of this attempt did not start."
+            )
+        time.sleep(_AGREE_POLL)
+
+    if rank == 0:
+        number = store.add(tickets, 1)
+        joined = f"{base}joined/{number}"
+        while True:
+            store.set(named, f"{number}:{store.add(tickets, 1)}")
+            missing = world_size - 1 - store.add(joined, 0)
+            if missing <= 0:
+                break
+            wait(f"{missing} other rank(s)")
+    else:
+        mine = store.add(tickets, 1)
+        while True:
+            if store.check([named]):
+                fields = store.get(named).decode().split(":")  # "<attempt>:<ticket>"
+                number, ticket = int(fields[0]), int(fields[-1])
+                if ticket > mine:  # published after this rank started: this attempt's rank 0
+                    store.add(f"{base}joined/{number}", 1)
+                    break
+            wait("rank 0")
+    return Attempt(number)
+
+
+def attempt_key() -> str:
+    """This attempt's name within the run: the agreed :class:`Attempt` (else torchrun's restart count) after the run id.
+
+    The fault watchdog keys its board by it; :func:`attempt_prefix` the process group's keys.
+    """
+    attempt = _agreed.number if _agreed is not None else restart_count()
+    return f"{_run_id()}.{attempt}"
+
+
 def attempt_prefix() -> str:
     """The key prefix of this attempt's rendezvous: the same on every rank of one attempt, new on a restart."""
-    return f"hp_lightning/{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}/attempt_{restart_count()}/"
+    attempt = _agreed.number if _agreed is not None else restart_count()
+    return f"hp_lightning/{_run_id()}/attempt_{attempt}/"
 
 
-def attempt_store(host: str, port: int, timeout: float | timedelta) -> Optional[dist.Store]:
+def _agent_client(timeout: float | timedelta, host: Optional[str] = None, port: Optional[int] = None) -> dist.TCPStore:
+    wait = timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout)
+    return dist.TCPStore(
+        host or os.environ["MASTER_ADDR"], int(port if port is not None else os.environ["MASTER_PORT"]), is_master=False,
+        timeout=wait, wait_for_workers=False,
+    )
+
+
+def attempt_store(
+    host: str, port: int, timeout: float | timedelta, *, rank: Optional[int] = None, world_size: Optional[int] = None
+) -> Optional[dist.Store]:
     """The store to build the default process group on, or None where torch's own ``env://`` is fresh.
 
     Under torchrun's shared agent store: a client of that store whose keys carry
-    :func:`attempt_prefix`, so a restarted attempt never reads the dead attempt's addresses.
+    :func:`attempt_prefix` of the attempt every rank agreed on (:func:`agree_attempt`), so a
+    restarted attempt never reads a dead attempt's addresses, whichever node restarted why.
     Elsewhere (Lightning's launcher, SLURM, torchrun with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``)
     rank 0 serves a new store per launch, and None keeps torch's default path.
 
@@ -59,11 +179,15 @@ def attempt_store(host: str, port: int, timeout: float | timedelta) -> Optional[
         host: the store's address (the cluster environment's ``main_address``).
         port: its port (``main_port``).
         timeout: how long a key may be waited for (the process-group timeout; seconds or a timedelta).
+        rank, world_size: this rank and the attempt's size; None reads torchrun's ``RANK`` and ``WORLD_SIZE``.
     """
     if not uses_agent_store():
         return None
-    wait = timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout)
-    client = dist.TCPStore(host, port, is_master=False, timeout=wait, wait_for_workers=False)
+    client = _agent_client(timeout, host, port)
+    agree_attempt(
+        client, rank=int(os.environ["RANK"]) if rank is None else rank,
+        world_size=int(os.environ["WORLD_SIZE"]) if world_size is None else world_size, timeout=timeout,
+    )
     return dist.PrefixStore(attempt_prefix(), client)
 
 
@@ -72,20 +196,43 @@ def clear_stale_keys(keys: Iterable[str], *, group_rank: int) -> None:
 
     For libraries that exchange addresses through unprefixed keys of ``MASTER_ADDR:MASTER_PORT``
     (torchft's manager address): after a restart their readers would otherwise race the new
-    writer and may read the dead attempt's value. A no-op outside torchrun's agent store or in the
-    first attempt (no earlier attempt wrote anything). Call it on every rank of the group, after
-    the default process group exists and before the library reads the keys.
+    writer and may read the dead attempt's value. Done in every attempt, the first included: no
+    rank can tell a first attempt from a re-formed one by its own restart count (see the module
+    docstring), and the cost is one barrier. A no-op outside torchrun's agent store. Call it on
+    every rank of the group, after the default process group exists and before the library
+    reads the keys.
     """
-    if not uses_agent_store() or restart_count() == 0:
+    if not uses_agent_store():
         return
     if group_rank == 0:
-        client = dist.TCPStore(
-            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, wait_for_workers=False,
-            timeout=timedelta(seconds=60),
-        )
+        client = _agent_client(60.0)
         for key in keys:
             client.delete_key(key)
     dist.barrier()
+
+
+def _note_key(name: str) -> str:
+    return f"hp_lightning/{_run_id()}/notes/{name}"
+
+
+def run_note(name: str) -> Optional[str]:
+    """What an earlier attempt of this torchrun run noted under ``name`` (:func:`set_run_note`), or None.
+
+    Notes live in the agents' store, which outlives every attempt: a restarted attempt reads what
+    the ones before it learnt (that a lighthouse address answered, say). None outside torchrun's
+    agent store, where each launch has a fresh store.
+    """
+    if not uses_agent_store():
+        return None
+    client = _agent_client(30.0)
+    key = _note_key(name)
+    return client.get(key).decode() if client.check([key]) else None
+
+
+def set_run_note(name: str, value: str) -> None:
+    """Note ``value`` under ``name`` for later attempts of this torchrun run (a no-op outside its agent store)."""
+    if uses_agent_store():
+        _agent_client(30.0).set(_note_key(name), value)
 
 
 def end_job_without_restart(reason: str, *, grace: float = 30.0) -> bool:
@@ -165,5 +312,6 @@ def init_process_group(backend: str, *, timeout: float | timedelta = 1800.0, **k
             f"init_process_group reads MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE from the launcher; got {values}. "
             f"Launch with torchrun (which sets them)."
         )
-    store = attempt_store(values["MASTER_ADDR"], int(values["MASTER_PORT"]), wait)
-    dist.init_process_group(backend, store=store, rank=int(values["RANK"]), world_size=int(values["WORLD_SIZE"]), timeout=wait, **kwargs)
+    rank, world_size = int(values["RANK"]), int(values["WORLD_SIZE"])
+    store = attempt_store(values["MASTER_ADDR"], int(values["MASTER_PORT"]), wait, rank=rank, world_size=world_size)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=wait, **kwargs)

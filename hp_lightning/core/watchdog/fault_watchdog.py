@@ -18,6 +18,7 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
+from hp_lightning.core.watchdog import elastic
 from hp_lightning.core.watchdog.causes import CauseFinder
 from hp_lightning.core.watchdog.departure import Departure
 from hp_lightning.core.watchdog.exits import _quiet_signals, _say
@@ -93,7 +94,8 @@ class FaultWatchdog:
             self._end_session()  # a failure the user caught: this is a new Trainer call
         _generation += 1
         self.rank, self.world_size = rank, world_size
-        run = f"{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}.{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+        # The attempt every rank agreed on (torchrun: nodes may hold different restart counts in one attempt).
+        run = elastic.attempt_key()
         ticks = _start_ticks(os.getpid())
         me = _ProcessInfo(socket.gethostname(), _machine_key(), os.getpid(), ticks if ticks is not None else -1)
         self._stopping.clear()

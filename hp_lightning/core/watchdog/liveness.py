@@ -14,7 +14,8 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import Optional
 
 from hp_lightning.core.watchdog.failure_board import _FINE_POLL, FailureBoard
@@ -135,6 +136,26 @@ class PeerLiveness:
         return f" (rank {self._board.store_host_rank}, pid {info.pid} on this host: hp_lightning ended it with SIGKILL)"
 
 
+#: How many :func:`waiting_on_purpose` blocks the main thread is in (their waits are not hangs).
+_waits_on_purpose = 0
+
+
+@contextmanager
+def waiting_on_purpose() -> Iterator[None]:
+    """Mark a long wait of the main thread that has its own deadline (a lighthouse restarting, say) as no hang.
+
+    :class:`MainThreadMonitor` takes a main thread that sits on one line outside torch for
+    ``heartbeat_timeout`` for a deadlock; a polling wait with a deadline of its own may sit there
+    longer, and its own timeout, with a message naming what it waited for, is the better report.
+    """
+    global _waits_on_purpose
+    _waits_on_purpose += 1
+    try:
+        yield
+    finally:
+        _waits_on_purpose -= 1
+
+
 class MainThreadMonitor:
     """Whether this rank's own main thread has stopped moving, outside torch (a deadlock of its own).
 
@@ -158,7 +179,7 @@ class MainThreadMonitor:
             return None
         where = (id(frame.f_code), frame.f_lasti, id(frame))
         now = time.monotonic()
-        if where != self._where:
+        if where != self._where or _waits_on_purpose:
             self._where, self._since = where, now
             return None
         if now - self._since < self._heartbeat_timeout or _inside_torch(frame):
