@@ -16,7 +16,7 @@ LIGHTNING_PIN ?= lightning==2.6.6 pytorch-lightning==2.6.6
 # Each requirement quoted for the shell (a range's < or > is no redirection).
 quoted = $(foreach requirement,$(1),'$(requirement)')
 
-.PHONY: install test test-compat tested-pins lint test-fast demo bench bench-cluster bench-overhead bench-checkpoint bench-pipeline bench-ft bench-hf gpu-check clean
+.PHONY: install test test-compat tested-pins lint generate test-fast demo bench bench-cluster bench-overhead bench-checkpoint bench-pipeline bench-ft bench-hf gpu-check clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -79,6 +79,11 @@ tested-pins:
 lint: $(STAMP)
 	$(PY) -m ruff check hp_lightning
 	$(PY) -m mypy --config-file mypy.ini hp_lightning
+
+# Everything derived from the option fields in hp_lightning/core/options.py (the type checkers' view of the
+# constructors, docs/configuration.md, full_options.yaml's keys, the golden file); a test names this when one is stale.
+generate: $(STAMP)
+	$(PY) scripts/generate.py
 
 # The edit loop: unit tests and the in-process checks (no multi-rank launch), under a minute.
 test-fast: $(STAMP) lint

@@ -14,8 +14,9 @@ block a ``fully_shard`` unit plus the root:
 * For scale, the training step itself in the same processes (forward, backward, AdamW; 64
   samples per rank), FSDP over both ranks.
 
-Each number is the median of repeated calls, the slower rank's. Prints a table (milliseconds, and
-the EMA update and the check in bytes per second of local shards).
+Each number is the median of repeated calls, the slower rank's. Prints a table (milliseconds, the
+share of the training step measured in the same run, and the EMA update and the check in bytes
+per second of local shards).
 
     python -m benchmarks.ema_audit_cost [--repeats 30]
 """
@@ -128,17 +129,19 @@ def main() -> None:
         p.join()
     slow = {key: max(r[key] for r in ranks) for key in ranks[0]}
     print(f"load average at the end: {os.getloadavg()[0]:.1f} (on {os.cpu_count()} cores)")
-    print(f"| measured (median, slower of {WORLD} ranks) | ms | local shards | throughput |")
-    print("|---|---|---|---|")
-    print(f"| training step (fwd + bwd + AdamW, FSDP 2) | {slow['train_step_ms']:.1f} | {slow['fsdp_local_mb']:.1f} MB | |")
+    step = slow["train_step_ms"]
+    print(f"| measured (median, slower of {WORLD} ranks) | ms | of the step | local shards | throughput |")
+    print("|---|---|---|---|---|")
+    print(f"| training step (fwd + bwd + AdamW, FSDP 2) | {step:.1f} | 100 % | {slow['fsdp_local_mb']:.1f} MB | |")
     for key, label in (("ema_update_ms", "EMA update, fp32 average (one _foreach_lerp_)"),
                        ("ema_update_cast_ms", "EMA update, fp64 average (_foreach_mul_ + _foreach_add_)"),
                        ("ema_swap_ms", "EMA swap in and back (evaluation)")):
-        print(f"| {label} | {slow[key]:.2f} | {slow['fsdp_local_mb']:.1f} MB | {slow['fsdp_local_mb'] / slow[key]:.2f} GB/s |")
+        print(f"| {label} | {slow[key]:.2f} | {100 * slow[key] / step:.2f} % | {slow['fsdp_local_mb']:.1f} MB | "
+              f"{slow['fsdp_local_mb'] / slow[key]:.2f} GB/s |")
     print(f"| replica audit, one check ({int(slow['audit_units'])} units, HSDP 2x1) | {slow['audit_check_ms']:.2f} | "
-          f"{slow['hsdp_local_mb']:.1f} MB | {slow['hsdp_local_mb'] / slow['audit_check_ms']:.2f} GB/s |")
-    print(f"| of which the checksums alone (no collective) | {slow['audit_sums_ms']:.2f} | {slow['hsdp_local_mb']:.1f} MB | "
-          f"{slow['hsdp_local_mb'] / slow['audit_sums_ms']:.2f} GB/s |")
+          f"{100 * slow['audit_check_ms'] / step:.2f} % | {slow['hsdp_local_mb']:.1f} MB | {slow['hsdp_local_mb'] / slow['audit_check_ms']:.2f} GB/s |")
+    print(f"| of which the checksums alone (no collective) | {slow['audit_sums_ms']:.2f} | {100 * slow['audit_sums_ms'] / step:.2f} % | "
+          f"{slow['hsdp_local_mb']:.1f} MB | {slow['hsdp_local_mb'] / slow['audit_sums_ms']:.2f} GB/s |")
 
 
 if __name__ == "__main__":

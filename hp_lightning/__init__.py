@@ -7,11 +7,13 @@ accelerator ``"npu"`` (Ascend, through ``torch_npu``, which is not imported here
 ``AcceleratorRegistry``. It patches nothing: :func:`enable_npu_auto_selection` (an explicit call)
 makes ``accelerator="auto"`` choose NPUs where Lightning would fall back to the CPU.
 
-Layout: :mod:`hp_lightning.core` (options, mesh, recipe; no Lightning), :mod:`hp_lightning.fully_shard`
-(the seed's API) and :mod:`hp_lightning.parallel` (TP, EP, PP) are the engine;
-:mod:`hp_lightning.frontends` is what both front ends share, and :mod:`hp_lightning.strategies`
-(Trainer) and :mod:`hp_lightning.fabric` (Fabric) keep only their own hooks;
-:mod:`hp_lightning.callbacks` and :mod:`hp_lightning.checkpoint` build on those.
+Layout (``docs/architecture.md``): :mod:`hp_lightning.core` (options, mesh, units, materialization),
+:mod:`hp_lightning.parallel` (TP, EP, PP), :mod:`hp_lightning.fully_shard` (the seed's API) and
+:mod:`hp_lightning.recipe` (the sharding recipe) are the engine, with no Lightning;
+:mod:`hp_lightning.checkpoint` and :mod:`hp_lightning.ft` build on it; :mod:`hp_lightning.frontends`
+is what both front ends share, and :mod:`hp_lightning.strategies` (Trainer) and
+:mod:`hp_lightning.fabric` (Fabric) keep only their own hooks; :mod:`hp_lightning.callbacks` set
+per-step policy through the strategies' public methods.
 """
 
 from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REGISTRY

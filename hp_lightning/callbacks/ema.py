@@ -16,7 +16,8 @@ its shards' average, and folds its shards in after each optimizer step with one 
   callback's state. Weights-only saves hold no average.
 * **Evaluation and export**: the average is swapped into the model for validation, test and
   predict (``swap_in``) and the weights back afterwards; ``strategy.save_hf(path, ema=True)``
-  writes it as a Hugging Face directory.
+  writes it as a Hugging Face directory, and offline ``python -m hp_lightning.checkpoint export-hf
+  CKPT OUT --ema`` does from a checkpoint that holds it (sharded or full).
 
 With Fabric the same object drives a loop::
 
@@ -48,8 +49,7 @@ from hp_lightning.callbacks._common import require_hsdp_strategy
 from hp_lightning.checkpoint import layout
 from hp_lightning.checkpoint.collective import on_rank0
 from hp_lightning.checkpoint.integrity import ReadCheck
-from hp_lightning.checkpoint.read import dcp_index, read_full_file
-from hp_lightning.checkpoint.unpickle import dcp_load
+from hp_lightning.checkpoint.read import dcp_index, dcp_load, read_full_file
 from hp_lightning.core.checks import parse_dtype
 from hp_lightning.core.ema import AVERAGE, CHECKPOINT_KEY, FORMAT, AveragedWeights, attach, averaged_weights_in
 

@@ -6,7 +6,9 @@ placements, compute and reduce dtypes, offload, whether it reshards after forwar
 it prefetches. Warnings point at two silent costs:
 
 * a unit mixing frozen and trainable parameters: the frozen ones are all-gathered with the
-  trainable ones in every forward and backward, and the unit's memory cannot be tuned apart;
+  trainable ones in every forward and backward, and the unit's memory cannot be tuned apart (not
+  given where the trainable ones are a small share, at most 10 %: frozen-base fine-tuning such as
+  LoRA, whose base weights are needed in that forward and backward anyway and get no gradient);
 * a mesh that shards nothing (shard axis of size 1): every rank holds the whole model, DDP's
   memory with FSDP's overhead.
 """

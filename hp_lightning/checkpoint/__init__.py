@@ -24,7 +24,8 @@ refused. No checkpoint entry may lead outside its directory (see ``docs/security
 
 from hp_lightning.checkpoint.data import DATA_PARALLEL_KEY, ResumableLoader, loader_resume_warning
 from hp_lightning.checkpoint.hf import export_hf, save_hf
-from hp_lightning.checkpoint.layout import FORMAT_VERSION, CheckpointKind, CorruptCheckpointError, UnsafeCheckpointError, classify, recover
+from hp_lightning.checkpoint.integrity import CorruptCheckpointError, UnsafeCheckpointError
+from hp_lightning.checkpoint.layout import FORMAT_VERSION, CheckpointKind, classify, recover
 from hp_lightning.checkpoint.load import LoadsShardedCheckpoints, load_checkpoint, load_from_checkpoint, load_weights, read_full_file
 from hp_lightning.checkpoint.save import AsyncSaves, is_sharded_checkpoint, remove_checkpoint, save_checkpoint
 from hp_lightning.core.state_dict import model_state_dict, optimizer_state_dict

@@ -8,9 +8,10 @@ Subcommands::
         one file -> hp_lightning sharded directory (loads into any world size)
     verify PATH
         check sizes and checksums recorded at save; exit status 1 on any problem
-    export-hf CKPT OUT_DIR [--prefix net.] [--config HF_DIR] [--max-shard-size 5GB] [--dtype bf16] [--overwrite] [--trust-pickle]
+    export-hf CKPT OUT_DIR [--prefix net.] [--config HF_DIR] [--max-shard-size 5GB] [--dtype bf16] [--ema] [--overwrite] [--trust-pickle]
         sharded directory or full file -> Hugging Face directory (safetensors shards + index, config
-        copied from --config) that ``from_pretrained`` loads; see hp_lightning.checkpoint.hf
+        copied from --config) that ``from_pretrained`` loads; --ema writes the ShardedEMA average the
+        checkpoint holds instead of the weights; see hp_lightning.checkpoint.hf
 
 An existing output is an error unless --overwrite is given, and even then only a checkpoint is
 replaced: the converter never deletes anything it did not write. Sources are unpickled safely
@@ -64,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     hf.add_argument("--config", type=Path, default=None, help="Hugging Face model directory whose config.json / generation_config.json are copied")
     hf.add_argument("--max-shard-size", default="5GB", help="largest safetensors file, e.g. 5GB, 500MB, 2GiB (default: 5GB)")
     hf.add_argument("--dtype", default=None, help="cast floating tensors, e.g. bf16 (default: keep)")
+    hf.add_argument("--ema", action="store_true", help="write the ShardedEMA average the checkpoint holds instead of the weights")
     hf.add_argument("--overwrite", action="store_true", help="replace an earlier export of ours in OUT_DIR (only the files it recorded)")
     hf.add_argument("--trust-pickle", action="store_true", help=TRUST_HELP)
     return parser
@@ -82,7 +84,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         elif args.command == "export-hf":
             summary = export_hf(
                 args.src, args.out, prefix=args.prefix, config=args.config, max_shard_size=args.max_shard_size, dtype=args.dtype,
-                overwrite=args.overwrite, trust_pickle=args.trust_pickle,
+                overwrite=args.overwrite, trust_pickle=args.trust_pickle, ema=args.ema,
             )
         else:
             summary = convert.verify(args.path)

@@ -13,7 +13,7 @@ from typing import Any, Callable, Optional, TypeVar
 
 import torch.distributed as dist
 
-from hp_lightning.checkpoint.layout import CorruptCheckpointError, UnsafeCheckpointError
+from hp_lightning.checkpoint.integrity import CorruptCheckpointError, UnsafeCheckpointError
 
 T = TypeVar("T")
 

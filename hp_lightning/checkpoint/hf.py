@@ -52,8 +52,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from hp_lightning.checkpoint import layout
 from hp_lightning.checkpoint.adapters import ADAPTER_WEIGHTS, adapter_state, check_peft_export, merged_adapters
 from hp_lightning.checkpoint.collective import agree, on_every_rank, on_rank0, rank, warn_rank0
-from hp_lightning.checkpoint.integrity import open_regular, outside_reason
-from hp_lightning.checkpoint.layout import MODEL_KEY, TOKEN_FILE, CorruptCheckpointError, UnsafeCheckpointError
+from hp_lightning.checkpoint.integrity import CorruptCheckpointError, UnsafeCheckpointError, open_regular, outside_reason
+from hp_lightning.checkpoint.layout import MODEL_KEY, TOKEN_FILE
 from hp_lightning.checkpoint.names import FileNames
 from hp_lightning.checkpoint.read import read_full_file, read_sharded
 from hp_lightning.core.materialize.preloaded import awaits_materialization, defer_weights
@@ -607,8 +607,11 @@ def parse_size(value: Union[int, str]) -> int:
 
 
 def _file_plan(sizes: Mapping[str, int], max_shard_size: int) -> dict[str, int]:
-    """Tensor -> 1-based file index: tensors in order, a new file when the next would pass the limit (a
-    tensor larger than the limit gets a file of its own), as ``save_pretrained`` does."""
+    """Tensor -> 1-based file index: tensors in order, a new file when the next would pass the limit, a
+    tensor larger than the limit in a file of its own where it comes. ``save_pretrained`` (huggingface_hub's
+    ``split_torch_state_dict_into_shards``) fills files the same way but puts such a tensor in a file ahead
+    of the one being filled; ours keeps the files in the tensors' order and needs only their sizes, which
+    every pipeline stage sends (huggingface_hub plans from tensors in one process)."""
     plan: dict[str, int] = {}
     index, used = 1, 0
     for key, size in sizes.items():
@@ -976,6 +979,7 @@ def export_hf(
     dtype: Union[str, torch.dtype, None] = None,
     overwrite: bool = False,
     trust_pickle: bool = False,
+    ema: bool = False,
 ) -> str:
     """Write checkpoint ``src`` (a sharded directory or a full file) as a Hugging Face directory; return a summary.
 
@@ -990,9 +994,16 @@ def export_hf(
         keys all start with one attribute (``net.``, a LightningModule's model) is refused, naming
         the ``--prefix`` to pass: written unstripped, ``from_pretrained`` would find none of its
         keys and silently initialize the model at random. Pass ``""`` to write the keys as they are.
+        ``ema``: write the ``ShardedEMA`` average the checkpoint holds in place of the weights
+        (``export-hf --ema``), as ``save_hf(..., ema=True)`` does from a live model: each averaged
+        parameter (and a weight tied to it) in the weight's dtype unless ``dtype`` casts it (from the
+        average's own fp32, not rounded to the weight's first); buffers and frozen parameters as saved.
+        From a sharded directory only the average's entries are read besides the weights.
 
     Raises:
-        FileExistsError, ValueError: as :func:`save_hf`; also a tied copy that differs from its embedding.
+        FileExistsError, ValueError: as :func:`save_hf`; also a tied copy that differs from its embedding;
+            with ``ema``, a checkpoint without an average (saved without ``ShardedEMA``, weights only) or
+            one that does not fit its weights.
         CorruptCheckpointError, UnsafeCheckpointError: as the readers.
     """
     src, out = Path(src), Path(out)
@@ -1000,13 +1011,17 @@ def export_hf(
     cast = parse_dtype(dtype, name="dtype")
     settings = _read_config(config)
     previous = _check_target(out, overwrite=overwrite)
-    if layout.classify(src) is layout.CheckpointKind.FULL_FILE:
+    full = layout.classify(src) is layout.CheckpointKind.FULL_FILE
+    if full:
         checkpoint = read_full_file(src, weights_only=False if trust_pickle else None)
     else:
         checkpoint = read_sharded(src, weights_only=True, trust_pickle=trust_pickle)
     weights = checkpoint.get(MODEL_KEY)
     if not isinstance(weights, dict):
         raise ValueError(f"{str(src)!r} holds no model weights ({MODEL_KEY!r}); export-hf needs a checkpoint with them.")
+    if ema:
+        averages = _averages_in(src, checkpoint if full else None, trust_pickle=trust_pickle)
+        weights = _averages_for_weights(src, weights, averages, keep_dtype=cast is None)
     roots = {k.split(".", 1)[0] for k in weights}
     if prefix is None and len(roots) == 1 and all("." in k for k in weights):
         root = next(iter(roots))
@@ -1057,4 +1072,101 @@ def export_hf(
         raise
     files = [n for n in written if n.endswith(SUFFIX)]
     note = f", tied copy {dropped} dropped" if dropped else ""
-    return f"wrote {out} ({len(state)} tensors in {len(files)} safetensors file(s){note}) from {src}"
+    what = "the ShardedEMA average of " if ema else ""
+    return f"wrote {out} ({len(state)} tensors in {len(files)} safetensors file(s){note}) from {what}{src}"
+
+
+def _averages_in(src: Path, checkpoint: Optional[Mapping[str, Any]], *, trust_pickle: bool) -> dict[str, torch.Tensor]:
+    """The ``ShardedEMA`` average checkpoint ``src`` holds, whole, by parameter name.
+
+    A full file (``checkpoint``, already read): in the callback's state or in optimizer 0's state (a
+    consolidated sharded save). A sharded directory: only optimizer 0's average entries are read (not
+    the optimizer's own state, twice the model's size with Adam).
+
+    Raises:
+        ValueError: none there, saying where it was looked for and what to do.
+    """
+    from hp_lightning.core.ema import AVERAGE, CHECKPOINT_KEY, FORMAT, averaged_weights_in
+
+    found: Optional[dict[str, torch.Tensor]] = None
+    if checkpoint is not None:
+        try:
+            found = averaged_weights_in(checkpoint)
+        except KeyError:
+            found = None
+    else:
+        found = _read_sharded_average(src, (OPTIMIZER_ENTRY, CHECKPOINT_KEY, "state"), AVERAGE, trust_pickle=trust_pickle)
+    if not found:
+        raise ValueError(
+            f"export-hf --ema: {str(src)!r} holds no ShardedEMA average (looked for optimizer 0's {CHECKPOINT_KEY!r} "
+            f"state, where a sharded save keeps it, and a callback state of format {FORMAT!r}, where a full save does). "
+            f"It was saved without hp_lightning.callbacks.ShardedEMA, as weights only, or consolidated with "
+            f"--weights-only. Export the weights (drop --ema), or train with ShardedEMA in the Trainer's callbacks and "
+            f"export one of its checkpoints."
+        )
+    return found
+
+
+#: Where a sharded Trainer checkpoint keeps optimizer 0 (and the average beside its state).
+OPTIMIZER_ENTRY = "optimizer_0"
+
+
+def _read_sharded_average(src: Path, under: tuple[str, ...], leaf: str, *, trust_pickle: bool) -> dict[str, torch.Tensor]:
+    """The tensors of sharded directory ``src`` stored at ``under + (name, leaf)``, whole, by ``name`` (nothing else read)."""
+    import warnings
+
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from hp_lightning.checkpoint.read import dcp_load, read_dcp_metadata
+
+    pickles = False if trust_pickle else None
+    metadata = read_dcp_metadata(src, weights_only=pickles)
+    routes = metadata.planner_data or {}
+    wanted: dict[str, tuple[str, torch.Tensor]] = {}
+    for key, entry in metadata.state_dict_metadata.items():
+        route = tuple(routes.get(key, (key,)))
+        if len(route) == len(under) + 2 and route[: len(under)] == under and route[-1] == leaf and isinstance(entry, TensorStorageMetadata):
+            wanted[key] = (str(route[len(under)]), torch.empty(entry.size, dtype=entry.properties.dtype))
+    if wanted:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
+            dcp_load({key: tensor for key, (_, tensor) in wanted.items()}, src, weights_only=pickles, no_dist=True)
+    return dict(wanted.values())
+
+
+def _averages_for_weights(
+    src: Path, weights: Mapping[str, Any], averages: Mapping[str, torch.Tensor], *, keep_dtype: bool
+) -> dict[str, Any]:
+    """``weights`` with each averaged parameter's average in place of its weight (and of a weight tied to it).
+
+    A weight without an average of its own that equals an averaged parameter's weight bit for bit (a tied
+    copy saved under a second name, such as an LM head tied to the embedding) takes that average too, as the
+    one tensor a live model would swap. ``keep_dtype``: each average cast to its weight's dtype.
+
+    Raises:
+        ValueError: an average for a name the weights lack, or of another shape.
+    """
+    unknown = sorted(set(averages) - set(weights))
+    if unknown:
+        raise ValueError(
+            f"export-hf --ema: the ShardedEMA average in {str(src)!r} covers {len(unknown)} parameter(s) its model weights "
+            f"lack, e.g. {unknown[:3]} (weights like {list(weights)[:3]}): the checkpoint mixes two models. Export another checkpoint."
+        )
+    out = dict(weights)
+    by_shape: dict[tuple[tuple[int, ...], torch.dtype], list[str]] = {}
+    for name, average in averages.items():
+        weight = weights[name]
+        if not isinstance(weight, torch.Tensor) or tuple(average.shape) != tuple(weight.shape):
+            raise ValueError(
+                f"export-hf --ema: the ShardedEMA average of {name!r} in {str(src)!r} has shape {tuple(average.shape)}, its "
+                f"weight {tuple(getattr(weight, 'shape', ()))}: the checkpoint mixes two models. Export another checkpoint."
+            )
+        out[name] = average.to(weight.dtype) if keep_dtype else average
+        by_shape.setdefault((tuple(weight.shape), weight.dtype), []).append(name)
+    for name, weight in weights.items():
+        if name in averages or not isinstance(weight, torch.Tensor) or not weight.is_floating_point():
+            continue
+        twin = next((n for n in by_shape.get((tuple(weight.shape), weight.dtype), []) if torch.equal(weights[n], weight)), None)
+        if twin is not None:
+            out[name] = out[twin]
+    return out

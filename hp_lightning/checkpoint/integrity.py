@@ -1,39 +1,49 @@
-"""What a sharded checkpoint's manifest records about each file, and how a load checks it.
+"""What checks: every test a checkpoint's bytes pass before a reader trusts them, and the two errors it raises.
 
-Every file gets a **CRC-32 of every byte** by default, and with ``checkpoint_checksums=True`` a
-SHA-256 as well. Both catch the accidents that matter (flipped bits, a partial or bad copy, a
-shard replaced by another rank's file of the same size, a truncated file) and name the file;
-SHA-256 adds cryptographic strength, at the price of a read-back at save and a slower hash at load.
+:mod:`.read` reads, calling these at each step; :mod:`.unpickle` unpickles. A failure is one of the
+two errors every loader raises for a bad checkpoint, :class:`CorruptCheckpointError` or
+:class:`UnsafeCheckpointError`. In the order a load meets them:
 
-CRC-32 costs a save almost nothing: torch's zip writer already stores the CRC-32 of every record
-of the ``torch.save`` archive DCP writes per tensor; :func:`shard_record` takes those of the large
-records (the tensor bytes) and reads back only the rest. The manifest then holds, per shard file::
+* **Where a file is**: every name a checkpoint gives stays inside its directory
+  (:func:`check_contained`) and is a regular file (:func:`regular_file_size`, :func:`open_regular`;
+  a FIFO or a device could block or never end).
+* **What the save recorded**: every file of a sharded checkpoint has a **CRC-32 of every byte** in
+  the manifest, and with ``checkpoint_checksums=True`` a SHA-256 too (cryptographic strength, at the
+  price of a read-back at save and a slower hash at load). Both catch flipped bits, a partial or bad
+  copy, a shard replaced by another rank's file of the same size and a truncated file, naming the
+  file. The CRC-32 costs a save almost nothing: torch's zip writer already stores one for every
+  record of the ``torch.save`` archive DCP writes per tensor; :func:`shard_record` takes those of
+  the large records (the tensor bytes) and reads back only the rest. Per shard file::
 
     {"size": 123456, "crc32": "<CRC-32 of the bytes outside the ranges>",
      "crc32_ranges": [[offset, length, "<CRC-32>"], ...]}
 
-A resume checks every byte it uses without a second read (:class:`ReadCheck`): the size and the
-bytes outside the ranges before DCP reads anything, then each tensor's range as DCP loads it.
-``verify`` and conversion read every byte once (:func:`verify_file`). The ranges and their CRCs are
-fixed in the manifest, so another rank's or save's shard fails even when internally consistent. A
-record with neither CRC nor SHA-256 (older manifests) is checked by its size only.
+  A resume checks every byte it uses without a second read (:class:`ReadCheck`): the size and the
+  bytes outside the ranges before DCP reads anything, then each tensor's range as DCP loads it;
+  ``verify`` and conversion read every byte once (:func:`verify_file`). The ranges are fixed in the
+  manifest, so another rank's or save's shard fails even when internally consistent; a record with
+  neither CRC nor SHA-256 (older manifests) is checked by its size only. A single file's record is
+  the CRC-32 its zip format keeps for every entry (:func:`verify_zip`).
+* **Declared sizes against the bytes present**, before anything is allocated for them: DCP's index
+  (:func:`check_index`) and each ``torch.save`` archive (:func:`check_archive`, with
+  :class:`ArchivePolicy` for the pickles).
+* **Each tensor DCP loads** is the one the index promised, before it is copied into the model
+  (:class:`TensorCheck`).
 
-The CRC-32 releases the GIL and runs at several GB/s per core: zlib's at ~3.7 GB/s (about twice
-SHA-256's speed), ISA-L's at ~11 GB/s when the ``fast-crc`` extra (``isal``) is installed. Both
-compute the same checksum, so a checkpoint written with one is verified by the other.
-
-Every reader also checks a file here before it opens it: named inside the checkpoint directory
-(:func:`check_contained`) and a regular file (:func:`open_regular`; a FIFO or a device could block
-or never end). What fails is one of the two errors every loader raises for a bad checkpoint,
-:class:`CorruptCheckpointError` or :class:`UnsafeCheckpointError`.
+The CRC-32 releases the GIL: zlib's runs at ~3.7 GB/s per core (about twice SHA-256's speed),
+ISA-L's at ~11 GB/s with the ``fast-crc`` extra (``isal``); both compute the same checksum, so a
+checkpoint written with one is verified by the other.
 """
 
 from __future__ import annotations
 
+import _compat_pickle
 import bisect
 import ctypes
+import functools
 import hashlib
 import io
+import math
 import os
 import stat
 import struct
@@ -42,6 +52,13 @@ import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import IO, Any, Optional
+
+import torch
+from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint.planner import ReadItem
+
+from hp_lightning.checkpoint import opcodes
+from hp_lightning.core import devices
 
 #: Read size when checking or hashing files (one buffer, reused).
 READ_SIZE = 8 << 20
@@ -67,7 +84,7 @@ def _hex(crc: int) -> str:
     return f"{crc & 0xFFFFFFFF:08x}"
 
 
-# ---------------------------------------------------------------- what every reader checks before it opens a file
+# ---------------------------------------------------------------- the errors, and the opt-in every refusal names
 
 
 class CorruptCheckpointError(ValueError):
@@ -82,6 +99,14 @@ class UnsafeCheckpointError(ValueError):
     """
 
 
+#: How to opt out of safe loading, for a file you trust (named in every refusal).
+OPT_IN = (
+    "weights_only=False (trainer.fit(..., weights_only=False), fabric.load(..., weights_only=False), "
+    "hp_lightning.checkpoint.load_weights / load_checkpoint / read_full_file(..., weights_only=False), "
+    "`python -m hp_lightning.checkpoint consolidate|shard --trust-pickle`)"
+)
+
+
 
 def corruption_message(problems: list[str], checkpoint: Path) -> str:
     """One error message for every problem found, with what to do next."""
@@ -92,6 +117,8 @@ def corruption_message(problems: list[str], checkpoint: Path) -> str:
         f"or resume from an earlier checkpoint."
     )
 
+
+# ---------------------------------------------------------------- what every reader checks before it opens a file
 
 
 def outside_reason(root: Path, name: Any) -> str | None:
@@ -419,9 +446,7 @@ def _storage_crc(storage: Any) -> Optional[int]:
     device's address is not host memory.
     """
     size = storage.nbytes()
-    from hp_lightning.core.devices import CPU  # torch is loaded already: a storage exists
-
-    if storage.device.type != CPU:
+    if storage.device.type != devices.CPU:
         return None
     if size == 0:
         return crc32(b"")
@@ -433,7 +458,7 @@ class ReadCheck:
     """A resume's check of each tensor DCP loads, against the CRC-32 ranges of the file it came from.
 
     :meth:`verify_item` is called between DCP's ``torch.load`` of an item and its copy into the model
-    (by :class:`~hp_lightning.checkpoint.unpickle.SafeLoadPlanner`). The range recorded inside the
+    (by :class:`~hp_lightning.checkpoint.read.SafeLoadPlanner`). The range recorded inside the
     item is the archive's data record, whose bytes are exactly the loaded storage: its CRC-32 is
     computed in place (~4 GB/s, no second read); any other range inside the item is read back.
     """
@@ -487,3 +512,384 @@ class ReadCheck:
                     f"shard in its place)"
                 )
                 raise CorruptCheckpointError(corruption_message([problem], self.root))
+
+
+# ---------------------------------------------------------------- declared sizes against the bytes present
+
+#: How ``torch.save``'s legacy (non-zip) format starts: pickle protocol 2, then its magic number.
+LEGACY_TORCH_HEAD = b"\x80\x02\x8a\nl\xfc\x9cF\xf9 j\xa8P\x19"
+#: A deflate-compressed record of a full file (``torch.save`` writes none, a zip tool may) is decoded when it
+#: declares at most this many times its stored size; a zip bomb declares about a thousand times.
+MAX_COMPRESSION_RATIO = 32
+
+#: How many quantized values one storage byte may hold (``torch.quint2x4``: four): ``_rebuild_qtensor`` allocates
+#: its declared shape before it points the tensor at the storage, so the shape is bounded by the storage's size.
+QUANTIZED_VALUES_PER_BYTE = 4
+#: What a pickle torch's safe loader reads must spell, with a literal ``GLOBAL`` (its only way to reach a global;
+#: none of the Python 2 name mappings it applies leads to one), to call a constructor that allocates a declared
+#: size: the legacy tensor types (``torch.Tensor``, ``torch.FloatTensor``, ...), the storages it allows as
+#: classes (``torch.storage.UntypedStorage`` / ``TypedStorage``), ``bytearray`` and ``_rebuild_qtensor``.
+#: A pickle holding none of these bytes is not walked.
+SIZED_TOKENS = (b"Tensor", b"TypedStorage", b"UntypedStorage", b"bytearray", b"_rebuild_qtensor")
+
+
+def sized_constructor(name: str) -> bool:
+    """Whether calling global ``name`` (``"module.qualname"``) reserves whatever size its arguments declare.
+
+    torch's safe loader allows ``bytearray`` (``bytearray(2**30)`` is 1 GiB of zeros), ``torch.Tensor`` and
+    every legacy typed tensor class (``torch.FloatTensor(n)``, also their ``sparse`` / ``cuda`` / other backends'
+    namesakes), and the storage classes (``torch.storage.UntypedStorage(n)``); ``torch.save`` calls none of them.
+    """
+    module, _, qualname = name.rpartition(".")
+    parts = module.split(".")
+    legacy = parts[0] == "torch" and (len(parts) == 1 or parts[1] not in _MODERN_TENSOR_MODULES)
+    return name == "builtins.bytearray" or (legacy and qualname.endswith(("Tensor", "Storage")))
+
+
+#: Where torch keeps tensor subclasses built from tensors (``DTensor(local, spec)``, nested tensors), not from a size:
+#: a user who registers one with ``add_safe_globals`` may load it.
+_MODERN_TENSOR_MODULES = frozenset({"distributed", "nested"})
+
+
+class ArchivePolicy(opcodes.Policy):
+    """A ``torch.save`` pickle's instructions, checked for calls that allocate a declared size.
+
+    torch's safe loader decides which globals may be named and what ``BUILD`` may touch; this adds what it
+    does not bound: a :func:`sized_constructor` is never called (``bytearray`` only of a string or bytes,
+    as ``torch.save`` writes one), also not through ``_rebuild_from_type_v2(func, type, args, state)``,
+    which calls ``func(*args)``; ``_rebuild_qtensor`` allocates the shape it declares only up to
+    :data:`QUANTIZED_VALUES_PER_BYTE` values per byte of the storage it is given. A storage itself is
+    safe: torch checks its record's size before it allocates one.
+    """
+
+    mappings = frozenset({"collections.OrderedDict", "collections.Counter"})
+
+    def named(self, module: str, name: str) -> opcodes.Value:
+        module, name = _compat_pickle.NAME_MAPPING.get((module, name), (_compat_pickle.IMPORT_MAPPING.get(module, module), name))
+        return opcodes.Global(f"{module}.{name}")  # which names may be called at all is torch's loader's decision
+
+    def call(self, func: opcodes.Value, args: tuple, opcode: str) -> opcodes.Value:
+        if not isinstance(func, opcodes.Global):
+            return opcodes.OTHER  # torch's loader calls nothing but allowed globals
+        name = func.name
+        if sized_constructor(name):
+            first = args[0] if args else None
+            from_data = isinstance(first, (str, tuple)) or first in (opcodes.BYTES, opcodes.LIST)
+            if name == "builtins.bytearray" and (first is None or from_data or (isinstance(first, opcodes.Made) and first.name == "_codecs.encode")):
+                return opcodes.Made(name)
+            raise opcodes.PickleRefused(f"{name}{_shown(args)}")
+        if name == "torch._tensor._rebuild_from_type_v2" and len(args) >= 3:
+            # It calls args[0](*args[2]); arguments that are not a literal tuple (a list, say) are judged unknown.
+            self.call(args[0], args[2] if isinstance(args[2], tuple) else (opcodes.OTHER,), opcode)
+        elif name == "torch._utils._rebuild_qtensor":
+            storage = args[0] if args else None
+            count = opcodes.size_of(args[2]) if len(args) > 2 else None
+            held = storage.detail if isinstance(storage, opcodes.Made) and storage.name == "storage" else None
+            if count is None or type(held) is not int or count > QUANTIZED_VALUES_PER_BYTE * held + 64:
+                raise opcodes.PickleRefused(f"{name} of shape {_shown(args[2:3])} over a storage of {held!r} bytes")
+        elif name == "torch.Size" and args:
+            return opcodes.Made(name, args[0])
+        return opcodes.Made(name)
+
+    def persistent(self, pid: opcodes.Value) -> opcodes.Value:
+        # ("storage", storage type, key, location, element count): torch reads the record after checking its size.
+        numel = pid[4] if isinstance(pid, tuple) and len(pid) == 5 and type(pid[4]) is int else None
+        return opcodes.Made("storage", numel)
+
+    def build(self, inst: opcodes.Value, state: opcodes.Value) -> None:
+        return None  # torch's loader builds only tensors, Parameters, OrderedDicts and registered types
+
+
+def _shown(args: tuple) -> str:
+    return "(" + ", ".join(repr(a)[:40] for a in args[:4]) + (", ..." if len(args) > 4 else "") + ")"
+
+
+def _check_pickle_record(data: bytes, where: str, record: str) -> None:
+    """Refuse a ``torch.save`` pickle that calls a constructor allocating a declared size (:class:`ArchivePolicy`)."""
+    if not any(token in data for token in SIZED_TOKENS):
+        return
+    try:
+        opcodes.check_pickle(data, ArchivePolicy())
+    except opcodes.PickleRefused as exc:
+        raise UnsafeCheckpointError(
+            f"{where}: its pickle {record!r} calls {exc}, which reserves whatever size the file declares before anything "
+            f"checks it against the bytes present; torch.save never writes that for a tensor, so it was crafted. "
+            f"If you trust this file, load it with {OPT_IN}."
+        ) from None
+    except opcodes.PickleDamaged as exc:
+        raise CorruptCheckpointError(f"{where}: its pickle {record!r} does not parse ({exc}); it is damaged.") from None
+
+
+def check_archive(stream: IO[bytes], length: int, where: str, *, compressed: bool = False, whole: Optional[bytes] = None) -> None:
+    """Refuse a ``torch.save`` zip archive (``length`` bytes, at the start of ``stream``) whose declared sizes
+    are not backed by its bytes, before ``torch.load`` allocates anything for it.
+
+    :mod:`zipfile` reads the archive's directory (torch's reader trusts it): every record must lie
+    inside the archive, stored uncompressed (or, with ``compressed``, deflated at most
+    :data:`MAX_COMPRESSION_RATIO` times), and no pickle may call a :func:`sized_constructor` (:class:`ArchivePolicy`).
+
+    ``whole``, the archive's bytes when the caller holds them, and loaded by ``torch.load(weights_only=True)``
+    (DCP's tensor items): a stored record's bytes are a slice of ``whole``, so when none of
+    :data:`SIZED_TOKENS` occurs anywhere in it no pickle can call one, and the pickles are not read one
+    by one (~25 us an archive).
+
+    Raises:
+        CorruptCheckpointError: naming ``where`` and the record.
+        UnsafeCheckpointError: a pickle calls a constructor that allocates what it declares.
+    """
+    try:
+        with zipfile.ZipFile(stream) as archive:
+            records = archive.infolist()
+            for record in records:
+                stored = record.compress_type == zipfile.ZIP_STORED and record.file_size == record.compress_size
+                bounded = compressed and record.file_size <= MAX_COMPRESSION_RATIO * record.compress_size + 4096
+                if not stored and not bounded:
+                    raise CorruptCheckpointError(
+                        f"{where}: record {record.filename!r} is compressed ({record.compress_size:,} bytes stored, "
+                        f"{record.file_size:,} declared); torch.save writes none, so it was altered (a zip bomb?) and is refused."
+                    )
+                if record.header_offset + record.compress_size > length:
+                    raise CorruptCheckpointError(f"{where}: record {record.filename!r} reaches past the end of its {length:,} bytes; it is truncated or altered.")
+            if whole is not None and not compressed and not any(token in whole for token in SIZED_TOKENS):
+                return  # every record stored (checked above): no pickle's bytes name one
+            for record in records:
+                if record.filename.endswith(".pkl"):
+                    _check_pickle_record(archive.read(record), where, record.filename)
+    except (CorruptCheckpointError, UnsafeCheckpointError):
+        raise
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, OSError, ValueError, NotImplementedError, RecursionError, KeyError) as exc:
+        raise CorruptCheckpointError(f"{where} is not a readable torch.save archive ({type(exc).__name__}: {exc}); it is damaged.") from None
+    finally:
+        stream.seek(0)
+
+
+def verify_zip(path: Path) -> str | None:
+    """Check every entry of a ``torch.save`` archive against its CRC-32; return a problem or None.
+
+    Files written by the legacy (non-zip) ``torch.save`` format have no checksums; they pass when
+    they start with that format's magic number.
+
+    Raises:
+        ValueError: for anything that is no checkpoint at all (an empty file, random bytes, text).
+        CorruptCheckpointError: not a regular file, or a record whose declared size its bytes do not back
+            (:func:`check_archive`), before anything is inflated.
+        UnsafeCheckpointError: a pickle calling a constructor that allocates what it declares.
+    """
+    regular_file_size(path.parent, path.name)
+    if path.suffix == ".safetensors":
+        return _check_safetensors_header(path)
+    if not zipfile.is_zipfile(path):
+        with open(path, "rb") as f:
+            head = f.read(len(LEGACY_TORCH_HEAD))
+        if head[:2] == b"PK":
+            return f"{str(path)!r} is truncated or damaged: its zip directory is missing or unreadable"
+        if head == LEGACY_TORCH_HEAD:
+            return None
+        what = "an empty file" if not head else f"a file of {path.stat().st_size:,} bytes that starts with {head[:8]!r}"
+        raise ValueError(
+            f"{str(path)!r} is not a checkpoint: {what}, neither a torch.save archive (zip or legacy format) "
+            f"nor a .safetensors file. Check the path."
+        )
+    with open_regular(path) as f:  # bounded before testzip inflates anything: a zip bomb is refused, not decompressed
+        check_archive(f, os.fstat(f.fileno()).st_size, repr(str(path)), compressed=True)
+    try:
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()
+    except (zipfile.BadZipFile, OSError, EOFError) as exc:
+        return f"{str(path)!r} is truncated or damaged: {exc}"
+    if bad is not None:
+        return f"{str(path)!r} was altered or damaged after the save: entry {bad!r} fails its CRC-32 check"
+    return None
+
+
+def _check_safetensors_header(path: Path) -> str | None:
+    """A .safetensors file whose header, read by the safetensors library, describes every byte of it."""
+    try:
+        from safetensors import safe_open  # safetensors is optional (hp-lightning[safetensors])
+
+        with safe_open(str(path), framework="pt") as f:
+            f.keys()
+    except ImportError:
+        return None  # reading it needs the package anyway, and says so
+    except Exception as exc:  # noqa: BLE001 - the library's own account of what is wrong
+        return f"{str(path)!r} is truncated or damaged: its safetensors header does not describe its bytes ({exc})"
+    return None
+
+
+def check_index(root: Path, metadata: dcp_metadata.Metadata, where: str) -> None:
+    """Every size DCP's index declares is backed by bytes present, before anything is allocated from it.
+
+    Each tensor entry's chunks lie inside it, do not overlap and cover all of it (an entry with
+    missing chunks would leave memory nothing fills); each chunk has a storage record whose item
+    holds at least the chunk's bytes, inside a regular file of the directory.
+
+    ``where`` is the index file, named in the error.
+
+    Raises:
+        CorruptCheckpointError: naming the entry and the file.
+    """
+    storage = metadata.storage_data if isinstance(metadata.storage_data, dict) else {}
+    sizes: dict[str, int] = {}
+    for index, info in storage.items():
+        name = info.relative_path  # a string: read_dcp_metadata checked it names a file inside root
+        if name not in sizes:
+            sizes[name] = regular_file_size(root, name)
+        offset, length = getattr(info, "offset", None), getattr(info, "length", None)
+        if type(offset) is not int or type(length) is not int or offset < 0 or length < 0 or offset + length > sizes[name]:
+            raise CorruptCheckpointError(
+                f"{describe_entry(root, index.fqn, name)}: DCP's index places it at bytes {offset!r}+{length!r}, outside the "
+                f"file's {sizes[name]:,} bytes; the checkpoint is truncated or altered."
+            )
+    for fqn, entry in metadata.state_dict_metadata.items():
+        if not isinstance(entry, dcp_metadata.TensorStorageMetadata):
+            continue
+        problem = _coverage_problem(entry)
+        if problem is None:
+            itemsize = entry.properties.dtype.itemsize
+            for chunk in entry.chunks:
+                info = storage.get(dcp_metadata.MetadataIndex(fqn, chunk.offsets))
+                if info is None:
+                    problem = f"its chunk at {tuple(chunk.offsets)} has no storage record"
+                    break
+                needed = math.prod(chunk.sizes) * itemsize
+                if info.length < needed:
+                    problem = f"its chunk at {tuple(chunk.offsets)} declares {needed:,} bytes but its item in {info.relative_path!r} holds {info.length:,}"
+                    break
+        if problem is not None:
+            raise CorruptCheckpointError(f"{where!r}: entry {fqn!r} ({problem}); the checkpoint is damaged or was altered.")
+
+
+def _coverage_problem(entry: dcp_metadata.TensorStorageMetadata) -> Optional[str]:
+    """Why the chunks of one tensor entry do not tile it exactly (None when they do)."""
+    size = tuple(entry.size)
+    if not isinstance(entry.properties.dtype, torch.dtype) or not all(type(n) is int and n >= 0 for n in size):
+        return f"size {size!r} / dtype {entry.properties.dtype!r} is not a tensor's"
+    boxes: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    for chunk in entry.chunks:
+        start, extent = tuple(chunk.offsets), tuple(chunk.sizes)
+        if len(start) != len(size) or len(extent) != len(size) or not all(type(v) is int and v >= 0 for v in (*start, *extent)):
+            return f"a chunk {start!r}+{extent!r} does not fit its {len(size)} dimensions"
+        if any(o + n > s for o, n, s in zip(start, extent, size)):
+            return f"its chunk at {start} of size {extent} reaches outside its size {size}"
+        boxes.append((start, extent))
+    covered = sum(math.prod(extent) for _, extent in boxes)
+    if covered != math.prod(size):
+        return f"its chunks cover {covered:,} of its {math.prod(size):,} elements (missing or overlapping chunks)"
+    ordered = sorted(box for box in boxes if 0 not in box[1])  # empty chunks hold nothing to overlap
+    for i, (start, extent) in enumerate(ordered):
+        for other, other_extent in ordered[i + 1 :]:
+            if other[0] >= start[0] + extent[0]:
+                break  # sorted by the first dimension: no later chunk can overlap this one
+            if all(o < s + n and s < o + m for s, n, o, m in zip(start, extent, other, other_extent)):
+                return f"its chunks at {start} and {other} overlap"
+    return None
+
+
+# ---------------------------------------------------------------- each tensor DCP loads, against its index entry
+
+
+def describe_entry(root: Any, fqn: str, name: str) -> str:
+    """How an error names DCP entry ``fqn`` of checkpoint ``root``, stored in file ``name``."""
+    return f"Entry {fqn!r} of {str(root)!r} (in {name!r})"
+
+
+class _CheckedTarget(torch.Tensor):
+    """What DCP copies a loaded tensor into (:meth:`TensorCheck.target`): the model's own memory, whose
+    ``copy_`` first checks that the source is the tensor the index promised (torch's public subclassing)."""
+
+    check: Any
+    plain: torch.Tensor  # the same memory as a plain tensor: DCP's three calls on the target go straight to it
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is torch.Tensor.detach:
+            return args[0]  # DCP detaches the target: keep this object (and what it checks)
+        if args and type(args[0]) is cls:
+            if func is torch.Tensor.copy_:
+                args[0].check(args[1])
+                return args[0].plain.copy_(*args[1:], **(kwargs or {}))
+            if func is torch.Tensor.size:
+                return args[0].plain.size(*args[1:], **(kwargs or {}))
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+class TensorCheck:
+    """Each tensor DCP loads from directory ``source``, checked before it is copied into the model.
+
+    :meth:`target` hands DCP the model's memory as a tensor whose ``copy_`` calls :meth:`verify` on its
+    source first (:class:`~hp_lightning.checkpoint.read.SafeLoadPlanner`'s ``resolve_tensor``). The loaded
+    tensor must be the one the index promised: its dtype, a dense layout of the chunk's shape filling
+    exactly the chunk's bytes (an 8x8 archive read for a 4x4 chunk, float64 for float32 and int64 cast
+    to float are refused, never narrowed or cast); and, given a :class:`ReadCheck`, its bytes' CRC-32
+    against the manifest, computed on the loaded storage in place (no second read).
+    """
+
+    def __init__(self, source: Path, check: Optional[ReadCheck] = None) -> None:
+        self.source = Path(source)
+        self.check = check
+        self._chunks: dict[tuple[str, tuple[int, ...]], tuple[int, ...]] = {}
+
+    def target(self, plain: torch.Tensor, metadata: Optional[dcp_metadata.Metadata], item: ReadItem) -> torch.Tensor:
+        """``plain`` (the model's memory DCP copies ``item`` into) as a tensor that checks what is copied into it."""
+        target = plain.as_subclass(_CheckedTarget)
+        target.plain = plain
+        target.check = functools.partial(self.verify, metadata, item)
+        return target
+
+    def verify(self, metadata: Optional[dcp_metadata.Metadata], item: ReadItem, loaded: torch.Tensor) -> None:
+        """Refuse ``loaded`` (DCP's narrowed view of the tensor it read for ``item``) unless it is what the index promised.
+
+        Raises:
+            CorruptCheckpointError: naming the entry, the file and what differs.
+        """
+        assert metadata is not None  # set by DCP before any read
+        fqn = item.storage_index.fqn
+        info = metadata.storage_data[item.storage_index]
+        entry = metadata.state_dict_metadata[fqn]
+        if not isinstance(entry, dcp_metadata.TensorStorageMetadata) or not isinstance(loaded, torch.Tensor):
+            where = describe_entry(self.source, fqn, info.relative_path)
+            raise CorruptCheckpointError(f"{where}: the index and the item disagree on whether it is a tensor; the checkpoint is damaged.")
+        dtype = entry.properties.dtype
+        storage = loaded.untyped_storage()
+        if loaded.device != devices.cpu_device() or (storage.nbytes() and not storage.data_ptr()):
+            where = describe_entry(self.source, fqn, info.relative_path)
+            raise CorruptCheckpointError(
+                f"{where}: the archive holds a tensor on the {loaded.device} device, with no bytes of its own in memory "
+                f"(DCP reads every item onto the CPU); it was crafted and is refused."
+            )
+        if not self._chunks:  # each chunk's shape by (entry, offsets), built once per load
+            self._chunks = {
+                (name, tuple(c.offsets)): tuple(c.sizes)
+                for name, e in metadata.state_dict_metadata.items()
+                if isinstance(e, dcp_metadata.TensorStorageMetadata)
+                for c in e.chunks
+            }
+        sizes = self._chunks.get((fqn, tuple(item.storage_index.offset or ())))
+        if loaded.dtype != dtype:
+            where = describe_entry(self.source, fqn, info.relative_path)
+            raise CorruptCheckpointError(f"{where}: the archive holds a {loaded.dtype} tensor where the index declares {dtype}; it is refused, not cast.")
+        nbytes = storage.nbytes()
+        if sizes is None or nbytes != math.prod(sizes) * loaded.element_size() or not _dense_from_start(loaded, sizes, item.storage_offsets):
+            where = describe_entry(self.source, fqn, info.relative_path)
+            raise CorruptCheckpointError(
+                f"{where}: the archive's tensor ({nbytes:,} bytes, strides {tuple(loaded.stride())}) is not the {sizes} {dtype} "
+                f"chunk the index declares ({math.prod(sizes or ()) * loaded.element_size():,} bytes); it is refused, not narrowed."
+            )
+        if self.check is not None:
+            self.check.verify_item(info.relative_path, info.offset, info.length, loaded)
+
+
+def _dense_from_start(view: torch.Tensor, sizes: tuple[int, ...], starts: Sequence[int]) -> bool:
+    """Whether ``view`` (DCP's narrowing at ``starts``) comes from a tensor of shape ``sizes`` laid densely over its
+    whole storage from offset 0: then every element copied is the one stored at that position."""
+    strides = tuple(view.stride())
+    if len(strides) != len(sizes) or not math.prod(sizes):
+        return len(strides) == len(sizes)
+    if view.storage_offset() != sum(s * st for s, st in zip(starts, strides)):
+        return False
+    expected = 1
+    for stride, size in sorted((st, n) for n, st in zip(sizes, strides) if n != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True

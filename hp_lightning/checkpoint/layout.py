@@ -1,4 +1,4 @@
-"""What a checkpoint looks like on disk, how its integrity is recorded, and how a save is published.
+"""What a checkpoint looks like on disk, how a reader recognizes one, and how a save is published.
 
 A sharded checkpoint is a directory::
 
@@ -15,7 +15,8 @@ directory too.
 
 A full checkpoint is one file: an ordinary Lightning checkpoint (a ``torch.save`` zip archive)
 with an extra ``"hp_lightning"`` entry holding the format version. Its integrity record is the
-CRC-32 the zip format keeps for every entry, checked on load.
+CRC-32 the zip format keeps for every entry, checked on load. The checks of either format live in
+:mod:`.integrity`; the readers in :mod:`.read`.
 
 Publishing: a save is written under a staging name (``<name>.hp-partial-<token>``) next to its
 target, then moved into place in one step. An existing target is swapped with the staging entry
@@ -50,28 +51,15 @@ from typing import Any, Callable, Optional, TypeVar
 import torch
 
 from hp_lightning._version import __version__
-
-# The errors, the per-file records and the checks before a file is opened live in .integrity, and DCP's index file
-# name and torch's legacy head in .unpickle, beside their readers; all are named here too, beside the layout they guard.
-from hp_lightning.checkpoint.integrity import (  # noqa: F401
-    CorruptCheckpointError,
-    UnsafeCheckpointError,
-    check_contained,
-    corruption_message,
-    file_record,
-    open_regular,
-    regular_file_size,
-    shard_record,
-    share_by_size,
-    verify_file,
-    verify_records,
-)
-from hp_lightning.checkpoint.unpickle import DCP_METADATA_FILE, LEGACY_TORCH_HEAD, check_archive, torch_load  # noqa: F401
+from hp_lightning.checkpoint.integrity import CorruptCheckpointError, check_contained, open_regular, verify_records, verify_zip
+from hp_lightning.checkpoint.unpickle import torch_load
 
 #: Version of the layout above. Loaders refuse newer versions instead of misreading them.
 FORMAT_VERSION = 1
 #: Lightning's name for the non-tensor part of a sharded checkpoint.
 META_FILE = "meta.pt"
+#: DCP's index file in a checkpoint directory.
+DCP_METADATA_FILE = ".metadata"
 #: hp_lightning's manifest; written last, so it also marks a finished save.
 MANIFEST_FILE = "hp_lightning.json"
 #: Key of hp_lightning's record inside a full (single-file) checkpoint.
@@ -252,60 +240,7 @@ def check_version(record: Mapping[str, Any], where: Path) -> None:
         )
 
 
-# ---------------------------------------------------------------- integrity records
-
-
-def verify_zip(path: Path) -> str | None:
-    """Check every entry of a ``torch.save`` archive against its CRC-32; return a problem or None.
-
-    Files written by the legacy (non-zip) ``torch.save`` format have no checksums; they pass when
-    they start with that format's magic number.
-
-    Raises:
-        ValueError: for anything that is no checkpoint at all (an empty file, random bytes, text).
-        CorruptCheckpointError: not a regular file, or a record whose declared size its bytes do not back
-            (:func:`~hp_lightning.checkpoint.unpickle.check_archive`), before anything is inflated.
-        UnsafeCheckpointError: a pickle calling a constructor that allocates what it declares.
-    """
-    regular_file_size(path.parent, path.name)
-    if path.suffix == ".safetensors":
-        return _check_safetensors_header(path)
-    if not zipfile.is_zipfile(path):
-        with open(path, "rb") as f:
-            head = f.read(len(LEGACY_TORCH_HEAD))
-        if head[:2] == b"PK":
-            return f"{str(path)!r} is truncated or damaged: its zip directory is missing or unreadable"
-        if head == LEGACY_TORCH_HEAD:
-            return None
-        what = "an empty file" if not head else f"a file of {path.stat().st_size:,} bytes that starts with {head[:8]!r}"
-        raise ValueError(
-            f"{str(path)!r} is not a checkpoint: {what}, neither a torch.save archive (zip or legacy format) "
-            f"nor a .safetensors file. Check the path."
-        )
-    with open_regular(path) as f:  # bounded before testzip inflates anything: a zip bomb is refused, not decompressed
-        check_archive(f, os.fstat(f.fileno()).st_size, repr(str(path)), compressed=True)
-    try:
-        with zipfile.ZipFile(path) as archive:
-            bad = archive.testzip()
-    except (zipfile.BadZipFile, OSError, EOFError) as exc:
-        return f"{str(path)!r} is truncated or damaged: {exc}"
-    if bad is not None:
-        return f"{str(path)!r} was altered or damaged after the save: entry {bad!r} fails its CRC-32 check"
-    return None
-
-
-def _check_safetensors_header(path: Path) -> str | None:
-    """A .safetensors file whose header, read by the safetensors library, describes every byte of it."""
-    try:
-        from safetensors import safe_open  # safetensors is optional (hp-lightning[safetensors])
-
-        with safe_open(str(path), framework="pt") as f:
-            f.keys()
-    except ImportError:
-        return None  # reading it needs the package anyway, and says so
-    except Exception as exc:  # noqa: BLE001 - the library's own account of what is wrong
-        return f"{str(path)!r} is truncated or damaged: its safetensors header does not describe its bytes ({exc})"
-    return None
+# ---------------------------------------------------------------- writing, and the manifest
 
 
 def write_error(exc: BaseException, path: Path, *, source: str = "") -> OSError:

@@ -36,18 +36,16 @@ from torch.distributed.checkpoint.state_dict import (
 
 from hp_lightning.checkpoint import hf, layout
 from hp_lightning.checkpoint.collective import on_every_rank, on_rank0, rank, warn_rank0, world_size
-from hp_lightning.checkpoint.integrity import ReadCheck
+from hp_lightning.checkpoint.integrity import CorruptCheckpointError, ReadCheck, corruption_message, regular_file_size, share_by_size, verify_records
 from hp_lightning.checkpoint.layout import (
     FSDP_MODEL_KEY,
     FULL_INFO_KEY,
     MODEL_KEY,
     OPTIMIZER_KEY,
     CheckpointKind,
-    CorruptCheckpointError,
 )
-from hp_lightning.checkpoint.read import dcp_index, directory_message, read_full_file, read_meta, read_sharded
+from hp_lightning.checkpoint.read import dcp_index, dcp_load, directory_message, read_dcp_metadata, read_full_file, read_meta, read_sharded
 from hp_lightning.checkpoint.save import save_checkpoint
-from hp_lightning.checkpoint.unpickle import dcp_load, read_dcp_metadata
 from hp_lightning.core.state_dict import (
     Shape,
     check_model_keys,
@@ -186,12 +184,12 @@ def _verify_sharded(path: Path, manifest: Mapping[str, Any], *, ranges_on_read: 
         CorruptCheckpointError: naming the files; the caller shares it with every rank.
     """
     try:
-        mine = layout.share_by_size(manifest["files"], world_size())[rank()]
-        problems = layout.verify_records(path, manifest["files"], mine, ranges_on_read=ranges_on_read)
+        mine = share_by_size(manifest["files"], world_size())[rank()]
+        problems = verify_records(path, manifest["files"], mine, ranges_on_read=ranges_on_read)
     except OSError as exc:
         problems = [f"{str(path)!r} cannot be read on rank {rank()}: {exc}"]
     if problems:
-        raise CorruptCheckpointError(layout.corruption_message(problems, path))
+        raise CorruptCheckpointError(corruption_message(problems, path))
 
 
 def _stored_model(index: Mapping[tuple[Any, ...], Shape]) -> tuple[str, dict[str, Shape]]:
@@ -552,7 +550,7 @@ def load_from_checkpoint(cls: type[LightningModule], checkpoint_path: Any, **kwa
         CorruptCheckpointError, ValueError: as :func:`hp_lightning.checkpoint.read.read_sharded`.
     """
     if isinstance(checkpoint_path, (str, Path)) and Path(checkpoint_path).exists() and not Path(checkpoint_path).is_dir():
-        layout.regular_file_size(Path(checkpoint_path).parent, Path(checkpoint_path).name)  # a FIFO would block Lightning's open
+        regular_file_size(Path(checkpoint_path).parent, Path(checkpoint_path).name)  # a FIFO would block Lightning's open
     if not isinstance(checkpoint_path, (str, Path)) or not Path(checkpoint_path).is_dir():
         return cls.load_from_checkpoint(checkpoint_path, **kwargs)
     checkpoint = read_sharded(Path(checkpoint_path), weights_only=True, trust_pickle=kwargs.get("weights_only") is False)

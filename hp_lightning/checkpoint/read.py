@@ -1,38 +1,71 @@
-"""Reading checkpoints into this process, with no process group: the one place every reader shares.
+"""What reads: every way a checkpoint comes into this process, and DCP's reader and planner that load it.
 
-:mod:`.load` (into a sharded model, from every rank) and :mod:`.convert` (offline, between formats)
-both read through here, so neither imports the other: a single file (:func:`read_full_file`), a
-sharded directory's index (:func:`dcp_index`), trainer state (:func:`read_meta`) and whole tensors
-(:func:`read_dcp`, :func:`read_sharded`), and the integrity check (:func:`verify`).
+:mod:`.load` (into a sharded model, from every rank), :mod:`.convert` (offline, between formats) and
+the callbacks read through here, so none imports another: a single file (:func:`read_full_file`), a
+sharded directory's index (:func:`read_dcp_metadata`, :func:`dcp_index`), trainer state
+(:func:`read_meta`), tensors into a model's state dict (:func:`dcp_load`, with :class:`SafeReader`
+and :class:`SafeLoadPlanner` hooked into DCP's public reader and planner) or whole, with no model and
+no process group (:func:`read_dcp`, :func:`read_sharded`), and the integrity check (:func:`verify`).
 
-Every pickle is read with torch's safe loading unless the caller opts out (see :mod:`.unpickle`),
-and no entry of a checkpoint directory may name a file outside it.
+Reading is all this module does: each step calls :mod:`.integrity` to check what it is about to
+trust (files inside the directory and regular, sizes backed by bytes, CRC-32s, each tensor against
+its index entry) and :mod:`.unpickle` to rebuild a pickle (safely unless the caller opts out).
 """
 
 from __future__ import annotations
 
+import io
+import os
+import pickle
 import warnings
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Optional
+from typing import IO, Any, Optional, Union, cast
 
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
 from hp_lightning.checkpoint import layout
+from hp_lightning.checkpoint.integrity import (
+    CorruptCheckpointError,
+    FileWindow,
+    ReadCheck,
+    TensorCheck,
+    UnsafeCheckpointError,
+    check_archive,
+    check_contained,
+    check_index,
+    corruption_message,
+    describe_entry,
+    open_regular,
+    regular_file_size,
+    verify_records,
+    verify_zip,
+)
 from hp_lightning.checkpoint.layout import (
+    DCP_METADATA_FILE,
     FSDP_MODEL_KEY,
     FULL_INFO_KEY,
     META_FILE,
     MODEL_KEY,
     OPTIMIZER_KEY,
     CheckpointKind,
-    CorruptCheckpointError,
 )
-from hp_lightning.checkpoint.unpickle import dcp_load, put_route, read_dcp_metadata, torch_load
+from hp_lightning.checkpoint.unpickle import index_allowlist, load_entry, resolve_weights_only, torch_load, unpickle_index
 from hp_lightning.core import devices
 from hp_lightning.core.state_dict import Shape
+
+#: Tensor archives up to this size are read whole before ``torch.load`` parses them (larger ones
+#: stream from the file: no second copy of a large shard in memory).
+WHOLE_READ_MAX = 1 << 20
+
+
 
 # ------------------------------------------------ single files
 
@@ -62,11 +95,11 @@ def read_full_file(
     path = Path(path)
     if path.is_dir():
         raise ValueError(directory_message(path, "read_full_file"))
-    layout.regular_file_size(path.parent, path.name)  # a FIFO or device is refused before anything opens it
+    regular_file_size(path.parent, path.name)  # a FIFO or device is refused before anything opens it
     if path.suffix == ".safetensors":
         return {MODEL_KEY: _read_safetensors(path)}
-    if verify and (problem := layout.verify_zip(path)):
-        raise CorruptCheckpointError(layout.corruption_message([problem], path))
+    if verify and (problem := verify_zip(path)):
+        raise CorruptCheckpointError(corruption_message([problem], path))
     checkpoint = torch_load(path, weights_only=weights_only)
     if not isinstance(checkpoint, dict):
         raise ValueError(f"{str(path)!r} holds a {type(checkpoint).__name__}, not a checkpoint dict or a state dict.")
@@ -110,7 +143,195 @@ def directory_message(path: Path, caller: str) -> str:
     )
 
 
-# ------------------------------------------------ sharded directories
+# ------------------------------------------------ DCP directories: the index, and DCP's reader and planner
+
+
+def read_dcp_metadata(path: Path, *, weights_only: Optional[bool] = None, rank: Optional[int] = None) -> dcp_metadata.Metadata:
+    """DCP's index of the checkpoint directory ``path``, unpickled safely by default and checked to stay inside it.
+
+    Safely: by :func:`~hp_lightning.checkpoint.unpickle.unpickle_index`; then every size it declares is checked
+    against the bytes present (:func:`~hp_lightning.checkpoint.integrity.check_index`).
+
+    Raises:
+        UnsafeCheckpointError: the index names or calls something outside DCP's own types, sets state on
+            anything but a DCP object it made, or names a storage file outside ``path``.
+        CorruptCheckpointError: it cannot be read or is not DCP metadata.
+        ImportError: this torch lacks a name DCP writes into its indexes (:func:`~hp_lightning.checkpoint.unpickle.resolve_index_names`).
+    """
+    path = Path(path)
+    name = DCP_METADATA_FILE if rank is None else f"__{rank}{DCP_METADATA_FILE}"
+    where = path / name
+    check_contained(path, [name], what="its DCP index")
+    allow = index_allowlist(weights_only)
+    try:
+        with open_regular(where) as f:
+            metadata = unpickle_index(f, where, allow)
+    except (UnsafeCheckpointError, CorruptCheckpointError):
+        raise
+    except Exception as exc:  # noqa: BLE001 - re-raised with the file named (a missing file, RecursionError too)
+        raise CorruptCheckpointError(f"{str(where)!r} cannot be read ({type(exc).__name__}: {exc}); the checkpoint is damaged.") from None
+    if not isinstance(metadata, dcp_metadata.Metadata) or not isinstance(metadata.state_dict_metadata, dict):
+        raise CorruptCheckpointError(f"{str(where)!r} does not hold DCP metadata (got {type(metadata).__name__}); the checkpoint is damaged.")
+    storage = metadata.storage_data if isinstance(metadata.storage_data, dict) else {}
+    check_contained(path, {getattr(info, "relative_path", None) for info in storage.values()}, what=f"its DCP index {str(where)!r}")
+    try:
+        check_index(path, metadata, str(path / DCP_METADATA_FILE))
+    except (AttributeError, TypeError, KeyError, IndexError, OverflowError, RecursionError) as exc:  # fields of the wrong types
+        raise CorruptCheckpointError(f"{str(where)!r} is not valid DCP metadata ({type(exc).__name__}: {exc}); the checkpoint is damaged.") from None
+    if getattr(metadata, "storage_meta", None) is None:
+        metadata.storage_meta = dcp_metadata.StorageMeta()
+    return metadata
+
+
+class SafeReader(FileSystemReader):
+    """torch's ``FileSystemReader`` reading the index with :func:`read_dcp_metadata` (safe, contained, bounded by
+    :func:`~hp_lightning.checkpoint.integrity.check_index`); before its own ``read_data`` opens a file, the file must be regular (and, given
+    ``recorded``, in the manifest); being its own ``transforms``, it checks each tensor archive with
+    :func:`~hp_lightning.checkpoint.integrity.check_archive` as DCP opens it, then hands it to DCP's ``torch.load``."""
+
+    def __init__(
+        self,
+        path: Union[str, os.PathLike],
+        *,
+        weights_only: Optional[bool] = None,
+        metadata: Optional[dcp_metadata.Metadata] = None,
+        recorded: Optional[frozenset[str]] = None,
+    ) -> None:
+        super().__init__(path)
+        self.weights_only = weights_only
+        self.recorded = recorded  # the files a manifest vouches for (hp_lightning's layout); any other is refused
+        self.reading = ""  # the tensor item DCP is reading, named in an error torch raises about it
+        self._metadata = metadata  # the index already read (safely) by the caller: not unpickled twice
+        self.transforms = cast(Any, self)  # DCP calls transform_load_stream (below) on each item it opens
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future:
+        root = Path(self.path)
+        for name in {self.storage_data[item.storage_index].relative_path for item in plan.items}:  # check_index vouched for the keys
+            if self.recorded is not None and name not in self.recorded:
+                problem = f"{str(root / name)!r} is read by DCP's index but not recorded in the manifest (added after the save)"
+                raise CorruptCheckpointError(corruption_message([problem], root))
+            regular_file_size(root, name)  # still a regular file (check_index checked every item's bytes lie inside it)
+        return super().read_data(plan, planner)
+
+    def transform_load_stream(self, read_item: ReadItem, transform_descriptors: Sequence[str], raw_stream: IO[bytes]) -> IO[bytes]:
+        info = self.storage_data[read_item.storage_index]
+        self.reading = describe_entry(self.path, read_item.storage_index.fqn, info.relative_path)
+        if transform_descriptors:
+            raise CorruptCheckpointError(
+                f"{self.reading}: stored through DCP's stream transforms {list(transform_descriptors)}, which decompress "
+                f"with no bound on the size they produce; hp_lightning and DCP's defaults write none, so it is refused."
+            )
+        if read_item.type == LoadItemType.BYTE_IO:
+            return raw_stream  # read whole by DCP (its item length bounds it), checked by SafeLoadPlanner.load_bytes
+        window = cast(IO[bytes], FileWindow(raw_stream, 0, info.length))  # DCP's view of the item, seeking from its end right
+        if info.length <= WHOLE_READ_MAX:
+            # A small archive is read in one call and parsed from memory: torch's zip reader and
+            # zipfile then seek and read a few dozen times per archive in C, not through Python streams.
+            data = window.read(info.length)
+            if len(data) != info.length:
+                raise CorruptCheckpointError(f"{self.reading}: {len(data):,} of its {info.length:,} bytes are there; it is truncated.")
+            window = io.BytesIO(data)
+            check_archive(window, info.length, self.reading, whole=data)  # DCP loads it with weights_only=True
+        else:
+            check_archive(window, info.length, self.reading)
+        return window
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
+        if self._metadata is not None and kwargs.get("rank") is None:
+            metadata = self._metadata
+        else:
+            metadata = read_dcp_metadata(Path(self.path), weights_only=self.weights_only, rank=kwargs.get("rank"))
+        assert metadata.storage_meta is not None  # read_dcp_metadata always fills it in
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """torch's ``DefaultLoadPlanner`` that unpickles DCP's non-tensor entries safely
+    (:func:`~hp_lightning.checkpoint.unpickle.load_entry`) and hands DCP a target for each tensor whose
+    ``copy_`` checks its source first (:class:`~hp_lightning.checkpoint.integrity.TensorCheck`)."""
+
+    def __init__(self, source: Path, *, weights_only: Optional[bool] = None, allow_partial_load: bool = False, check: Optional[ReadCheck] = None) -> None:
+        super().__init__(allow_partial_load=allow_partial_load)
+        self.source = Path(source)
+        self.safe = resolve_weights_only(weights_only)
+        self.check = check
+        self.tensors = TensorCheck(self.source, check)
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        fqn = read_item.dest_index.fqn
+        if self.check is not None:
+            info = self.metadata.storage_data[read_item.storage_index]  # type: ignore[union-attr]
+            self.check.verify_item(info.relative_path, info.offset, info.length, None)
+        loaded = load_entry(value, self.source, fqn, safe=self.safe)
+        if self.flatten_state_dict:
+            put_route(self.original_state_dict, self.mappings[fqn], loaded)
+        else:
+            self.state_dict[fqn] = loaded
+
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        plain = super().resolve_tensor(read_item).detach()
+        return self.tensors.target(plain, self.metadata, read_item)
+
+
+def put_route(root: Any, route: Sequence[Any], value: Any) -> None:
+    """Set ``value`` at ``route`` (keys and list positions: DCP's routes spell dict keys as strings, so an
+    integer is a list position) inside ``root``, making the containers it lacks."""
+    node = root
+    for key, following in zip(route[:-1], route[1:]):
+        empty: Any = [] if isinstance(following, int) else {}
+        if isinstance(node, list):
+            node.extend([None] * (key + 1 - len(node)))
+            if node[key] is None:
+                node[key] = empty
+        else:
+            node.setdefault(key, empty)
+        node = node[key]
+    last = route[-1]
+    if isinstance(node, list):
+        node.extend([None] * (last + 1 - len(node)))
+    node[last] = value
+
+
+def dcp_load(
+    state: dict[str, Any],
+    path: Path,
+    *,
+    weights_only: Optional[bool],
+    no_dist: bool,
+    allow_partial_load: bool = False,
+    check: Optional[ReadCheck] = None,
+    metadata: Optional[dcp_metadata.Metadata] = None,
+) -> None:
+    """``dcp.load(state, ...)`` from directory ``path`` with :class:`SafeReader` and :class:`SafeLoadPlanner`.
+
+    DCP gathers every rank's failure and raises the same ``CheckpointException`` everywhere; a
+    refusal inside it comes back out as the :class:`UnsafeCheckpointError` it was, on every rank.
+
+    Args:
+        check: verify each tensor against the manifest's CRC-32s as it is read (:class:`SafeLoadPlanner`),
+            and read only files the manifest records.
+        metadata: DCP's index, when the caller already read it with :func:`read_dcp_metadata`.
+
+    Raises:
+        UnsafeCheckpointError: a non-tensor entry or the index needs more than safe loading allows.
+        CorruptCheckpointError: any damage DCP or torch meets (their exceptions unwrapped into it), a
+            tensor that is not what the index promised or, with ``check``, whose bytes differ from the save's.
+    """
+    reader = SafeReader(str(path), weights_only=weights_only, metadata=metadata, recorded=check.recorded if check is not None else None)
+    planner = SafeLoadPlanner(path, weights_only=weights_only, allow_partial_load=allow_partial_load, check=check)
+    try:
+        dcp.load(state, checkpoint_id=str(path), storage_reader=reader, planner=planner, no_dist=no_dist)
+    except (dcp.CheckpointException, RuntimeError, ValueError, IndexError, KeyError, AssertionError, EOFError, OSError, RecursionError, pickle.UnpicklingError) as exc:
+        causes = [failure[0] if isinstance(failure, tuple) else failure for _, failure in sorted(getattr(exc, "failures", {}).items())] or [exc]
+        ours = [cause for cause in causes if isinstance(cause, (UnsafeCheckpointError, CorruptCheckpointError))]
+        if ours:  # a reader's own refusal, on whichever rank: raised as it was, on every rank
+            raise type(ours[0])(str(ours[0])) from None
+        where = reader.reading or f"Checkpoint {str(path)!r}"
+        raise CorruptCheckpointError(f"{where} cannot be read: {type(causes[0]).__name__}: {str(causes[0])[:300]}; it is damaged or was altered.") from None
+
+
+# ------------------------------------------------ sharded directories whole, in one process
 
 
 def dcp_index(path: Path, *, weights_only: Optional[bool] = None, metadata: Optional[Metadata] = None) -> dict[tuple[Any, ...], Shape]:
@@ -140,7 +361,7 @@ def read_meta(path: Path, weights_only: Optional[bool]) -> dict[str, Any]:
         UnsafeCheckpointError: a type safe loading refuses, or the entry names a file outside ``path``.
         CorruptCheckpointError: the file does not hold a dict.
     """
-    layout.check_contained(path, [META_FILE], what="its trainer state")
+    check_contained(path, [META_FILE], what="its trainer state")
     meta = torch_load(path / META_FILE, weights_only=weights_only)
     if not isinstance(meta, dict):
         raise CorruptCheckpointError(f"{str(path / META_FILE)!r} does not hold a dict (got {type(meta).__name__}); the checkpoint is damaged.")
@@ -161,8 +382,8 @@ def verify(path: Path) -> str:
     path = Path(path)
     kind = layout.classify(path)
     if kind is CheckpointKind.FULL_FILE:
-        if problem := layout.verify_zip(path):
-            raise CorruptCheckpointError(layout.corruption_message([problem], path))
+        if problem := verify_zip(path):
+            raise CorruptCheckpointError(corruption_message([problem], path))
         if path.suffix == ".safetensors":
             check = "a safetensors header that describes every byte"
         elif zipfile.is_zipfile(path):
@@ -175,9 +396,9 @@ def verify(path: Path) -> str:
         return f"OK: {path} is readable, but Lightning's sharded layout records no checksums to verify"
     manifest = layout.read_manifest(path)
     records = manifest["files"]
-    problems = layout.verify_records(path, records, sorted(records))
+    problems = verify_records(path, records, sorted(records))
     if problems:
-        raise CorruptCheckpointError(layout.corruption_message(problems, path))
+        raise CorruptCheckpointError(corruption_message(problems, path))
     dcp_index(path)  # the index must name only files inside too (the manifest cannot vouch for that)
     total = sum(r["size"] for r in records.values())
     if all("sha256" in r for r in records.values()):

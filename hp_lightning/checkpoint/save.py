@@ -38,6 +38,7 @@ from torch.distributed.tensor import DTensor
 from hp_lightning._version import __version__
 from hp_lightning.checkpoint import layout
 from hp_lightning.checkpoint.collective import agree, on_rank0, rank, world_size
+from hp_lightning.checkpoint.integrity import file_record, shard_record
 from hp_lightning.checkpoint.layout import (
     DCP_METADATA_FILE,
     FORMAT_VERSION,
@@ -127,7 +128,7 @@ class RecordingWriter(FileSystemWriter):
     """torch's DCP ``FileSystemWriter`` that also records each shard file's integrity record.
 
     Each rank, right after writing its files (on DCP's background thread under ``async_save``),
-    makes their records (:func:`layout.shard_record`: the CRC-32s torch computed while writing,
+    makes their records (:func:`~hp_lightning.checkpoint.integrity.shard_record`: the CRC-32s torch computed while writing,
     plus a read of the few bytes they do not cover; with ``sha256`` a read-back of the whole file)
     and hands them to the coordinator inside its write results, the list DCP already gathers on
     rank 0. :meth:`finish` takes them out again before DCP's index is written, so ``.metadata`` is
@@ -147,7 +148,7 @@ class RecordingWriter(FileSystemWriter):
             info = result.storage_data
             spans.setdefault(info.relative_path, []).append((info.offset, info.length))
         root = Path(self.path)
-        records = {name: layout.shard_record(root / name, items, sha256=self.sha256) for name, items in spans.items()}
+        records = {name: shard_record(root / name, items, sha256=self.sha256) for name, items in spans.items()}
         done: torch.futures.Future = torch.futures.Future()
         done.set_result([*results, WriteResult(index=_RECORDS_INDEX, size_in_bytes=0, storage_data=records)])
         return done
@@ -196,7 +197,7 @@ def _finish_sharded(staging: Path, path: Path, records: Mapping[str, Any], tenso
     files (``meta.pt``, DCP's ``.metadata``) are read back here.
     """
     try:
-        files = {n: records.get(n) or layout.file_record(staging / n, checksum=checksums) for n in layout.data_files(staging)}
+        files = {n: records.get(n) or file_record(staging / n, checksum=checksums) for n in layout.data_files(staging)}
         manifest = {
             **producer_record(),
             "format": "sharded",

@@ -120,8 +120,7 @@ _PRIVATE_NAMES: tuple[PrivateName, ...] = (
     PrivateName("torch.distributed.device_mesh", "DeviceMesh._flatten", "expert parallelism's flattened mesh dims"),
     PrivateName("torch.distributed.tensor", "DTensor._local_tensor", "the planner's memory tracking", per_instance=True),
     PrivateName("torch.distributed.tensor", "DTensor._op_dispatcher.sharding_propagator", "the planner"),
-    PrivateName("torch._ops", "OpOverload._opname", "collective counting (diagnostics)"),
-    PrivateName("torch.utils._python_dispatch", "TorchDispatchMode", "collective counting (diagnostics) and the planner"),
+    PrivateName("torch.utils._python_dispatch", "TorchDispatchMode", "the planner"),
     PrivateName("torch.autograd.variable", "Variable._execution_engine.queue_callback", "replicate_params (gradient all-reduce after backward)"),
     # The planner (hp_lightning/planner): a fake process group and fake tensors, one simulated rank.
     PrivateName("torch.testing._internal.distributed.fake_pg", "FakeStore", "the planner (fake process group)"),
@@ -379,6 +378,9 @@ def wrap_as_forward(root: nn.Module, method_name: str) -> None:
                 group._training_state = forward
         return post_forward(self, args, output)
 
+    # Lightning reads a step's signature one ``__wrapped__`` level down: a user's own decorator
+    # (``functools.wraps``) must stay what it sees, as without us.
+    wrapped.__wrapped__ = getattr(original, "__wrapped__", original)
     setattr(root, method_name, types.MethodType(wrapped, root))
 
 
@@ -414,12 +416,6 @@ def flatten_mesh(mesh: Any, name: str) -> Any:
 def set_collective_timeout(group: Any, timeout: Any) -> None:
     """Change an existing process group's collective timeout (torch has no public setter)."""
     _private("torch.distributed.distributed_c10d", "_set_pg_timeout")(timeout, group)
-
-
-def op_name(func: Any) -> str:
-    """An operator overload's name without namespace and overload (``"all_reduce"`` for
-    ``torch.ops._c10d_functional.all_reduce.default``), as a dispatch mode sees ``func``."""
-    return _field(func, "torch._ops.OpOverload", "_opname")
 
 
 def local_tensor(tensor: Any) -> Any:

@@ -47,7 +47,12 @@ __all__ = [
 
 
 class ArgumentTypeError(TypeError, ValueError):
-    """An argument of the wrong type: a ``TypeError`` that ``except ValueError`` also catches."""
+    """An argument of the wrong type: a ``TypeError`` that ``except ValueError`` also catches.
+
+    HyperParallel raises ``ValueError`` for every bad argument; Python convention (and torch) raise
+    ``TypeError`` for a wrong type. Being both, code written against either keeps catching it. Its
+    public name is ``hp_lightning.fully_shard.ArgumentTypeError``, the seed API that raises it.
+    """
 
 
 # ------------------------------------------------------------------ dtypes, reduction (fully_shard)

@@ -1,15 +1,17 @@
-"""Counting collectives where they are issued: at the ``torch.distributed`` call.
+"""Counting collectives where they are issued, with torch's ``CommDebugMode``.
 
-:class:`CollectiveCounter` wraps (never replaces the behaviour of) the ``torch.distributed``
-functions FSDP2 and hp_lightning call, and records each call's kind, process group ranks and
-bytes. Tests assert on it; benchmarks report it; users can put it around a step to see what
-their configuration communicates.
+:class:`CollectiveCounter` is torch's public :class:`~torch.distributed.tensor.debug.CommDebugMode`:
+a dispatch mode that sees each ``torch.distributed`` collective as its ``c10d`` op (FSDP2's
+all-gathers and reduce-scatters, our all-reduces, Lightning's broadcasts) and each of DTensor's
+functional collectives as its ``_c10d_functional`` op. It records each call's kind, process group
+ranks, bytes and dtype as well, and counts the point-to-point ``send``/``recv`` that
+``CommDebugMode`` leaves out (pipeline stages). Tests assert on it; benchmarks report it; users
+can put it around a step to see what their configuration communicates.
 
-FSDP2 calls ``dist.all_gather_single`` / ``dist.reduce_scatter_single``; those, the other
-``torch.distributed`` collectives and the point-to-point calls are wrapped, and a call made from
-inside another wrapped call is not counted twice. DTensor (tensor parallelism, gradient-norm
-reductions) communicates through torch's *functional* collectives instead, which never pass
-through those functions: a dispatch mode counts them at the op (``_c10d_functional.*``).
+What is counted is what is issued at the call: the tensor collectives an object collective
+(``all_gather_object``, ...) pickles through, and those DTensor issues inside one of its ops (a
+redistribution, clipping's norm), are not counted, nor ``barrier``. A dispatch mode sees its own
+thread only.
 
 Calls can be bucketed: :meth:`CollectiveCounter.mark` opens a bucket (say, one per micro-batch,
 from a callback's ``on_train_batch_start``) and every call until the next mark belongs to it,
@@ -28,9 +30,8 @@ and the planner's ``--validate`` measure with it.
 from __future__ import annotations
 
 import ctypes
-import dataclasses
-import functools
 import gc
+import inspect
 import os
 import sys
 import threading
@@ -43,43 +44,46 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-import torch.distributed.distributed_c10d as _c10d
+from torch.distributed.tensor.debug import CommDebugMode
 from torch.overrides import TorchFunctionMode
 
 from hp_lightning.core import devices
-from hp_lightning.core._torch_private import TorchDispatchMode, op_name, resolve_process_group
+from hp_lightning.core._torch_private import resolve_process_group
 
-#: Wrapped function name -> the kind it is counted as.
-WRAPPED: dict[str, str] = {
-    "all_gather_single": "all_gather",
-    "all_gather_into_tensor": "all_gather",
-    "all_gather": "all_gather",
-    "reduce_scatter_single": "reduce_scatter",
-    "reduce_scatter_tensor": "reduce_scatter",
-    "reduce_scatter": "reduce_scatter",
-    "all_reduce": "all_reduce",
-    "broadcast": "broadcast",
-    "all_to_all_single": "all_to_all",
-    "all_to_all": "all_to_all",
-    "send": "send",
-    "recv": "recv",
-    "isend": "send",
-    "irecv": "recv",
+#: Communication op (an op overload's ``name()``) -> the kind it is counted as. ``c10d`` ops are
+#: the ``torch.distributed`` calls; ``_c10d_functional`` ops are DTensor's.
+KINDS: dict[str, str] = {
+    "c10d::allgather_": "all_gather",
+    "c10d::_allgather_base_": "all_gather",
+    "c10d::allgather_into_tensor_coalesced_": "all_gather",
+    "c10d::reduce_scatter_": "reduce_scatter",
+    "c10d::_reduce_scatter_base_": "reduce_scatter",
+    "c10d::reduce_scatter_tensor_coalesced_": "reduce_scatter",
+    "c10d::allreduce_": "all_reduce",
+    "c10d::allreduce_coalesced_": "all_reduce",
+    "c10d::broadcast_": "broadcast",
+    "c10d::alltoall_": "all_to_all",
+    "c10d::alltoall_base_": "all_to_all",
+    "c10d::send": "send",
+    "c10d::recv_": "recv",
+    "_c10d_functional::all_reduce": "all_reduce",
+    "_c10d_functional::all_reduce_": "all_reduce",
+    "_c10d_functional::all_reduce_coalesced": "all_reduce",
+    "_c10d_functional::all_gather_into_tensor": "all_gather",
+    "_c10d_functional::all_gather_into_tensor_coalesced": "all_gather",
+    "_c10d_functional::reduce_scatter_tensor": "reduce_scatter",
+    "_c10d_functional::reduce_scatter_tensor_coalesced": "reduce_scatter",
+    "_c10d_functional::all_to_all_single": "all_to_all",
+    "_c10d_functional::broadcast": "broadcast",
+    "_c10d_functional::broadcast_": "broadcast",
 }
 
-#: Functional collective op name (``torch.ops._c10d_functional.<name>``) -> the kind it is counted as.
-FUNCTIONAL: dict[str, str] = {
-    "all_reduce": "all_reduce",
-    "all_reduce_": "all_reduce",
-    "all_reduce_coalesced": "all_reduce",
-    "all_gather_into_tensor": "all_gather",
-    "all_gather_into_tensor_coalesced": "all_gather",
-    "reduce_scatter_tensor": "reduce_scatter",
-    "reduce_scatter_tensor_coalesced": "reduce_scatter",
-    "all_to_all_single": "all_to_all",
-    "broadcast": "broadcast",
-    "broadcast_": "broadcast",
-}
+#: The object collectives: the tensor collectives they pickle through are theirs, not calls of the user's.
+_OBJECT_COLLECTIVES = frozenset(
+    inspect.unwrap(f).__code__
+    for f in (dist.all_gather_object, dist.broadcast_object_list, dist.gather_object, dist.scatter_object_list,
+              dist.send_object_list, dist.recv_object_list)
+)
 
 
 @dataclass(frozen=True)
@@ -97,9 +101,12 @@ class CollectiveCall:
         return self.dtype is not None and self.dtype.is_floating_point
 
 
-@dataclass
-class CollectiveCounter:
-    """Context manager recording every wrapped collective issued by this process.
+class CollectiveCounter(CommDebugMode):
+    """``CommDebugMode`` recording every collective this thread issues: kind, group ranks, bytes, dtype.
+
+    ``get_comm_counts()`` counts the recorded ops (each as the op seen). torch's per-module
+    tracing (global module hooks and a record of every op, to inspect one forward) is left off,
+    so a counter can stay around a whole ``fit``.
 
     Example::
 
@@ -108,73 +115,40 @@ class CollectiveCounter:
         comms.count("reduce_scatter")
     """
 
-    calls: list[CollectiveCall] = field(default_factory=list)
-    _originals: dict[str, Callable[..., Any]] = field(default_factory=dict)
-    _local: threading.local = field(default_factory=threading.local)
-    paused: bool = False
-    #: Called with each recorded call, in issue order (e.g. to interleave with compute events).
-    listeners: list[Callable[[CollectiveCall], None]] = field(default_factory=list)
-    #: The label calls are recorded under (set by :meth:`mark`).
-    bucket: Any = None
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[CollectiveCall] = []
+        self.paused = False
+        #: Called with each recorded call, in issue order (e.g. to interleave with compute events).
+        self.listeners: list[Callable[[CollectiveCall], None]] = []
+        #: The label calls are recorded under (set by :meth:`mark`).
+        self.bucket: Any = None
 
     def __enter__(self) -> CollectiveCounter:
-        functional = _FunctionalCollectives(self)  # first: a torch without its base class fails before anything is patched
-        for name in WRAPPED:
-            original = getattr(dist, name, None)
-            if original is None:
-                continue
-            self._originals[name] = original
-            wrapped = self._wrap(name, original)
-            setattr(dist, name, wrapped)
-            if name in ("isend", "irecv") and getattr(_c10d, name, None) is original:
-                setattr(_c10d, name, wrapped)  # P2POp accepts only c10d's own isend/irecv
-        self._functional: _FunctionalCollectives | None = functional
-        functional.__enter__()
+        super(CommDebugMode, self).__enter__()  # the dispatch mode itself, without CommDebugMode's module tracker
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        functional = getattr(self, "_functional", None)
-        if functional is not None:
-            functional.__exit__(*exc)
-            self._functional = None
-        for name, original in self._originals.items():
-            if getattr(_c10d, name, None) is getattr(dist, name, None):
-                setattr(_c10d, name, original)
-            setattr(dist, name, original)
-        self._originals.clear()
+        super(CommDebugMode, self).__exit__(*exc)
 
-    def _record(self, call: CollectiveCall) -> None:
-        depth: int = getattr(self._local, "depth", 0)
-        if self.paused or depth:
-            return
-        if self.bucket is not None:
-            call = dataclasses.replace(call, bucket=self.bucket)
-        self.calls.append(call)
-        for listener in self.listeners:
-            listener(call)
-
-    def _wrap(self, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
-        kind = WRAPPED[name]
-
-        @functools.wraps(original)
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            depth = getattr(self._local, "depth", 0)
-            tensor = _largest_tensor(args, kwargs)
-            self._record(
-                CollectiveCall(
-                    kind,
-                    _peer_pair(args, kwargs) if kind in ("send", "recv") else _group_ranks(kwargs.get("group")),
-                    0 if tensor is None else tensor.numel() * tensor.element_size(),
-                    None if tensor is None else tensor.dtype,
-                )
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 - torch protocol
+        # DTensor's ops run as they are (CommDebugMode hands them back to look inside): the
+        # collectives DTensor issues inside an op are not counted, those it issues at a call are.
+        kind = KINDS.get(func.name()) if func.namespace in ("c10d", "_c10d_functional") else None
+        if kind is not None and not self.paused and not _inside(_OBJECT_COLLECTIVES):
+            self.comm_counts[func.overloadpacket] += 1
+            tensor = _largest_tensor(args)
+            call = CollectiveCall(
+                kind,
+                _ranks(kind, args),
+                0 if tensor is None else tensor.numel() * tensor.element_size(),
+                None if tensor is None else tensor.dtype,
+                self.bucket,
             )
-            self._local.depth = depth + 1
-            try:
-                return original(*args, **kwargs)
-            finally:
-                self._local.depth = depth
-
-        return counted
+            self.calls.append(call)
+            for listener in self.listeners:
+                listener(call)
+        return func(*args, **(kwargs or {}))
 
     def reset(self) -> None:
         self.calls.clear()
@@ -203,56 +177,42 @@ class CollectiveCounter:
         return sum(c.bytes for c in self.calls if kind is None or c.kind == kind)
 
 
-class _FunctionalCollectives(TorchDispatchMode):
-    """Counts ``torch.ops._c10d_functional`` collectives (DTensor's) for a :class:`CollectiveCounter`."""
-
-    def __init__(self, counter: CollectiveCounter) -> None:
-        super().__init__()
-        self.counter = counter
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 - torch protocol
-        kwargs = kwargs or {}
-        kind = FUNCTIONAL.get(op_name(func)) if func.namespace == "_c10d_functional" else None
-        if kind is not None:
-            group_name = next((a for a in reversed(args) if isinstance(a, str)), kwargs.get("group_name"))
-            tensor = _largest_tensor(args, kwargs)
-            self.counter._record(
-                CollectiveCall(
-                    kind,
-                    tuple(dist.get_process_group_ranks(resolve_process_group(group_name))) if group_name else (),
-                    0 if tensor is None else tensor.numel() * tensor.element_size(),
-                    None if tensor is None else tensor.dtype,
-                )
-            )
-        return func(*args, **kwargs)
+def _inside(codes: frozenset[Any]) -> bool:
+    """Whether a function with one of these code objects is on this thread's stack."""
+    frame: FrameType | None = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code in codes:
+            return True
+        frame = frame.f_back
+    return False
 
 
-def _group_ranks(group: Any) -> tuple[int, ...]:
-    if group is None or group is dist.group.WORLD:
-        return tuple(range(dist.get_world_size()))
+def _ranks(kind: str, args: tuple[Any, ...]) -> tuple[int, ...]:
+    """The group's global ranks; for send and recv, the sorted pair (this rank, its peer).
+
+    A ``c10d`` op carries its process group boxed (and the peer's rank in it); a functional one names it.
+    """
+    at = next((i for i, a in enumerate(args) if isinstance(a, torch.ScriptObject)), None)
+    if at is not None:
+        group = dist.ProcessGroup.unbox(args[at])
+    else:
+        name = next((a for a in reversed(args) if isinstance(a, str)), None)
+        if name is None:
+            return ()
+        at, group = len(args), resolve_process_group(name)
+    if kind in ("send", "recv"):
+        peer = next(a for a in args[at + 1 :] if isinstance(a, int))
+        return tuple(sorted({dist.get_rank(), dist.get_global_rank(group, peer)}))
     return tuple(dist.get_process_group_ranks(group))
 
 
-def _peer_pair(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, ...]:
-    """A point-to-point call as the sorted pair (this rank, its peer) in global ranks."""
-    group = kwargs.get("group")
-    peer = next((kwargs[k] for k in ("dst", "src") if kwargs.get(k) is not None), None)
-    if peer is None:
-        local = next((kwargs[k] for k in ("group_dst", "group_src") if kwargs.get(k) is not None), None)
-        if local is not None:
-            peer = local if group is None else dist.get_global_rank(group, local)
-        elif len(args) > 1 and isinstance(args[1], int):
-            peer = args[1]
-    if peer is None:
-        return _group_ranks(group)
-    return tuple(sorted({dist.get_rank(), int(peer)}))
-
-
-def _largest_tensor(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
+def _largest_tensor(args: Any) -> torch.Tensor | None:
     """The largest tensor argument: the gathered output, the scattered input, the reduced tensor."""
-    flat = [*args, *kwargs.values()]
-    flat += [t for a in flat if isinstance(a, (list, tuple)) for t in a]
-    tensors = [a for a in flat if isinstance(a, torch.Tensor)]
+    if isinstance(args, torch.Tensor):
+        return args
+    if not isinstance(args, (list, tuple)):
+        return None
+    tensors = [t for t in map(_largest_tensor, args) if t is not None]
     return max(tensors, key=lambda t: t.numel() * t.element_size(), default=None)
 
 

@@ -271,8 +271,8 @@ def averaged_weights_in(checkpoint: Mapping[str, Any]) -> dict[str, Tensor]:
     """The averaged weights a Trainer checkpoint holds, by parameter name (whole tensors, as read by one process).
 
     Looks in optimizer 0's state (a sharded save, read whole by ``read_sharded`` or consolidated)
-    and in the callback states (a full save). What a ``--ema`` export would write in place of the
-    weights under the same names.
+    and in the callback states (a full save). What ``export-hf --ema`` writes in place of the
+    weights under the same names (:func:`hp_lightning.checkpoint.hf.export_hf`).
 
     Raises:
         KeyError: the checkpoint holds no average (saved without ``ShardedEMA``, or weights only).

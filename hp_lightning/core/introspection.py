@@ -194,6 +194,11 @@ def _min_max_over_ranks(values: list[int], device: torch.device, group: Any = No
     return [-v for v in result[n:]], result[:n]
 
 
+ADAPTER_SHARE = 0.1
+"""A unit whose trainable parameters hold at most this share of its elements is frozen-base training
+(adapters beside frozen weights): the mixed-unit warning is not given for it."""
+
+
 def summarize(
     root: nn.Module,
     units: Sequence[nn.Module],
@@ -218,8 +223,9 @@ def summarize(
     """
     names = unit_names(root)
     partial: list[dict[str, Any]] = []
+    trainable_share: list[float] = []  # per unit: the trainable parameters' share of its elements
     for unit in units:
-        tensors = elements = local = frozen = trainable = 0
+        tensors = elements = local = frozen = trainable = trainable_elements = 0
         placements: set[str] = set()
         compute: set[str] = set()
         reduce: set[str] = set()
@@ -233,6 +239,7 @@ def summarize(
             placements.add(_placements(param))
             frozen += not param.requires_grad
             trainable += bool(param.requires_grad)
+            trainable_elements += param.numel() if param.requires_grad else 0
             compute_dtype = mp_policy.param_dtype or param.dtype
             compute.add(_dtype(compute_dtype))
             reduce.add(_dtype(mp_policy.reduce_dtype or compute_dtype))
@@ -251,6 +258,7 @@ def summarize(
             frozen=frozen,
             trainable=trainable,
         ))
+        trainable_share.append(trainable_elements / elements if elements else 0.0)
     lows, highs = _min_max_over_ranks([p["local_bytes"] for p in partial], device, group)
     rows = [UnitReport(min_bytes=lo, max_bytes=hi, **p) for p, lo, hi in zip(partial, lows, highs)]
 
@@ -258,8 +266,11 @@ def summarize(
     unsharded = {n: p.numel() * p.element_size() for n, p in root.named_parameters() if n in outside}
 
     warnings: list[str] = []
-    for row in rows:
-        if row.frozen and row.trainable:
+    for row, share in zip(rows, trainable_share):
+        # Frozen-base fine-tuning (LoRA and other adapters): the base weights are gathered because the
+        # forward and the adapters' input gradients need them; they get no gradient, reduce-scatter or
+        # optimizer state. Nothing to tune apart, so no advice.
+        if row.frozen and row.trainable and share > ADAPTER_SHARE:
             warnings.append(
                 f"unit {row.name!r} mixes {row.frozen} frozen and {row.trainable} trainable parameter tensors: the "
                 f"frozen ones are all-gathered with the trainable ones in every forward and backward. Give them a "

@@ -1,7 +1,7 @@
 """The strategy options, written once: small frozen dataclasses grouped by owner, one flat constructor.
 
-Each group is a frozen, keyword-only dataclass whose fields carry their documentation (the string
-under each field; :func:`field_docs` reads it). :class:`HSDPOptions` is every group at once, with
+Each group is a frozen, keyword-only dataclass whose fields carry their documentation
+(``option(default, doc)``; :func:`field_docs` reads it). :class:`HSDPOptions` is every group at once, with
 flat fields: ``HSDPOptions(mesh_shape=[2, 4], cpu_offload=True)`` is the constructor users, YAML
 and both front ends share, and an ``HSDPOptions`` is also an instance of each group, so code that
 needs only the checkpoint options can take a :class:`CheckpointOptions`.
@@ -22,23 +22,33 @@ before any process or group exists). :meth:`HSDPOptions.layout` resolves the mes
 a world; :class:`~hp_lightning.recipe.parallelize.ShardingPlan` is these options as the recipe applies them; :meth:`HSDPOptions.settings`
 is what every rank must agree on before the mesh is built.
 
+Each field is declared once, with ``option(default, doc)``: its annotation is what the resolved
+options hold (``options.param_dtype`` is a ``torch.dtype``), ``accepts=`` (when it differs) what a
+user may pass (``"bf16"`` or a ``torch.dtype``), and ``doc`` its documentation, kept at run time
+(no source is read: a ``.pyc``-only install has its ``--help`` too).
+
 Adding an option: a field with its docstring in the group that owns it (with a check in that
-group's ``_normalize`` when it needs one), and the code that uses it. The front ends' constructor
-signatures, the ``--help`` text and ``docs/configuration.md`` follow from the field.
+group's ``_normalize`` when it needs one), and the code that uses it; then ``make generate``
+(``scripts/generate.py``) writes what derives from the fields: the type checkers' view of the
+constructors (:mod:`hp_lightning.core.option_inputs`), ``docs/configuration.md``,
+``examples/configs/full_options.yaml``'s new keys and ``tests/golden/frontends.json``.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 import typing
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from datetime import timedelta
 from functools import cache
-from typing import Any, Literal, Optional, Union
+from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel import ParallelStyle
 
 from hp_lightning.core import replica_audit
 from hp_lightning.core.accumulation import check_mode
@@ -46,9 +56,13 @@ from hp_lightning.core.checks import REDUCE_OPS, check_schedule, parse_dtype, va
 from hp_lightning.core.checks import SCHEDULES as PIPELINE_SCHEDULES
 from hp_lightning.core.fault_tolerance import FaultTolerance, check_accumulation_mode
 from hp_lightning.core.mesh import MeshLayout, check_data_parallel_size, resolve_layout, validate_mesh_shape, validate_parallel_sizes
-from hp_lightning.core.option_docs import FIELD_DOCS
 from hp_lightning.core.units import validate_unit_specs
 from hp_lightning.core.watchdog import check_seconds
+
+if TYPE_CHECKING:
+    from typing import Unpack
+
+    from hp_lightning.core.option_inputs import OptionInputs
 
 STATE_DICT_TYPES = ("sharded", "full")
 #: ``activation_checkpointing_mode``: what a checkpointed block recomputes.
@@ -57,6 +71,14 @@ CHECKPOINTING_MODES = ("full", "selective_op")
 DIVERGENCE_CHECKS = ("per_step", "off")
 #: torch.distributed's default collective timeout (30 minutes).
 DEFAULT_TIMEOUT = timedelta(minutes=30)
+
+
+def option(default: object, doc: str, *, accepts: object = None) -> Any:
+    """A strategy option: a dataclass field with its default (what a user may pass, normalized like any value), its
+    documentation and, when a user may pass more than the normalized value's type (the field's annotation), the type
+    of what they may pass (``accepts``)."""
+    return field(default=default, metadata={"doc": " ".join(inspect.cleandoc(doc).split()), "accepts": accepts})
+
 
 def _check_bool(value: Any, name: str) -> bool:
     if not isinstance(value, bool):
@@ -209,65 +231,65 @@ def _groups_of(cls: type) -> list[type]:
 class ParallelOptions(_OptionGroup):
     """How the world is cut: the data-parallel mesh, tensor, expert and pipeline parallel sizes, the backend."""
 
-    mesh_shape: Optional[Sequence[int]] = None
-    """The data-parallel dims. ``None``: HSDP ``(num_nodes, devices per node / tp)``; ``[N]``: FSDP
-    over N ranks; ``[R, S]``: HSDP, R replicas of S shards, each shard group S consecutive ranks.
-    One size may be ``-1`` (inferred from the world size): ``[-1]`` is FSDP over everything,
-    ``[4, -1]`` four replicas. The product must equal the world size divided by
-    ``tensor_parallel_size`` and ``pipeline_parallel_size``."""
+    mesh_shape: Optional[tuple[int, ...]] = option(None, accepts=Optional[Sequence[int]], doc="""
+        The data-parallel dims. ``None``: HSDP ``(num_nodes, devices per node / tp)``; ``[N]``: FSDP
+        over N ranks; ``[R, S]``: HSDP, R replicas of S shards, each shard group S consecutive ranks.
+        One size may be ``-1`` (inferred from the world size): ``[-1]`` is FSDP over everything,
+        ``[4, -1]`` four replicas. The product must equal the world size divided by
+        ``tensor_parallel_size`` and ``pipeline_parallel_size``.""")
 
-    data_parallel_size: Union[int, Literal["auto"], None] = None
-    """Lightning ``ModelParallelStrategy``'s mesh, for code written for it: dims
-    ``("data_parallel", "tensor_parallel")``, 2-D even at ``tensor_parallel_size=1``, FSDP over
-    ``data_parallel``; ``"auto"``: the world size over ``tensor_parallel_size``. A
-    ``configure_model`` that slices ``self.device_mesh["data_parallel"]`` / ``["tensor_parallel"]``
-    then runs unchanged. ``None`` (default): hp_lightning's mesh (``mesh_shape``; dims
-    ``replicate``/``shard``/``tp``/``ep``/``pp``). Not with ``mesh_shape``, EP or PP."""
+    data_parallel_size: Union[int, Literal["auto"], None] = option(None, """
+        Lightning ``ModelParallelStrategy``'s mesh, for code written for it: dims
+        ``("data_parallel", "tensor_parallel")``, 2-D even at ``tensor_parallel_size=1``, FSDP over
+        ``data_parallel``; ``"auto"``: the world size over ``tensor_parallel_size``. A
+        ``configure_model`` that slices ``self.device_mesh["data_parallel"]`` / ``["tensor_parallel"]``
+        then runs unchanged. ``None`` (default): hp_lightning's mesh (``mesh_shape``; dims
+        ``replicate``/``shard``/``tp``/``ep``/``pp``). Not with ``mesh_shape``, EP or PP.""")
 
-    tensor_parallel_size: int = 1
-    """Ranks per tensor-parallel group: the innermost mesh dim ``"tp"`` (consecutive ranks, one
-    node). The ranks of a TP group see the same batch; the sampler splits data over the
-    data-parallel ranks only. Must divide the devices per node (default mesh) or the world. 1 = off."""
+    tensor_parallel_size: int = option(1, """
+        Ranks per tensor-parallel group: the innermost mesh dim ``"tp"`` (consecutive ranks, one
+        node). The ranks of a TP group see the same batch; the sampler splits data over the
+        data-parallel ranks only. Must divide the devices per node (default mesh) or the world. 1 = off.""")
 
-    expert_parallel_size: int = 1
-    """Ranks the experts are split over: dim ``"ep"``, carved out of the shard dim (so EP ranks are
-    data-parallel ranks, each with its own batch). Must divide the shard dim and the number of
-    experts. Not combinable with ``tensor_parallel_size > 1`` yet. 1 = off."""
+    expert_parallel_size: int = option(1, """
+        Ranks the experts are split over: dim ``"ep"``, carved out of the shard dim (so EP ranks are
+        data-parallel ranks, each with its own batch). Must divide the shard dim and the number of
+        experts. Not combinable with ``tensor_parallel_size > 1`` yet. 1 = off.""")
 
-    pipeline_parallel_size: int = 1
-    """Pipeline stages: the outermost mesh dim ``"pp"``. Each rank builds only its stage (cut from
-    the model at ``pipeline_split_points``, meta-initialized) and shards it over its own
-    data-parallel sub-mesh; torch's ``PipelineStage`` and schedules run it inside the Trainer's
-    step methods. The LightningModule provides ``forward`` (a stage's input to its output) and
-    ``pipeline_loss(output, target)``; ``pipeline_batch(batch)`` may override the default
-    ``(batch[0], batch[1])`` split into input and target. Trainer only (Fabric: a ValueError above
-    1; build ``hp_lightning.PipelineStage`` yourself); not with TP/EP yet. Sharded checkpoints
-    resume across pipeline sizes; a ``full`` one is gathered on rank 0 from every stage. 1 = off."""
+    pipeline_parallel_size: int = option(1, """
+        Pipeline stages: the outermost mesh dim ``"pp"``. Each rank builds only its stage (cut from
+        the model at ``pipeline_split_points``, meta-initialized) and shards it over its own
+        data-parallel sub-mesh; torch's ``PipelineStage`` and schedules run it inside the Trainer's
+        step methods. The LightningModule provides ``forward`` (a stage's input to its output) and
+        ``pipeline_loss(output, target)``; ``pipeline_batch(batch)`` may override the default
+        ``(batch[0], batch[1])`` split into input and target. Trainer only (Fabric: a ValueError above
+        1; build ``hp_lightning.PipelineStage`` yourself); not with TP/EP yet. Sharded checkpoints
+        resume across pipeline sizes; a ``full`` one is gathered on rank 0 from every stage. 1 = off.""")
 
-    tp_plan: Optional[dict[str, str]] = None
-    """Module-name glob → style: ``colwise``, ``rowwise``, ``colwise_gather_output``,
-    ``embedding_rowwise``, ``sequence_parallel`` (torch's ``ColwiseParallel`` / ``RowwiseParallel``
-    / ``SequenceParallel``; Hugging Face's names), or a torch ``ParallelStyle`` from Python, applied
-    before sharding. ``None``: the ``base_model_tp_plan`` of Hugging Face models inside the module.
-    A pattern that matches nothing, an unknown style, or a colwise/rowwise style on a module that
-    is not ``Linear``/``Embedding`` is an error. Unused at ``tensor_parallel_size=1``."""
+    tp_plan: Optional[dict[str, Union[str, ParallelStyle]]] = option(None, accepts=Optional[Mapping[str, Union[str, ParallelStyle]]], doc="""
+        Module-name glob → style: ``colwise``, ``rowwise``, ``colwise_gather_output``,
+        ``embedding_rowwise``, ``sequence_parallel`` (torch's ``ColwiseParallel`` / ``RowwiseParallel``
+        / ``SequenceParallel``; Hugging Face's names), or a torch ``ParallelStyle`` from Python, applied
+        before sharding. ``None``: the ``base_model_tp_plan`` of Hugging Face models inside the module.
+        A pattern that matches nothing, an unknown style, or a colwise/rowwise style on a module that
+        is not ``Linear``/``Embedding`` is an error. Unused at ``tensor_parallel_size=1``.""")
 
-    parallelize_fn: Optional[Callable[[nn.Module, DeviceMesh], nn.Module]] = None
-    """Your own parallelization, as Lightning's Fabric ``ModelParallelStrategy(parallelize_fn=...)``
-    takes it: called at setup as ``parallelize_fn(module, device_mesh)`` with the whole mesh
-    (``self.device_mesh``), before hp_lightning shards what it left unsharded; it applies TP
-    (``parallelize_module``) and/or ``fully_shard`` in place and returns the module (Fabric may
-    return another one). From YAML: an import path (``my_pkg.parallel.apply_tp``). ``None``: only
-    the strategy's own plan (the Trainer's ``configure_model`` does the same job)."""
+    parallelize_fn: Optional[Callable[[nn.Module, DeviceMesh], nn.Module]] = option(None, """
+        Your own parallelization, as Lightning's Fabric ``ModelParallelStrategy(parallelize_fn=...)``
+        takes it: called at setup as ``parallelize_fn(module, device_mesh)`` with the whole mesh
+        (``self.device_mesh``), before hp_lightning shards what it left unsharded; it applies TP
+        (``parallelize_module``) and/or ``fully_shard`` in place and returns the module (Fabric may
+        return another one). From YAML: an import path (``my_pkg.parallel.apply_tp``). ``None``: only
+        the strategy's own plan (the Trainer's ``configure_model`` does the same job).""")
 
-    expert_modules: Optional[Sequence[str]] = None
-    """Module-name globs of grouped-experts modules (parameters ``[num_experts, ...]``, forward
-    ``(tokens sorted by expert, counts per expert)``; see ``examples/moe.py``). ``None``:
-    ``["*experts"]``. Unused at ``expert_parallel_size=1``."""
+    expert_modules: Optional[list[str]] = option(None, accepts=Optional[Sequence[str]], doc="""
+        Module-name globs of grouped-experts modules (parameters ``[num_experts, ...]``, forward
+        ``(tokens sorted by expert, counts per expert)``; see ``examples/moe.py``). ``None``:
+        ``["*experts"]``. Unused at ``expert_parallel_size=1``.""")
 
-    process_group_backend: Optional[str] = None
-    """``None``: ``gloo`` on CPU, ``nccl`` on CUDA, ``hccl`` on Ascend NPU; under ``cpu_offload``
-    gloo is added for host tensors (``"cpu:gloo,cuda:nccl"``)."""
+    process_group_backend: Optional[str] = option(None, """
+        ``None``: ``gloo`` on CPU, ``nccl`` on CUDA, ``hccl`` on Ascend NPU; under ``cpu_offload``
+        gloo is added for host tensors (``"cpu:gloo,cuda:nccl"``).""")
 
     def _normalize(self, done: Mapping[str, Any]) -> dict[str, Any]:
         tp, ep, pp = validate_parallel_sizes(self.tensor_parallel_size, self.expert_parallel_size, self.pipeline_parallel_size)
@@ -291,7 +313,7 @@ class ParallelOptions(_OptionGroup):
         Raises:
             ValueError: sizes that cannot cover the world, naming which to change.
         """
-        mesh_shape = self.mesh_shape
+        mesh_shape: Optional[Sequence[int]] = self.mesh_shape
         if mesh_shape is None and getattr(self, "fault_tolerance", None) is not None:
             mesh_shape = [world_size]  # a replica group shards over all its ranks; the groups replicate
         return resolve_layout(
@@ -310,103 +332,103 @@ class ParallelOptions(_OptionGroup):
 class ShardingOptions(_OptionGroup):
     """The recipe: which modules become units, where parameters live, how gradients reduce and accumulate."""
 
-    shard_modules: Optional[Sequence[Union[str, type]]] = None
-    """The sharding units (classes, dotted class paths, class names or module-name globs): each is
-    all-gathered in one call and reduce-scattered in one call. ``None``: the classes in HF's
-    ``_no_split_modules`` when the model has it, else the blocks of every repeated
-    ``nn.ModuleList``; then, with ``None`` only, LLM-aware units outside the blocks: all
-    ``nn.Embedding`` s form one unit and the ``nn.Linear`` head with the norms after the last block
-    another, each when its parameters reach half the median block's bytes and none is shared with
-    a module outside the group (tied embeddings stay in the root). Everything else belongs to the
-    root unit."""
+    shard_modules: Optional[list[Union[str, type]]] = option(None, accepts=Optional[Sequence[Union[str, type]]], doc="""
+        The sharding units (classes, dotted class paths, class names or module-name globs): each is
+        all-gathered in one call and reduce-scattered in one call. ``None``: the classes in HF's
+        ``_no_split_modules`` when the model has it, else the blocks of every repeated
+        ``nn.ModuleList``; then, with ``None`` only, LLM-aware units outside the blocks: all
+        ``nn.Embedding`` s form one unit and the ``nn.Linear`` head with the norms after the last block
+        another, each when its parameters reach half the median block's bytes and none is shared with
+        a module outside the group (tied embeddings stay in the root). Everything else belongs to the
+        root unit.""")
 
-    reshard_after_forward: bool = True
-    """True: free each unit's gathered parameters after its forward (least memory; gathered again
-    in backward). False: keep them until backward (one all-gather fewer per unit and step, the full
-    unit resident). The root never reshards after forward."""
+    reshard_after_forward: bool = option(True, """
+        True: free each unit's gathered parameters after its forward (least memory; gathered again
+        in backward). False: keep them until backward (one all-gather fewer per unit and step, the full
+        unit resident). The root never reshards after forward.""")
 
-    cpu_offload: bool = False
-    """Keep sharded parameters, gradients and optimizer state in host memory; each unit is copied
-    to the device only while it computes. The optimizer step runs on the CPU."""
+    cpu_offload: bool = option(False, """
+        Keep sharded parameters, gradients and optimizer state in host memory; each unit is copied
+        to the device only while it computes. The optimizer step runs on the CPU.""")
 
-    activation_checkpointing: Optional[Sequence[Union[str, type]]] = None
-    """Blocks (same forms as ``shard_modules``) whose activations are recomputed in backward
-    instead of stored: one extra forward per block. State-dict keys do not change. Under a
-    pipeline, this and every module spec or parameter glob below name the whole model: a stage
-    applies the ones it holds, and only an entry that matches nothing anywhere is refused."""
+    activation_checkpointing: Optional[list[Union[str, type]]] = option(None, accepts=Optional[Sequence[Union[str, type]]], doc="""
+        Blocks (same forms as ``shard_modules``) whose activations are recomputed in backward
+        instead of stored: one extra forward per block. State-dict keys do not change. Under a
+        pipeline, this and every module spec or parameter glob below name the whole model: a stage
+        applies the ones it holds, and only an entry that matches nothing anywhere is refused.""")
 
-    activation_checkpointing_mode: Literal["full", "selective_op"] = "full"
-    """What the ``activation_checkpointing`` blocks recompute. ``"full"``: the whole block (only
-    its input is kept; the least memory, one extra forward per block). ``"selective_op"``: torch's
-    selective checkpointing with a policy that keeps the outputs of the expensive ops (matrix
-    products, attention) and recomputes the cheap ones (norms, activations, elementwise):
-    memory between none and full, step time close to none (torchtitan's op-level SAC)."""
+    activation_checkpointing_mode: Literal["full", "selective_op"] = option("full", """
+        What the ``activation_checkpointing`` blocks recompute. ``"full"``: the whole block (only
+        its input is kept; the least memory, one extra forward per block). ``"selective_op"``: torch's
+        selective checkpointing with a policy that keeps the outputs of the expensive ops (matrix
+        products, attention) and recomputes the cheap ones (norms, activations, elementwise):
+        memory between none and full, step time close to none (torchtitan's op-level SAC).""")
 
-    activation_checkpointing_every: int = 1
-    """Checkpoint every N-th of the ``activation_checkpointing`` blocks, in model order, starting
-    with the first (1: all of them): fewer recomputed blocks, more memory (torchtitan's selective
-    layer checkpointing)."""
+    activation_checkpointing_every: int = option(1, """
+        Checkpoint every N-th of the ``activation_checkpointing`` blocks, in model order, starting
+        with the first (1: all of them): fewer recomputed blocks, more memory (torchtitan's selective
+        layer checkpointing).""")
 
-    compile: Union[bool, Mapping[str, Any]] = False
-    """``torch.compile`` each block's ``forward`` (the sharding units the plan chooses, not the
-    root): after TP and activation checkpointing, before sharding, as torchtitan does; FSDP's
-    gather and free hooks stay outside the compiled region. ``True``: torch's defaults (inductor);
-    a mapping: ``torch.compile``'s keyword arguments (``backend``, ``mode``, ``fullgraph``,
-    ``dynamic``, ``options``). Module names and state-dict keys do not change (no
-    ``_orig_mod.``). The first steps pay the compilation (seconds to minutes); a recompile
-    after them would mean shapes or modes change every step. Not with pipeline or expert parallelism yet."""
+    compile: Union[bool, dict[str, Any]] = option(False, accepts=Union[bool, Mapping[str, Any]], doc="""
+        ``torch.compile`` each block's ``forward`` (the sharding units the plan chooses, not the
+        root): after TP and activation checkpointing, before sharding, as torchtitan does; FSDP's
+        gather and free hooks stay outside the compiled region. ``True``: torch's defaults (inductor);
+        a mapping: ``torch.compile``'s keyword arguments (``backend``, ``mode``, ``fullgraph``,
+        ``dynamic``, ``options``). Module names and state-dict keys do not change (no
+        ``_orig_mod.``). The first steps pay the compilation (seconds to minutes); a recompile
+        after them would mean shapes or modes change every step. Not with pipeline or expert parallelism yet.""")
 
-    ignored_params: Optional[Sequence[str]] = None
-    """Parameter-name globs left alone: not sharded, gradients **not** synchronized. For frozen
-    parameters, or parameters each rank keeps for itself (a trainable one diverges across ranks).
-    Every glob must match a parameter; none may be in ``replicate_params`` too."""
+    ignored_params: Optional[list[str]] = option(None, accepts=Optional[Sequence[str]], doc="""
+        Parameter-name globs left alone: not sharded, gradients **not** synchronized. For frozen
+        parameters, or parameters each rank keeps for itself (a trainable one diverges across ranks).
+        Every glob must match a parameter; none may be in ``replicate_params`` too.""")
 
-    replicate_params: Optional[Sequence[str]] = None
-    """Parameter-name globs kept whole on every rank, gradients all-reduced DDP-style: for small
-    parameters where a shard is not worth a collective (norms, biases). Not under a pipeline."""
+    replicate_params: Optional[list[str]] = option(None, accepts=Optional[Sequence[str]], doc="""
+        Parameter-name globs kept whole on every rank, gradients all-reduced DDP-style: for small
+        parameters where a shard is not worth a collective (norms, biases). Not under a pipeline.""")
 
-    comm_fusion: bool = False
-    """Bucket each unit's replicate-parameter all-reduces into one call."""
+    comm_fusion: bool = option(False, """
+        Bucket each unit's replicate-parameter all-reduces into one call.""")
 
-    reduce_op: Literal["avg", "sum"] = "avg"
-    """``"avg"``: gradients are the mean over data-parallel ranks (what single-process training
-    with the global batch gives); ``"sum"``: their sum."""
+    reduce_op: Literal["avg", "sum"] = option("avg", """
+        ``"avg"``: gradients are the mean over data-parallel ranks (what single-process training
+        with the global batch gives); ``"sum"``: their sum.""")
 
-    gradient_scaling_factor: Optional[float] = None
-    """Multiply reduced gradients by this factor (``None``: off). Fixed for the run; the
-    ``GradientScaling`` callback changes it per step."""
+    gradient_scaling_factor: Optional[float] = option(None, """
+        Multiply reduced gradients by this factor (``None``: off). Fixed for the run; the
+        ``GradientScaling`` callback changes it per step.""")
 
-    shard_placement: Optional[Mapping[str, int]] = None
-    """Parameter-name glob → dimension to shard on (first matching glob wins); unmatched
-    parameters shard on dim 0."""
+    shard_placement: Optional[dict[str, int]] = option(None, accepts=Optional[Mapping[str, int]], doc="""
+        Parameter-name glob → dimension to shard on (first matching glob wins); unmatched
+        parameters shard on dim 0.""")
 
-    prefetch: int = 1
-    """Each unit all-gathers the next N units in forward and the previous N in backward,
-    overlapping communication with compute; 0 leaves it to FSDP2's defaults."""
+    prefetch: int = option(1, """
+        Each unit all-gathers the next N units in forward and the previous N in backward,
+        overlapping communication with compute; 0 leaves it to FSDP2's defaults.""")
 
-    forward_methods: Optional[Sequence[str]] = None
-    """Methods that run the model outside the step methods (Trainer) or ``forward`` (Fabric), so
-    the root's parameters are gathered when they are entered. ``generate`` is registered
-    automatically when the module has it."""
+    forward_methods: Optional[list[str]] = option(None, accepts=Optional[Sequence[str]], doc="""
+        Methods that run the model outside the step methods (Trainer) or ``forward`` (Fabric), so
+        the root's parameters are gathered when they are entered. ``generate`` is registered
+        automatically when the module has it.""")
 
-    accumulation_mode: Literal["skip", "every", "defer_all_reduce"] = "skip"
-    """What the non-final micro-batches of an accumulation window (Fabric: under
-    ``fabric.no_backward_sync``) communicate: ``"skip"`` nothing (full-size gradients held between
-    micro-batches), ``"every"`` reduce-scatter and all-reduce (sharded gradients only),
-    ``"defer_all_reduce"`` reduce-scatter only (the HSDP all-reduce once per window). See
-    :mod:`hp_lightning.core.accumulation`; the ``GradientAccumulationSync`` callback and
-    ``strategy.set_accumulation_mode()`` change it later."""
+    accumulation_mode: Literal["skip", "every", "defer_all_reduce"] = option("skip", """
+        What the non-final micro-batches of an accumulation window (Fabric: under
+        ``fabric.no_backward_sync``) communicate: ``"skip"`` nothing (full-size gradients held between
+        micro-batches), ``"every"`` reduce-scatter and all-reduce (sharded gradients only),
+        ``"defer_all_reduce"`` reduce-scatter only (the HSDP all-reduce once per window). See
+        :mod:`hp_lightning.core.accumulation`; the ``GradientAccumulationSync`` callback and
+        ``strategy.set_accumulation_mode()`` change it later.""")
 
-    meta_init: bool = True
-    """Build ``configure_model`` / ``trainer.init_module()`` / ``fabric.init_module()`` on the meta
-    device, recording construction; after sharding, replay it (and the modules' own init rules) on
-    the local shards, so the model never exists whole on a rank and equals a host-built one with
-    the same seed; a tensor nothing initializes is an error at setup (see ``docs/models.md``).
-    False: build on the host (every rank holds the whole model once)."""
+    meta_init: bool = option(True, """
+        Build ``configure_model`` / ``trainer.init_module()`` / ``fabric.init_module()`` on the meta
+        device, recording construction; after sharding, replay it (and the modules' own init rules) on
+        the local shards, so the model never exists whole on a rank and equals a host-built one with
+        the same seed; a tensor nothing initializes is an error at setup (see ``docs/models.md``).
+        False: build on the host (every rank holds the whole model once).""")
 
-    sharding_report: bool = False
-    """Log the per-unit sharding table (units, bytes per rank, placements, dtypes, offload,
-    prefetch) on rank 0 at setup; the ``ShardingReport`` callback builds the same table."""
+    sharding_report: bool = option(False, """
+        Log the per-unit sharding table (units, bytes per rank, placements, dtypes, offload,
+        prefetch) on rank 0 at setup; the ``ShardingReport`` callback builds the same table.""")
 
     def _normalize(self, done: Mapping[str, Any]) -> dict[str, Any]:
         return {
@@ -435,14 +457,14 @@ class ShardingOptions(_OptionGroup):
 class PrecisionOptions(_OptionGroup):
     """Dtypes of compute and gradient reduction, over what the front end's ``precision=`` implies."""
 
-    param_dtype: Optional[str] = None
-    """Dtype of gathered parameters, i.e. of compute (``"bf16"``, ``"fp32"``, ...; a
-    ``torch.dtype`` from Python). ``None``: from ``precision=`` (``bf16-mixed`` → bf16). Accepted:
-    ``bf16``/``bfloat16``, ``fp16``/``float16``/``half``, ``fp32``/``float32``/``float``,
-    ``fp64``/``float64``."""
+    param_dtype: Optional[torch.dtype] = option(None, accepts=Union[str, torch.dtype, None], doc="""
+        Dtype of gathered parameters, i.e. of compute (``"bf16"``, ``"fp32"``, ...; a
+        ``torch.dtype`` from Python). ``None``: from ``precision=`` (``bf16-mixed`` → bf16). Accepted:
+        ``bf16``/``bfloat16``, ``fp16``/``float16``/``half``, ``fp32``/``float32``/``float``,
+        ``fp64``/``float64``.""")
 
-    reduce_dtype: Optional[str] = None
-    """Dtype gradients are reduced in. ``None``: from ``precision=`` (``bf16-mixed`` → fp32)."""
+    reduce_dtype: Optional[torch.dtype] = option(None, accepts=Union[str, torch.dtype, None], doc="""
+        Dtype gradients are reduced in. ``None``: from ``precision=`` (``bf16-mixed`` → fp32).""")
 
     def _normalize(self, done: Mapping[str, Any]) -> dict[str, Any]:
         return {
@@ -455,32 +477,32 @@ class PrecisionOptions(_OptionGroup):
 class CheckpointOptions(_OptionGroup):
     """What a save writes, how it is checked on resume, and how training data resumes."""
 
-    state_dict_type: Literal["sharded", "full"] = "sharded"
-    """``"sharded"``: a checkpoint is a directory, each rank writes its shards; loads into any world
-    size and mesh. ``"full"``: one file rank 0 writes, gathered one parameter at a time; loads with
-    ``LightningModule.load_from_checkpoint`` on one CPU process. ``python -m hp_lightning.checkpoint
-    consolidate DIR OUT.ckpt`` turns a sharded directory into a full file."""
+    state_dict_type: Literal["sharded", "full"] = option("sharded", """
+        ``"sharded"``: a checkpoint is a directory, each rank writes its shards; loads into any world
+        size and mesh. ``"full"``: one file rank 0 writes, gathered one parameter at a time; loads with
+        ``LightningModule.load_from_checkpoint`` on one CPU process. ``python -m hp_lightning.checkpoint
+        consolidate DIR OUT.ckpt`` turns a sharded directory into a full file.""")
 
-    async_save: bool = False
-    """Sharded saves (Trainer: during ``fit``) return once the state is copied to host memory; a
-    background thread writes the files and the checkpoint is published atomically when every
-    rank's write is done. At most one save in flight: the next one (and a load) first waits for it.
-    Trainer saves outside ``fit``, on preemption and at the end of ``fit`` are complete when they
-    return. Needs ``state_dict_type="sharded"``."""
+    async_save: bool = option(False, """
+        Sharded saves (Trainer: during ``fit``) return once the state is copied to host memory; a
+        background thread writes the files and the checkpoint is published atomically when every
+        rank's write is done. At most one save in flight: the next one (and a load) first waits for it.
+        Trainer saves outside ``fit``, on preemption and at the end of ``fit`` are complete when they
+        return. Needs ``state_dict_type="sharded"``.""")
 
-    checkpoint_checksums: bool = False
-    """Sharded saves also record every file's SHA-256 (a read-back of the new files, spread over
-    the ranks), and every resume checks every byte against them (a full read). False: the manifest
-    records sizes, and a resume checks those and the manifest without reading the data (a
-    same-size alteration is then not caught; ``python -m hp_lightning.checkpoint verify`` says
-    which check it could make)."""
+    checkpoint_checksums: bool = option(False, """
+        Sharded saves also record every file's SHA-256 (a read-back of the new files, spread over
+        the ranks), and every resume checks every byte against them (a full read). False: the manifest
+        records sizes, and a resume checks those and the manifest without reading the data (a
+        same-size alteration is then not caught; ``python -m hp_lightning.checkpoint verify`` says
+        which check it could make).""")
 
-    resumable_dataloaders: bool = False
-    """Trainer: opt in to wrapping a plain sized training ``DataLoader`` in
-    ``hp_lightning.ResumableLoader`` (said once in the log), so a run resumed mid-epoch continues
-    its epoch. False: plain loaders restart their epoch on resume, as in Lightning. Recommended
-    instead: torchdata's ``StatefulDataLoader``, checkpointed by Lightning itself and never
-    wrapped. Fabric: put the loader in ``fabric.save``'s state."""
+    resumable_dataloaders: bool = option(False, """
+        Trainer: opt in to wrapping a plain sized training ``DataLoader`` in
+        ``hp_lightning.ResumableLoader`` (said once in the log), so a run resumed mid-epoch continues
+        its epoch. False: plain loaders restart their epoch on resume, as in Lightning. Recommended
+        instead: torchdata's ``StatefulDataLoader``, checkpointed by Lightning itself and never
+        wrapped. Fabric: put the loader in ``fabric.save``'s state.""")
 
     def _normalize(self, done: Mapping[str, Any]) -> dict[str, Any]:
         values = {
@@ -503,76 +525,76 @@ class CheckpointOptions(_OptionGroup):
 class FaultOptions(_OptionGroup):
     """Timeouts and what happens when a rank fails, is preempted or diverges."""
 
-    timeout: Union[float, timedelta] = DEFAULT_TIMEOUT
-    """Collective timeout, in seconds or as a ``timedelta``: until the first optimizer step, and for
-    the whole run unless ``train_timeout`` is set."""
+    timeout: timedelta = option(DEFAULT_TIMEOUT, accepts=Union[float, timedelta], doc="""
+        Collective timeout, in seconds or as a ``timedelta``: until the first optimizer step, and for
+        the whole run unless ``train_timeout`` is set.""")
 
-    train_timeout: Optional[Union[float, timedelta]] = None
-    """A shorter collective timeout from the first optimizer step on, once rendezvous, compilation
-    and checkpoint loading are behind (as torchtitan does): a rank stuck in a collective ends the
-    job in minutes. ``None`` keeps ``timeout``."""
+    train_timeout: Optional[timedelta] = option(None, accepts=Union[float, timedelta, None], doc="""
+        A shorter collective timeout from the first optimizer step on, once rendezvous, compilation
+        and checkpoint loading are behind (as torchtitan does): a rank stuck in a collective ends the
+        job in minutes. ``None`` keeps ``timeout``.""")
 
-    fault_watchdog: bool = True
-    """When one rank fails (an exception, SIGKILL, the OOM killer, a frozen process), stop every
-    rank within seconds: the failed rank with its own traceback, the others with one line naming
-    it and exit code 3 (see :mod:`hp_lightning.core.watchdog`). A thread per rank, three small store
-    operations per second. Fabric stops it at interpreter exit or in ``teardown()``. False: a
-    failure shows on the other ranks as a gloo/NCCL error, or as a hang until ``timeout``."""
+    fault_watchdog: bool = option(True, """
+        When one rank fails (an exception, SIGKILL, the OOM killer, a frozen process), stop every
+        rank within seconds: the failed rank with its own traceback, the others with one line naming
+        it and exit code 3 (see :mod:`hp_lightning.core.watchdog`). A thread per rank, three small store
+        operations per second. Fabric stops it at interpreter exit or in ``teardown()``. False: a
+        failure shows on the other ranks as a gloo/NCCL error, or as a hang until ``timeout``.""")
 
-    heartbeat_timeout: float = 120.0
-    """Seconds without a heartbeat before a rank counts as lost (frozen, deadlocked, host down).
-    The heartbeat has its own thread, so long steps do not trip it; dead processes on the same
-    host are found within a second regardless."""
+    heartbeat_timeout: float = option(120.0, """
+        Seconds without a heartbeat before a rank counts as lost (frozen, deadlocked, host down).
+        The heartbeat has its own thread, so long steps do not trip it; dead processes on the same
+        host are found within a second regardless.""")
 
-    failure_exit_grace: float = 30.0
-    """Seconds a failed rank gets to print its traceback and exit; the others wait at most that
-    long, and a failed process still kept alive by a non-daemon thread after it is ended."""
+    failure_exit_grace: float = option(30.0, """
+        Seconds a failed rank gets to print its traceback and exit; the others wait at most that
+        long, and a failed process still kept alive by a non-daemon thread after it is ended.""")
 
-    save_on_preemption: bool = False
-    """Trainer: on SIGTERM (preemption) every rank stops at the same batch at the end of its
-    accumulation window (exit code 143); with True they first save ``last.ckpt`` in the
-    ``ModelCheckpoint`` folder, which ``fit(ckpt_path="last")`` resumes exactly (see
-    :mod:`hp_lightning.core.preemption`). Fabric accepts only False: a Fabric loop has no
-    ModelCheckpoint to save to."""
+    save_on_preemption: bool = option(False, """
+        Trainer: on SIGTERM (preemption) every rank stops at the same batch at the end of its
+        accumulation window (exit code 143); with True they first save ``last.ckpt`` in the
+        ``ModelCheckpoint`` folder, which ``fit(ckpt_path="last")`` resumes exactly (see
+        :mod:`hp_lightning.core.preemption`). Fabric accepts only False: a Fabric loop has no
+        ModelCheckpoint to save to.""")
 
-    divergence_check: Union[Literal["per_step", "off"], bool] = "per_step"
-    """``"per_step"``: before each backward that issues gradient collectives (under
-    ``accumulation_mode="skip"`` the window's last; the others only record, locally), the ranks
-    compare which units and parameters their backward passes reach, and a rank-dependent graph
-    stops every rank with a ``RankDivergenceError`` naming them, instead of a hang or mixed
-    gradients (see :mod:`hp_lightning.fully_shard.divergence`). Cost: a Python walk of the autograd
-    graph per backward and two integers per parameter in the step's one control all-reduce
-    (host-side gloo, shared with the preemption decision; ``docs/benchmarks.md``). ``"off"``: no
-    walk, and the control all-reduce carries the preemption signal only. (YAML reads a bare
-    ``off`` as False: False means ``"off"``, True ``"per_step"``.)"""
+    divergence_check: Literal["per_step", "off"] = option("per_step", accepts=Union[Literal["per_step", "off"], bool], doc="""
+        ``"per_step"``: before each backward that issues gradient collectives (under
+        ``accumulation_mode="skip"`` the window's last; the others only record, locally), the ranks
+        compare which units and parameters their backward passes reach, and a rank-dependent graph
+        stops every rank with a ``RankDivergenceError`` naming them, instead of a hang or mixed
+        gradients (see :mod:`hp_lightning.fully_shard.divergence`). Cost: a Python walk of the autograd
+        graph per backward and two integers per parameter in the step's one control all-reduce
+        (host-side gloo, shared with the preemption decision; ``docs/benchmarks.md``). ``"off"``: no
+        walk, and the control all-reduce carries the preemption signal only. (YAML reads a bare
+        ``off`` as False: False means ``"off"``, True ``"per_step"``.)""")
 
-    replica_check_every: Optional[int] = None
-    """Replica audit: every N optimizer steps, right after the step, each rank checksums its local
-    shards per sharding unit (the bits summed as integers, on the device) and the replicate dim
-    compares them, so a replica corrupted silently (a flipped bit on one host) is found at the next
-    check, naming the unit, the replicate ranks and the step (see
-    :mod:`hp_lightning.core.replica_audit`). Cost per check: one read of the local shards, an
-    all-gather of one int64 per unit over the replicate dim, a one-integer all-reduce over the
-    world and one host read; nothing on the other steps. Needs an HSDP mesh with at least 2
-    replicas. None (default): off."""
+    replica_check_every: Optional[int] = option(None, """
+        Replica audit: every N optimizer steps, right after the step, each rank checksums its local
+        shards per sharding unit (the bits summed as integers, on the device) and the replicate dim
+        compares them, so a replica corrupted silently (a flipped bit on one host) is found at the next
+        check, naming the unit, the replicate ranks and the step (see
+        :mod:`hp_lightning.core.replica_audit`). Cost per check: one read of the local shards, an
+        all-gather of one int64 per unit over the replicate dim, a one-integer all-reduce over the
+        world and one host read; nothing on the other steps. Needs an HSDP mesh with at least 2
+        replicas. None (default): off.""")
 
-    replica_check_action: Literal["raise", "warn"] = "raise"
-    """What a replica mismatch does: ``"raise"`` stops every rank with ``ReplicaMismatchError``
-    at that step, before another checkpoint is written (resume from the last good one);
-    ``"warn"`` warns on rank 0 and trains on."""
+    replica_check_action: Literal["raise", "warn"] = option("raise", """
+        What a replica mismatch does: ``"raise"`` stops every rank with ``ReplicaMismatchError``
+        at that step, before another checkpoint is written (resume from the last good one);
+        ``"warn"`` warns on rank 0 and trains on.""")
 
-    fault_tolerance: Union[FaultTolerance, dict[str, Any], Literal["env"], None] = None
-    """Fault-tolerant HSDP on torchft (``pip install 'hp-lightning[ft]'``, :mod:`hp_lightning.ft`):
-    this job is one *replica group*; it shards over its own ranks (a 1-D mesh), and torchft's
-    Manager averages the gradients over the groups alive at each step, so a dead group costs the
-    others one uncommitted step, not a restart, and a restarted group copies the whole training
-    state from a live one. A dict of :class:`~hp_lightning.ft.FaultTolerance`'s fields
-    (``{"replica_group": 0, "num_replica_groups": 2}``), or ``"env"``: read ``HP_FT_REPLICA_GROUP``,
-    ``HP_FT_NUM_REPLICA_GROUPS`` (and ``HP_FT_MIN_REPLICAS``) when the strategy is built, so one
-    config serves every group (the registered name ``hsdp_ft``). Not yet with TP, EP, PP, a 2-D
-    mesh or ``replicate_params``; needs ``accumulation_mode="skip"`` (one cross-group average per
-    accumulation window). Cost: a quorum and a commit vote per optimizer step (see
-    ``docs/fault-tolerance.md``)."""
+    fault_tolerance: Optional[FaultTolerance] = option(None, accepts=Union[FaultTolerance, dict[str, Any], Literal["env"], None], doc="""
+        Fault-tolerant HSDP on torchft (``pip install 'hp-lightning[ft]'``, :mod:`hp_lightning.ft`):
+        this job is one *replica group*; it shards over its own ranks (a 1-D mesh), and torchft's
+        Manager averages the gradients over the groups alive at each step, so a dead group costs the
+        others one uncommitted step, not a restart, and a restarted group copies the whole training
+        state from a live one. A dict of :class:`~hp_lightning.ft.FaultTolerance`'s fields
+        (``{"replica_group": 0, "num_replica_groups": 2}``), or ``"env"``: read ``HP_FT_REPLICA_GROUP``,
+        ``HP_FT_NUM_REPLICA_GROUPS`` (and ``HP_FT_MIN_REPLICAS``) when the strategy is built, so one
+        config serves every group (the registered name ``hsdp_ft``). Not yet with TP, EP, PP, a 2-D
+        mesh or ``replicate_params``; needs ``accumulation_mode="skip"`` (one cross-group average per
+        accumulation window). Cost: a quorum and a commit vote per optimizer step (see
+        ``docs/fault-tolerance.md``).""")
 
     def _normalize(self, done: Mapping[str, Any]) -> dict[str, Any]:
         return {
@@ -617,44 +639,44 @@ def _check_fault_tolerance(value: Any, done: Mapping[str, Any]) -> Optional[Faul
 class PipelineOptions(_OptionGroup):
     """How the model is cut into ``pipeline_parallel_size`` stages and how the schedule runs them."""
 
-    pipeline_split_points: Union[Literal["auto"], Sequence[str], None] = None
-    """Module names where stages 1, 2, ... start (``["net.blocks.2"]``); ``P x V - 1`` of them, in
-    the model's order. ``"auto"`` (also what ``None`` means under a pipeline): cut the model's list
-    of blocks (a decoder's ``layers``, a GPT's ``blocks``) so that the largest stage holds the
-    fewest parameter bytes, embeddings counted on the first stage and the final norm and head on
-    the last; computed at setup from the (meta-device) model, the same on every rank, and shown by
-    ``sharding_report``. A stage keeps its modules under their own names; the others are deleted
-    from a ``ModuleList`` / ``Sequential`` / ``ModuleDict`` and become ``None`` elsewhere, so
-    ``forward`` must skip a ``None`` module (torchtitan's convention; see
-    :mod:`hp_lightning.parallel.pipeline`)."""
+    pipeline_split_points: Union[Literal["auto"], list[str], None] = option(None, accepts=Union[Literal["auto"], Sequence[str], None], doc="""
+        Module names where stages 1, 2, ... start (``["net.blocks.2"]``); ``P x V - 1`` of them, in
+        the model's order. ``"auto"`` (also what ``None`` means under a pipeline): cut the model's list
+        of blocks (a decoder's ``layers``, a GPT's ``blocks``) so that the largest stage holds the
+        fewest parameter bytes, embeddings counted on the first stage and the final norm and head on
+        the last; computed at setup from the (meta-device) model, the same on every rank, and shown by
+        ``sharding_report``. A stage keeps its modules under their own names; the others are deleted
+        from a ``ModuleList`` / ``Sequential`` / ``ModuleDict`` and become ``None`` elsewhere, so
+        ``forward`` must skip a ``None`` module (torchtitan's convention; see
+        :mod:`hp_lightning.parallel.pipeline`).""")
 
-    pipeline_schedule: Literal["1f1b", "gpipe", "interleaved_1f1b", "looped_bfs", "interleaved_zb", "zbv", "dualpipev"] = "1f1b"
-    """torch's schedule: ``1f1b`` (at most ``stages`` micro-batches of activations alive),
-    ``gpipe`` (all forwards, then all backwards), both one stage per rank; with several stages
-    per rank (``pipeline_stages_per_rank``) ``interleaved_1f1b``, ``looped_bfs``,
-    ``interleaved_zb`` (loop placement: rank ``r`` holds stages ``r, r + P, ...``) and ``zbv``,
-    ``dualpipev`` (exactly 2 per rank, V placement: ``r`` and ``2P - 1 - r``). Interleaving
-    shrinks the bubble about ``V`` times; the zero-bubble ones fill it with weight gradients
-    (see :mod:`hp_lightning.parallel.pipeline_schedules`)."""
+    pipeline_schedule: Literal["1f1b", "gpipe", "interleaved_1f1b", "looped_bfs", "interleaved_zb", "zbv", "dualpipev"] = option("1f1b", """
+        torch's schedule: ``1f1b`` (at most ``stages`` micro-batches of activations alive),
+        ``gpipe`` (all forwards, then all backwards), both one stage per rank; with several stages
+        per rank (``pipeline_stages_per_rank``) ``interleaved_1f1b``, ``looped_bfs``,
+        ``interleaved_zb`` (loop placement: rank ``r`` holds stages ``r, r + P, ...``) and ``zbv``,
+        ``dualpipev`` (exactly 2 per rank, V placement: ``r`` and ``2P - 1 - r``). Interleaving
+        shrinks the bubble about ``V`` times; the zero-bubble ones fill it with weight gradients
+        (see :mod:`hp_lightning.parallel.pipeline_schedules`).""")
 
-    pipeline_stages_per_rank: int = 1
-    """Virtual stages per rank ``V``: the model is cut into ``pipeline_parallel_size x V`` stages
-    (so ``P V - 1`` split points), each its own FSDP root. 1 for ``gpipe`` / ``1f1b``, 2 for
-    ``zbv`` / ``dualpipev``, any for the others. More stages: a smaller bubble, more sends."""
+    pipeline_stages_per_rank: int = option(1, """
+        Virtual stages per rank ``V``: the model is cut into ``pipeline_parallel_size x V`` stages
+        (so ``P V - 1`` split points), each its own FSDP root. 1 for ``gpipe`` / ``1f1b``, 2 for
+        ``zbv`` / ``dualpipev``, any for the others. More stages: a smaller bubble, more sends.""")
 
-    pipeline_microbatches: Optional[int] = None
-    """Micro-batches per batch (``None``: as many as stages, ``P x V``); the per-rank batch must
-    divide by it. More shrink the bubble, ``(stages - 1) / (microbatches + stages - 1)`` of each
-    step for 1F1B."""
+    pipeline_microbatches: int = option(None, accepts=Optional[int], doc="""
+        Micro-batches per batch (``None``: as many as stages, ``P x V``); the per-rank batch must
+        divide by it. More shrink the bubble, ``(stages - 1) / (microbatches + stages - 1)`` of each
+        step for 1F1B.""")
 
-    pipeline_keep_gathered: bool = True
-    """Under PP, keep each stage's parameters gathered from the first micro-batch's forward to the
-    step's gradient reduction: one all-gather and one reduce-scatter per unit per step, whatever
-    the micro-batch count (torch's schedules already reduce gradients once, after the last
-    micro-batch). Costs the stage's unsharded parameters for the whole step (about the stage's
-    parameter bytes x (1 - 1/shard size) more than sharded). False: units reshard after each
-    micro-batch's forward as ``reshard_after_forward`` says, and all-gather again for its
-    backward: all-gathers grow with the micro-batch count, peak memory drops to one unit."""
+    pipeline_keep_gathered: bool = option(True, """
+        Under PP, keep each stage's parameters gathered from the first micro-batch's forward to the
+        step's gradient reduction: one all-gather and one reduce-scatter per unit per step, whatever
+        the micro-batch count (torch's schedules already reduce gradients once, after the last
+        micro-batch). Costs the stage's unsharded parameters for the whole step (about the stage's
+        parameter bytes x (1 - 1/shard size) more than sharded). False: units reshard after each
+        micro-batch's forward as ``reshard_after_forward`` says, and all-gather again for its
+        backward: all-gathers grow with the micro-batch count, peak memory drops to one unit.""")
 
     def _normalize(self, done: Mapping[str, Any]) -> dict[str, Any]:
         pp = done.get("pipeline_parallel_size", 1)
@@ -691,11 +713,16 @@ class HSDPOptions(PipelineOptions, FaultOptions, CheckpointOptions, PrecisionOpt
     """Every option of both front ends' ``HSDPStrategy``, flat: ``HSDPOptions(mesh_shape=[2, 4], ...)``.
 
     An instance of every group (:data:`OPTION_GROUPS`); fields in the groups' order. Each field's
-    meaning is its docstring (:func:`field_docs`).
+    meaning is its docstring (:func:`field_docs`). It takes what a user may pass
+    (:func:`input_types`) and holds the normalized values (:func:`field_types`).
 
     Raises:
         TypeError / ValueError: on construction, for any field of the wrong type or value.
     """
+
+    if TYPE_CHECKING:  # what type checkers read; at run time the dataclass's own __init__ (the same keywords)
+
+        def __init__(self, **options: Unpack[OptionInputs]) -> None: ...
 
     def settings(self, owner: str = "HSDPStrategy") -> dict[str, Any]:
         """Every option as ``"HSDPStrategy(name=...)" -> value``: what all ranks must agree on."""
@@ -710,33 +737,36 @@ class HSDPOptions(PipelineOptions, FaultOptions, CheckpointOptions, PrecisionOpt
         return settings
 
 
-# ------------------------------------------------------------------ the field documentation
+# ------------------------------------------------------------------ the field documentation and types
 
 
 @cache
 def field_docs(cls: type = HSDPOptions) -> dict[str, str]:
-    """Each field's docstring (the string literal under it), by name, in field order, whitespace folded.
+    """Each field's documentation (``option(..., doc)``), by name, in field order, whitespace folded.
 
-    The documentation is written once, under each field above; ``scripts/gen_signatures.py``
-    copies it into :mod:`hp_lightning.core.option_docs` (checked for freshness by
-    ``tests/unit/test_public_surface.py``), so no source code is read at import: a ``.pyc``-only
-    install or a zipapp imports too. The front ends' constructor docstrings (what ``--help``
-    shows) and ``docs/configuration.md`` are generated from the same docstrings.
-
-    Raises:
-        KeyError: a field of ``cls`` that the generated module lacks (it is stale: regenerate it).
+    The front ends' constructor docstrings (what ``--help`` shows) and ``docs/configuration.md`` are built from it.
     """
-    missing = [f.name for f in fields(cls) if f.name not in FIELD_DOCS]
-    if missing:
-        raise KeyError(f"hp_lightning/core/option_docs.py lacks {missing}: run .venv/bin/python scripts/gen_signatures.py")
-    return {f.name: FIELD_DOCS[f.name] for f in fields(cls)}
+    return {f.name: f.metadata["doc"] for f in fields(cls)}
 
 
 @cache
 def field_types(cls: type = HSDPOptions) -> dict[str, Any]:
-    """Each field's annotation, resolved (what the front ends' signatures and ``--help`` show)."""
+    """Each field's annotation, resolved: the type of the normalized value an ``HSDPOptions`` holds."""
     hints = typing.get_type_hints(cls)
     return {f.name: hints[f.name] for f in fields(cls)}
+
+
+@cache
+def input_types(cls: type = HSDPOptions) -> dict[str, Any]:
+    """What a user may pass for each field (``accepts``, else the field's type): the front ends' constructors' annotations."""
+    stored = field_types(cls)
+    return {f.name: stored[f.name] if f.metadata["accepts"] is None else f.metadata["accepts"] for f in fields(cls)}
+
+
+def option_parameters(cls: type = HSDPOptions) -> list[inspect.Parameter]:
+    """Every option as a keyword-only parameter (what a user may pass, and the default): the constructors' signatures at run time."""
+    types = input_types(cls)
+    return [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=types[f.name]) for f in fields(cls)]
 
 
 def group_of(name: str) -> type:

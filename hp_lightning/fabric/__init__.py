@@ -1,7 +1,7 @@
 """Lightning Fabric front end: ``Fabric(strategy="hsdp")`` with the Trainer strategy's options, plan and checkpoints.
 
 * :class:`HSDPFabricStrategy` (also importable as ``HSDPStrategy``, its old name): Fabric's hooks
-  over :class:`~hp_lightning.frontends.core.StrategyCore` (sharding at ``fabric.setup``,
+  over :class:`~hp_lightning.frontends.base.StrategyBase` (sharding at ``fabric.setup``,
   ``no_backward_sync`` with the accumulation modes, DTensor-aware clipping) and
   :mod:`hp_lightning.checkpoint` (``fabric.save`` / ``fabric.load`` in the Trainer's layout).
 * :class:`HSDPPrecision`: the precision flags of :mod:`hp_lightning.core.precision_flags` for Fabric.

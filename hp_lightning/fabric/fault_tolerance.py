@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from hp_lightning.ft.config import FaultTolerance
+from hp_lightning.core.fault_tolerance import FaultTolerance
 from hp_lightning.ft.engine import FaultTolerantHSDP
 
 

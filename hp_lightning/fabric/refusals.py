@@ -2,7 +2,7 @@
 
 * :func:`refuse_trainer_options`: options only the Trainer's loop can honour, and ``CheckpointIO``
   plugins (never called: checkpoints are written by :mod:`hp_lightning.checkpoint`), in ``Fabric(...)``;
-* a module wrapped in FSDP1 is refused by both front ends (:func:`hp_lightning.frontends.core.refuse_fsdp1`).
+* a module wrapped in FSDP1 is refused by both front ends (:func:`hp_lightning.frontends.base.refuse_fsdp1`).
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
 from hp_lightning import checkpoint as checkpoint_io
-from hp_lightning.checkpoint import layout
+from hp_lightning.checkpoint.integrity import check_contained
 from hp_lightning.checkpoint.layout import FABRIC_RECORD_KEY, FULL_INFO_KEY, META_FILE, MODEL_KEY, OPTIMIZER_KEY, SCHEDULERS_KEY, VERSION_KEY
 from hp_lightning.checkpoint.unpickle import torch_load
 
@@ -163,7 +163,7 @@ def read_record(path: Path, weights_only: Optional[bool]) -> Optional[dict[str, 
     """
     try:
         if path.is_dir():
-            layout.check_contained(path, [META_FILE], what="its trainer state")
+            check_contained(path, [META_FILE], what="its trainer state")
             meta = torch_load(path / META_FILE, weights_only=weights_only)  # safe unless weights_only=False
         else:
             meta = checkpoint_io.read_full_file(path, weights_only=weights_only, verify=False)

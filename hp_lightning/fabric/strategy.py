@@ -1,4 +1,4 @@
-"""HSDPFabricStrategy: Fabric's hooks over :class:`~hp_lightning.frontends.core.StrategyCore`.
+"""HSDPFabricStrategy: Fabric's hooks over :class:`~hp_lightning.frontends.base.StrategyBase`.
 
 What both front ends share (options, launch, process group, mesh, collectives, accumulation,
 timeouts, checkpoint writes) is in the core; this module keeps what only Fabric calls:

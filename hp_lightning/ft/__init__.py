@@ -5,10 +5,15 @@ The engine (no Lightning): :class:`FaultTolerance` (the option), :class:`FaultTo
 :class:`ParticipantBatches` (each step's data share), :func:`start_lighthouse` and the
 ``python -m hp_lightning.ft lighthouse`` command, and :func:`init_process_group` (a replica group's
 process group, fresh per ``torchrun --max-restarts`` attempt). torchft itself is imported only when used.
+
+This package is the public import path of each name above. :class:`FaultTolerance` and its checks are
+defined in :mod:`hp_lightning.core.fault_tolerance`, beside the other options, because validating
+``HSDPStrategy(fault_tolerance=...)`` must not import this package (torchft hooks, checkpoint healing);
+code inside hp_lightning imports them from there.
 """
 
+from hp_lightning.core.fault_tolerance import LIGHTHOUSE_ENV, FaultTolerance, check_lighthouse_reachable, require_torchft
 from hp_lightning.core.watchdog.elastic import init_process_group
-from hp_lightning.ft.config import LIGHTHOUSE_ENV, FaultTolerance, check_lighthouse_reachable, require_torchft
 from hp_lightning.ft.data import ParticipantBatches
 from hp_lightning.ft.engine import FaultTolerantHSDP, Participation
 from hp_lightning.ft.lighthouse import start_lighthouse

@@ -34,8 +34,8 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from hp_lightning.core.devices import CPU, CUDA
+from hp_lightning.core.fault_tolerance import FaultTolerance, check_lighthouse_reachable, require_torchft
 from hp_lightning.core.watchdog import elastic, waiting_on_purpose
-from hp_lightning.ft.config import FaultTolerance, check_lighthouse_reachable, require_torchft
 from hp_lightning.ft.state import Stateful, TrainingState
 
 __all__ = ["FaultTolerantHSDP", "Participation"]

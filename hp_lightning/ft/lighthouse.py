@@ -4,19 +4,24 @@ It holds no training state, only who is alive (heartbeats) and each step's quoru
 to run beside the job (a login node, the first node). It binds to loopback by default: a run
 across machines must bind an address the other nodes reach (``--bind 0.0.0.0:29510``) on a
 network it trusts; the protocol has no authentication.
+
+``python -m hp_lightning.ft lighthouse`` is torchft's own ``torchft_lighthouse`` command (the
+process becomes it: serving, logging and stopping on SIGINT/SIGTERM are torchft's), with two
+defaults of ours: the loopback bind and one replica group for a quorum.
 """
 
 from __future__ import annotations
 
-import argparse
-import signal
+import os
+import shutil
+import socket
 import sys
 from collections.abc import Sequence
 from typing import Any
 
-from hp_lightning.ft.config import require_torchft
+from hp_lightning.core.fault_tolerance import require_torchft
 
-__all__ = ["DEFAULT_BIND", "main", "reachable_address", "start_lighthouse"]
+__all__ = ["DEFAULT_BIND", "command", "main", "reachable_address", "start_lighthouse"]
 
 DEFAULT_BIND = "127.0.0.1:29510"
 
@@ -42,9 +47,7 @@ def start_lighthouse(
         ValueError: for a malformed ``bind`` or ``min_replicas`` < 1.
         ImportError: without torchft.
     """
-    host, sep, port = bind.rpartition(":")
-    if not sep or not host or not port.isdigit() or int(port) > 65535:
-        raise ValueError(f"lighthouse --bind expects host:port (e.g. {DEFAULT_BIND}); got {bind!r}.")
+    _check_bind(bind)
     if isinstance(min_replicas, bool) or not isinstance(min_replicas, int) or min_replicas < 1:
         raise ValueError(f"lighthouse --min-replicas expects an int >= 1; got {min_replicas!r}.")
     require_torchft()
@@ -77,46 +80,43 @@ def reachable_address(bind: str, served: str) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m hp_lightning.ft", description="hp_lightning fault tolerance (torchft).")
-    commands = parser.add_subparsers(dest="command", required=True)
-    lighthouse = commands.add_parser("lighthouse", help="run torchft's lighthouse until interrupted")
-    lighthouse.add_argument("--bind", default=DEFAULT_BIND, help=f"host:port to listen on (default {DEFAULT_BIND}, loopback)")
-    lighthouse.add_argument("--min-replicas", type=int, default=1, help="fewest replica groups in a quorum (default 1)")
-    lighthouse.add_argument("--join-timeout-ms", type=int, default=None, help="wait for rejoining groups (torchft default)")
-    lighthouse.add_argument("--quorum-tick-ms", type=int, default=None, help="quorum re-evaluation period (torchft default)")
-    lighthouse.add_argument(
-        "--heartbeat-timeout-ms", type=int, default=None, help="silence after which a group is dead (torchft default)"
-    )
-    return parser
+def _check_bind(bind: str) -> None:
+    host, sep, port = bind.rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"lighthouse --bind expects host:port (e.g. {DEFAULT_BIND}); got {bind!r}.")
+
+
+def command(argv: Sequence[str]) -> list[str]:
+    """``torchft_lighthouse``'s command line for these options: torchft's (``--min_replicas``, ...), also
+    with dashes (``--min-replicas``), binding loopback and 1 replica group unless told otherwise.
+
+    Raises:
+        ValueError: a malformed ``--bind``.
+        ImportError: without torchft (its command is not installed).
+    """
+    args: list[str] = []
+    for arg in argv:
+        name, sep, value = arg.partition("=")
+        args += [f"--{name[2:].replace('-', '_')}", *([value] if sep else [])] if arg.startswith("--") else [arg]
+    args = ([] if "--bind" in args else ["--bind", DEFAULT_BIND]) + args + ([] if "--min_replicas" in args else ["--min_replicas", "1"])
+    _check_bind(args[args.index("--bind") + 1])
+    binary = shutil.which("torchft_lighthouse", path=os.path.dirname(sys.executable)) or shutil.which("torchft_lighthouse")
+    if binary is None:
+        raise ImportError("the lighthouse is torchft's torchft_lighthouse command, which is not installed: pip install 'hp-lightning[ft]'.")
+    return [binary, *args]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m hp_lightning.ft lighthouse ...``: serve until SIGINT/SIGTERM, then shut down.
-
-    The stop signals are blocked before the server's threads start (they inherit the mask) and
-    taken with ``sigwait``: no Python handler runs at an arbitrary point of the main thread, where
-    setting a ``threading.Event`` whose lock that thread holds would deadlock the shutdown.
-    """
-    args = _parser().parse_args(argv)
-    stop_signals = {signal.SIGINT, signal.SIGTERM}
-    previous_mask = signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)
+    """``python -m hp_lightning.ft lighthouse ...``: say where groups connect, then become ``torchft_lighthouse``."""
+    args = list(sys.argv[1:] if argv is None else argv)
     try:
-        try:
-            server = start_lighthouse(
-                args.bind,
-                min_replicas=args.min_replicas,
-                join_timeout_ms=args.join_timeout_ms,
-                quorum_tick_ms=args.quorum_tick_ms,
-                heartbeat_timeout_ms=args.heartbeat_timeout_ms,
-            )
-        except (ValueError, ImportError) as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
-        address = reachable_address(args.bind, server.address())
-        print(f"lighthouse listening on {args.bind}; groups connect with TORCHFT_LIGHTHOUSE={address}", flush=True)
-        signal.sigwait(stop_signals)
-        server.shutdown()
-        return 0
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous_mask)
+        if args[:1] != ["lighthouse"]:
+            raise ValueError("usage: python -m hp_lightning.ft lighthouse [--bind HOST:PORT] [--min-replicas N] [torchft_lighthouse's options]")
+        line = command(args[1:])
+    except (ValueError, ImportError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    bind = line[line.index("--bind") + 1]
+    address = reachable_address(bind, f"http://{socket.gethostname()}:{bind.rpartition(':')[2]}")
+    print(f"lighthouse (torchft_lighthouse) on {bind}; groups connect with TORCHFT_LIGHTHOUSE={address}", flush=True)
+    os.execv(line[0], line)

@@ -43,8 +43,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from hp_lightning.core.fault_tolerance import check_accumulation_mode
-from hp_lightning.ft.config import FaultTolerance
+from hp_lightning.core.fault_tolerance import FaultTolerance, check_accumulation_mode
 from hp_lightning.ft.data import PositionedLoader
 from hp_lightning.ft.engine import FaultTolerantHSDP, Participation
 

@@ -32,11 +32,10 @@ from torch.distributed.fsdp import fully_shard as _torch_fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from hp_lightning.core._torch_private import managed_params
-from hp_lightning.core.checks import REDUCE_OPS, validate_scaling_factor
+from hp_lightning.core.checks import REDUCE_OPS, ArgumentTypeError, validate_scaling_factor
 from hp_lightning.core.devices import is_accelerator
 from hp_lightning.core.materialize import link_construction
 from hp_lightning.core.mesh import build_device_mesh, default_device_type
-from hp_lightning.fully_shard.errors import ArgumentTypeError
 from hp_lightning.fully_shard.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from hp_lightning.fully_shard.replicate import ReplicatedParamSync
 from hp_lightning.parallel.expert import expert_parallel_size, find_expert_modules
@@ -105,6 +104,16 @@ class HSDPModule(_ShardedModule):
         if not recurse:
             return [self]
         return [m for m in self.modules() if isinstance(m, HSDPModule)]
+
+    def _apply(self, fn: Any, recurse: bool = True) -> Any:
+        # ``to_empty()`` / ``.to()`` may put new objects in the places of replicate params, which
+        # FSDP2 does not manage: their gradient all-reduce hooks must follow them.
+        out = super()._apply(fn, recurse)
+        for unit in self._hp_units(recurse):
+            replicated = getattr(unit, "_hp_replicated", None)
+            if replicated is not None:
+                replicated.follow_replaced()
+        return out
 
     @property
     def device_mesh(self) -> DeviceMesh:
@@ -516,7 +525,7 @@ def fully_shard(
         offload_policy=offload_policy,
         ignored_params=set(ignored) | set(replicated) or None,
     )
-    sync = ReplicatedParamSync(replicated, mesh, bucketed=comm_fusion) if replicated else None
+    sync = ReplicatedParamSync(replicated, mesh, bucketed=comm_fusion, module=modules) if replicated else None
     for m in modules:
         _attach_controls(m, mesh, sync)
         sync = None  # the unit's sync lives on its first module; the others share the FSDP state

@@ -11,7 +11,10 @@ calls only:
   local gradient since the last reduction, never a gradient an earlier synced micro-batch
   already reduced (``p.grad`` carries that one: reducing it again would count it once per rank
   under "sum" and scale it twice; the new part is added to it, as FSDP2 adds to its sharded
-  ``.grad``);
+  ``.grad``). The earlier reduction is kept aside (a copy, taken just before autograd adds the
+  local gradient to it) and the new reduction added to that copy: ``.grad`` then holds only
+  reduced values, the same bits on every rank. Subtracting the local part back out of ``.grad``
+  instead would leave each rank a rounding error of its own (replicas drift apart by an ulp);
 * without ``comm_fusion`` each gradient is all-reduced on its own as soon as it is ready;
   with ``comm_fusion`` the unit's replicate gradients are flattened into one bucket and reduced
   with a single collective once the last of them is ready;
@@ -22,6 +25,14 @@ calls only:
 
 The reduction runs over the whole data-parallel domain (both axes of an HSDP mesh): the default
 group when the mesh spans the world, else one all-reduce per mesh axis.
+
+The hooks sit on the parameter objects. ``module.to_empty()`` (after a meta-device build) and
+``.to()`` across device types put *new* ``Parameter`` objects in the module for parameters FSDP2
+does not manage, these among them; hooks on the old ones would never fire again, and the
+gradients would stay each rank's own (the replicas drifting apart by whole training steps). Given
+the unit's ``module``, the sync records where each parameter lives, and
+:meth:`ReplicatedParamSync.follow_replaced` (the unit calls it after every ``_apply``) hooks the
+parameters found there now.
 """
 
 from __future__ import annotations
@@ -46,9 +57,14 @@ class ReplicatedParamSync:
         mesh: the unit's data-parallel mesh (1-D or 2-D).
         bucketed: one flat all-reduce for the whole unit (``comm_fusion=True``) instead of one
             per parameter.
+        module: the unit holding them (or the modules ``fully_shard`` made one unit of): where each
+            parameter lives is recorded, so that :meth:`follow_replaced` finds the objects that
+            replace them (None: not followed).
     """
 
-    def __init__(self, params: Sequence[nn.Parameter], mesh: DeviceMesh, *, bucketed: bool) -> None:
+    def __init__(
+        self, params: Sequence[nn.Parameter], mesh: DeviceMesh, *, bucketed: bool, module: nn.Module | Sequence[nn.Module] | None = None
+    ) -> None:
         self.params = [p for p in params if p.requires_grad]
         self.mesh = mesh
         self.bucketed = bucketed
@@ -57,7 +73,7 @@ class ReplicatedParamSync:
         self.scaling_factor: float | None = None
         self.reduce_op: str = "avg"
         self._ready: list[nn.Parameter] = []
-        self._in_flight: list[tuple[torch.Tensor, list[nn.Parameter], list[torch.Tensor | None], dist.Work | None]] = []
+        self._in_flight: list[tuple[torch.Tensor, list[nn.Parameter], dist.Work | None]] = []
         self._callback_queued = False
         #: This backward's gradient, from the gradient hook (also called by ``autograd.grad``, so
         #: it counts only once the accumulate hook confirms it went into ``.grad``).
@@ -66,9 +82,39 @@ class ReplicatedParamSync:
         self._local: dict[nn.Parameter, torch.Tensor] = {}
         #: Per parameter: the ``.grad`` tensor holding reduced values (weakly: zero_grad frees it), and its expected version.
         self._reduced: dict[nn.Parameter, tuple[weakref.ref[torch.Tensor], int]] = {}
+        #: Per parameter: a copy of its last reduction, taken before autograd adds a local gradient to ``.grad``.
+        self._earlier: dict[nn.Parameter, torch.Tensor] = {}
+        #: Per parameter (in ``params`` order): the module and attribute holding it, or None (not followed).
+        self._owners: list[tuple[nn.Module, str] | None] = [None] * len(self.params)
+        if module is not None:
+            roots = [module] if isinstance(module, nn.Module) else list(module)
+            where = {id(p): (owner, name) for root in roots for owner in root.modules() for name, p in owner._parameters.items() if p is not None}
+            self._owners = [where.get(id(p)) for p in self.params]
         for param in self.params:
-            param.register_hook(lambda grad, param=param: self._fresh.__setitem__(param, grad))
-            param.register_post_accumulate_grad_hook(self._on_grad_ready)
+            self._hook(param)
+
+    def _hook(self, param: nn.Parameter) -> None:
+        param.register_hook(lambda grad, param=param: self._on_grad(param, grad))
+        param.register_post_accumulate_grad_hook(self._on_grad_ready)
+
+    def follow_replaced(self) -> None:
+        """Hook the parameters that now hold our parameters' places in their modules, where other objects do.
+
+        ``to_empty`` and ``.to()`` across device types replace a parameter FSDP2 does not manage by a
+        new object; without this its gradient would never be reduced again. Cheap (one attribute
+        read per parameter); call after anything that may replace parameters (the unit's ``_apply``).
+        """
+        for index, owner in enumerate(self._owners):
+            if owner is None:
+                continue
+            module, name = owner
+            current, old = module._parameters.get(name), self.params[index]
+            if current is None or current is old:
+                continue
+            for table in (self._fresh, self._local, self._reduced, self._earlier):
+                table.pop(old, None)
+            self.params[index] = cast(nn.Parameter, current)
+            self._hook(self.params[index])
 
     @property
     def data_parallel_size(self) -> int:
@@ -84,6 +130,12 @@ class ReplicatedParamSync:
         # shard-group stage to run early, so they are reduced once, on the final micro-batch.
         return self.requires_gradient_sync and self.requires_all_reduce
 
+    def _on_grad(self, param: nn.Parameter, grad: torch.Tensor) -> None:
+        """Gradient hook (before autograd adds ``grad`` to ``.grad``): note it; keep the reduced ``.grad`` it lands on."""
+        self._fresh[param] = grad
+        if param not in self._earlier and self._still_reduced(param):
+            self._earlier[param] = cast(torch.Tensor, param.grad).detach().clone()
+
     def _on_grad_ready(self, param: nn.Parameter) -> None:
         fresh = self._fresh.pop(param, None)
         if fresh is not None:
@@ -97,6 +149,7 @@ class ReplicatedParamSync:
                 self._reduced[param] = (grad, current._version)
             else:
                 del self._reduced[param]
+                self._earlier.pop(param, None)
         if not self._syncing():
             return
         if not self._callback_queued:
@@ -118,8 +171,6 @@ class ReplicatedParamSync:
     def _launch(self, params: list[nn.Parameter]) -> None:
         local = [self._local.pop(p, None) for p in params]
         grads = [g if g is not None else torch.zeros_like(p) for g, p in zip(local, params)]
-        # Where .grad carries an earlier reduction, keep the local part to swap it for its reduction.
-        carried = [g if p in self._reduced else None for g, p in zip(grads, params)]
         flat = grads[0].detach().clone() if len(grads) == 1 else torch.cat([g.reshape(-1) for g in grads])
         groups = self._groups()
         if len(groups) == 1:
@@ -128,7 +179,7 @@ class ReplicatedParamSync:
             for group in groups:
                 dist.all_reduce(flat, group=group)
             work = None
-        self._in_flight.append((flat, params, carried, work))
+        self._in_flight.append((flat, params, work))
 
     def _finish(self) -> None:
         """End of backward: reduce a partly filled bucket, wait, scale and write the gradients back."""
@@ -142,20 +193,23 @@ class ReplicatedParamSync:
         multiplier = 1.0 if self.scaling_factor is None else float(self.scaling_factor)
         if self.reduce_op == "avg":
             multiplier /= self.data_parallel_size
-        for flat, params, carried, work in self._in_flight:
+        for flat, params, work in self._in_flight:
             if work is not None:
                 work.wait()
             if multiplier != 1.0:
                 flat.mul_(multiplier)
             offset = 0
-            for param, local in zip(params, carried):
+            for param in params:
                 numel = param.numel()
                 reduced = flat[offset : offset + numel].view_as(param).to(param.dtype)
                 offset += numel
+                earlier = self._earlier.pop(param, None)
                 if param.grad is None:
                     param.grad = reduced.clone()
-                elif local is not None and self._still_reduced(param):
-                    param.grad.add_(reduced - local.to(param.dtype))  # earlier reduction + this one
+                elif self._still_reduced(param):
+                    # .grad = the earlier reduction (+ local gradients since, when any reached it): the earlier
+                    # reduction + this one, from reduced values only (the same bits on every rank).
+                    param.grad.copy_(reduced.add_(param.grad if earlier is None else earlier))
                 else:
                     param.grad.copy_(reduced)  # .grad held only local gradient: exact
                 self._reduced[param] = (weakref.ref(param.grad), param.grad._version)

@@ -16,8 +16,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.distributed.checkpoint.state_dict import get_model_state_dict as _torch_get_model_state_dict
 from torch.distributed.checkpoint.state_dict import set_model_state_dict as _torch_set_model_state_dict
 
+from hp_lightning.core.checks import ArgumentTypeError
 from hp_lightning.fully_shard.api import to_model_placements
-from hp_lightning.fully_shard.errors import ArgumentTypeError
 
 __all__ = ["get_model_state_dict", "set_model_state_dict"]
 

@@ -32,14 +32,22 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from hp_lightning.core import devices
-from hp_lightning.core._torch_private import TorchDispatchMode, local_tensor, managed_params, reshards_after_forward, tree_flatten
+from hp_lightning.core._torch_private import (  # fake process groups and fake tensors have no public home in torch yet
+    TorchDispatchMode,
+    data_dependent_errors,
+    fake_process_group,
+    fake_tensor_mode,
+    local_tensor,
+    managed_params,
+    reshards_after_forward,
+    tree_flatten,
+)
 from hp_lightning.core.accumulation import no_gradient_sync
 from hp_lightning.core.diagnostics import CollectiveCall, CollectiveCounter
 from hp_lightning.core.introspection import unit_names
 from hp_lightning.core.mesh import MODEL_PARALLEL_DIM_NAMES, build_parallel_mesh
 from hp_lightning.core.options import HSDPOptions
 from hp_lightning.parallel.pipeline import hold_gathered, plan_cut
-from hp_lightning.planner import _private
 from hp_lightning.planner.candidates import (
     PRECISIONS,
     Candidate,
@@ -244,8 +252,8 @@ def simulate_rank(
     args.pop("cpu_offload", None)  # offload moves state to the host; collectives and shapes are the same
     options = HSDPOptions(**args)
     plan = ShardingPlan.of(options, device_type=devices.CPU)
-    fake = _private.fake_tensor_mode()
-    with _private.fake_process_group(rank, cluster.world_size), _quiet():
+    fake = fake_tensor_mode()
+    with fake_process_group(rank, cluster.world_size), _quiet():
         # The strategy's own steps: the mesh sizes from the options, the stage cut, the recipe, the pipeline's gathering.
         layout = options.layout(world_size=cluster.world_size, num_nodes=cluster.nodes, devices_per_node=cluster.devices)
         mesh = build_parallel_mesh(devices.CPU, layout)
@@ -318,7 +326,7 @@ def simulate_rank(
                     else:
                         _plain_step(module, workload, vocab, optimizer)
                     optimizer.step()
-        except _private.data_dependent_errors() as exc:
+        except data_dependent_errors() as exc:
             raise ModelBuildError(
                 f"{candidate.name}: the model's step reads tensor values ({type(exc).__name__}: {exc}), which a fake-tensor "
                 f"run cannot; the planner needs a forward/backward whose control flow does not depend on data."

@@ -1,4 +1,4 @@
-"""HSDPStrategy: the Trainer's hooks over :class:`~hp_lightning.frontends.core.StrategyCore`.
+"""HSDPStrategy: the Trainer's hooks over :class:`~hp_lightning.frontends.base.StrategyBase`.
 
 What both front ends share (options, launch, process group, mesh, collectives, accumulation,
 timeouts, checkpoint writes) is in the core; this module keeps what only the Trainer calls:
@@ -36,8 +36,8 @@ from hp_lightning.core.accumulation import ACCUMULATION_MODES
 from hp_lightning.core.materialize import move_unsharded_states
 from hp_lightning.core.options import STATE_DICT_TYPES
 from hp_lightning.core.preemption import Preempted, PreemptionWatch
+from hp_lightning.frontends.base import StrategyBase
 from hp_lightning.frontends.constructors import TrainerConstructor
-from hp_lightning.frontends.core import StrategyCore
 from hp_lightning.ft.data import PositionedLoader
 from hp_lightning.ft.lightning import FaultToleranceCallback
 from hp_lightning.fully_shard import HSDPModule
@@ -237,8 +237,8 @@ class HSDPStrategy(TrainerConstructor, ParallelStrategy):
         with self._steps.block_backward_sync():
             yield
 
-    #: Lightning's name for :meth:`~hp_lightning.frontends.core.StrategyCore.all_reduce`.
-    reduce = StrategyCore.all_reduce
+    #: Lightning's name for :meth:`~hp_lightning.frontends.base.StrategyBase.all_reduce`.
+    reduce = StrategyBase.all_reduce
 
     # ------------------------------------------------------------------ loop boundaries, preemption
 

@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader
 
 from hp_lightning import checkpoint as hp_checkpoint
 from hp_lightning._lightning_private import Stateful, should_accumulate
-from hp_lightning.ft.config import FaultTolerance
+from hp_lightning.core.fault_tolerance import FaultTolerance
 from hp_lightning.ft.lightning import FaultToleranceCallback
 
 if TYPE_CHECKING:

@@ -360,7 +360,8 @@ def _point_at_float64(root: Path) -> None:
     import dataclasses
     import pickle
 
-    from hp_lightning.checkpoint.layout import DCP_METADATA_FILE, MANIFEST_FILE, file_record
+    from hp_lightning.checkpoint.integrity import file_record
+    from hp_lightning.checkpoint.layout import DCP_METADATA_FILE, MANIFEST_FILE
 
     with open(root / DCP_METADATA_FILE, "rb") as f:
         metadata = pickle.load(f)  # noqa: S301 - the test's own file

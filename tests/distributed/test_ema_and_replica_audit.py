@@ -24,6 +24,16 @@ One 4-rank launch runs every scenario in the same processes, one after another:
   ``replica_check_action="warn"`` rank 0 warns at steps 2 and 4 and training finishes.
 * **Export**: a tiny Llama (Trainer, HSDP 2x2) with ``ShardedEMA``; ``strategy.save_hf(...,
   ema=True)`` writes the average, which ``from_pretrained`` loads exactly, and the weights are back.
+  Its sharded checkpoint (step 3) goes through ``export-hf --ema`` offline (the test process: as it
+  is, and consolidated into one file): ``from_pretrained`` loads the same average; a weights-only
+  copy asked for ``--ema`` is refused, naming what was looked for.
+* **replicate_params under accumulation "every"**: HSDP 2x2 with the input and head layers kept
+  whole, the net built on the meta device (``configure_model``: ``to_empty`` gives those layers new
+  parameter objects), 5 steps of 2 micro-batches each synced: the audit checks every step and finds
+  the replicas equal, the local copies are bitwise equal at the end, and the average is one process's.
+* **EP**: FSDP 4 with ``expert_parallel_size=2`` (a mixture-of-experts block): each average has its
+  parameter's mesh and placements (the experts' on the EP mesh), equals the EMA of the whole
+  weights, and the EMA's hook issues no collective and reads nothing into Python.
 * **Fabric**: the same callback object drives a Fabric loop (``attach``, ``update``, ``swapped``),
   equal to one process; ``fabric.save``/``fabric.load`` of ``ema.averages`` round-trips it; the
   audit, checking after every ``optimizer.step()``, finds the replicas equal 3 times.
@@ -173,11 +183,13 @@ def _summary(calls: list) -> list[tuple[str, str, tuple[int, ...]]]:
 
 
 def _replicas_bitwise_equal(module: nn.Module) -> bool:
-    """Every local shard equals its replica's, bit for bit (an all-gather over the replicate group)."""
+    """Every local shard (and whole replicate parameter) equals its replica's, bit for bit (an all-gather over the replicate group)."""
     import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
 
     group = module.trainer.strategy.device_mesh["replicate"].get_group()
-    mine = torch.cat([p.to_local().detach().reshape(-1).view(torch.int32) for p in module.parameters()])
+    local = [p.to_local() if isinstance(p, DTensor) else p for p in module.parameters()]
+    mine = torch.cat([t.detach().reshape(-1).view(torch.int32) for t in local])
     copies = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(copies, mine, group=group)
     return all(torch.equal(c, mine) for c in copies)
@@ -357,13 +369,114 @@ def export(tmp: Path) -> dict[str, Any]:
     model = LlamaModule(llama_config())
     ema = ShardedEMA(decay=0.5)
     tokens = torch.randint(0, 64, (3 * 8, 8), generator=torch.Generator().manual_seed(3))
-    trainer = Trainer(devices=WORLD, strategy=_strategy(mesh_shape=[2, 2]), max_steps=3, callbacks=[ema], limit_val_batches=0, **trainer_kwargs())
+    trainer = Trainer(devices=WORLD, strategy=_strategy(mesh_shape=[2, 2]), max_steps=3, callbacks=[ema, SaveAt(3, tmp / "llama" / "step3.ckpt")],
+                      limit_val_batches=0, **trainer_kwargs())
     trainer.fit(model, rank_loader(tokens, 8, WORLD))
     before = [p.to_local().detach().clone() for p in model.parameters()]
     trainer.strategy.save_hf(tmp / "exported", prefix="net.", config=config_dir, ema=True)
     back = all(torch.equal(b, p.to_local()) for b, p in zip(before, model.parameters()))
     average = full_average(ema)
     return {"average": average if int(os.environ["RANK"]) == 0 else None, "weights_back": back}
+
+
+class BuiltOnMeta(QuietModule):
+    """QuietModule's net built in ``configure_model`` (on the meta device, materialized after sharding: ``meta_init``),
+    from the random state right after ``seed_everything``, as QuietModule builds it."""
+
+    def __init__(self) -> None:
+        state = torch.get_rng_state()
+        super().__init__()
+        del self.net
+        self.state = state
+
+    def configure_model(self) -> None:
+        if not hasattr(self, "net"):
+            torch.set_rng_state(self.state)
+            self.net = TinyNet(width=16, depth=2)
+
+
+def replicate_every(tmp: Path) -> dict[str, Any]:
+    """HSDP 2x2, replicate_params, accumulation_mode="every", the audit after every step (warn: the run goes on to count).
+
+    The net is built on the meta device: ``to_empty`` hands the replicate parameters new objects, which the
+    gradient sync must follow."""
+    from torch.distributed.tensor import DTensor
+
+    from hp_lightning.callbacks import ShardedEMA
+
+    seed_everything(0)
+    model = BuiltOnMeta()
+    ema = ShardedEMA(decay=DECAY)
+    snapshots = Snapshots(ema, (5,))
+    strategy = _strategy(mesh_shape=[2, 2], replicate_params=["net.inp.*", "net.head.*"], accumulation_mode="every",
+                         replica_check_every=1, replica_check_action="warn")
+    trainer = Trainer(devices=WORLD, strategy=strategy, max_steps=5, accumulate_grad_batches=K, callbacks=[ema, snapshots],
+                      limit_val_batches=0, **trainer_kwargs())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a mismatch is read from the audit's reports below
+        trainer.fit(model, _data(K))
+    return {
+        "ema5": snapshots.at[5],
+        "whole": sorted(n for n, p in model.named_parameters() if not isinstance(p, DTensor)),
+        "audit": (strategy._replica_audit.last_good, list(strategy._replica_audit.reports)),
+        "replicas_equal": _replicas_bitwise_equal(model),
+    }
+
+
+class MoEBlock(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        from examples.moe import MoE
+
+        self.norm = nn.LayerNorm(width)
+        self.moe = MoE(width, 2 * width, 4, top_k=2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.moe(self.norm(x))
+
+
+class MoEModule(QuietModule):
+    """TinyNet's input and head around two mixture-of-experts blocks (4 experts each)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net.blocks = nn.ModuleList(MoEBlock(16) for _ in range(2))
+
+
+def expert_parallel(tmp: Path) -> dict[str, Any]:
+    """FSDP 4 with EP 2: the average keeps each parameter's mesh and placements; no collective, no host read in its hook."""
+    from torch.distributed.tensor import DTensor
+
+    from hp_lightning.callbacks import ShardedEMA
+    from hp_lightning.core.diagnostics import CollectiveCounter, HostReads
+
+    seed_everything(0)
+    model = MoEModule()
+    ema, mirror = ShardedEMA(decay=DECAY), InRankEMA()
+    with CollectiveCounter() as comms, HostReads() as reads:
+        log: list[tuple[Any, int]] = []
+        marks = [Marks(comms, reads, name, log) for name in ("train", "ema", "after")]
+        trainer = Trainer(devices=WORLD, strategy=_strategy(mesh_shape=[4], expert_parallel_size=2), max_steps=3,
+                          callbacks=[marks[0], marks[1], ema, marks[2], mirror], limit_val_batches=0, **trainer_kwargs())
+        trainer.fit(model, _data())
+    buckets = comms.buckets()
+    ema_reads = [label for (label, start), (_, end) in zip(log, [*log[1:], (None, reads.count())]) if label[0] == "ema" and end > start]
+    averages = ema.averages
+    layouts = {}
+    for name, p in zip(averages.names, averages.param_groups[0]["params"]):
+        average = averages.state[p]["average"]
+        assert isinstance(p, DTensor) and isinstance(average, DTensor), name
+        layouts[name] = (
+            average.placements == p.placements and average.device_mesh == p.device_mesh and average.to_local().shape == p.to_local().shape,
+            tuple(p.device_mesh.mesh_dim_names or ()),
+        )
+    return {
+        "average": full_average(ema),
+        "mirror": mirror.ema,
+        "layouts": layouts,
+        "ema_collectives": [c.kind for label, calls in buckets.items() if isinstance(label, tuple) and label[0] == "ema" for c in calls],
+        "ema_reads": ema_reads,
+    }
 
 
 def fabric_loop(tmp: Path) -> dict[str, Any]:
@@ -428,6 +541,8 @@ def worker(tmp: str) -> dict[str, Any]:
         "pipeline": pipeline(root),
         "corrupted": corrupted(root),
         "export": export(root),
+        "replicate_every": replicate_every(root),
+        "expert_parallel": expert_parallel(root),
         "fabric": fabric_loop(root),
     }
 
@@ -553,6 +668,57 @@ def test_save_hf_with_ema_writes_the_average_that_from_pretrained_loads(launch: 
     for name, value in params.items():
         assert torch.equal(value.detach(), average[f"net.{name}"]), name
     assert all(result["export"]["weights_back"] for result in launch["ranks"])
+
+
+def test_export_hf_ema_writes_the_average_of_a_sharded_or_full_checkpoint(launch: dict[str, Any], tmp_path: Path, capsys: Any) -> None:
+    """``export-hf --ema`` offline (this process, no process group), from the Llama's step-3 checkpoint: sharded and consolidated."""
+    from transformers import LlamaForCausalLM
+
+    from hp_lightning.checkpoint import convert
+    from hp_lightning.checkpoint.__main__ import main
+
+    tmp = launch["tmp"]
+    average = launch["ranks"][0]["export"]["average"]  # trained 3 steps: the step-3 checkpoint's average
+    sharded = tmp / "llama" / "step3.ckpt"
+    convert.consolidate(sharded, tmp_path / "full.ckpt")
+    convert.consolidate(sharded, tmp_path / "weights.ckpt", weights_only=True)
+    for source in (sharded, tmp_path / "full.ckpt"):
+        out = tmp_path / f"hf_{source.name}"
+        assert main(["export-hf", str(source), str(out), "--prefix", "net.", "--config", str(tmp / "llama_config"), "--ema"]) == 0
+        assert "the ShardedEMA average of" in capsys.readouterr().out
+        params = dict(LlamaForCausalLM.from_pretrained(out).named_parameters())
+        assert {f"net.{k}" for k in params} == set(average), source
+        for name, value in params.items():
+            assert torch.equal(value.detach(), average[f"net.{name}"]), (source, name)
+    # The same checkpoint without --ema: the weights, which differ from the average.
+    assert main(["export-hf", str(sharded), str(tmp_path / "weights"), "--prefix", "net.", "--config", str(tmp / "llama_config")]) == 0
+    weights = dict(LlamaForCausalLM.from_pretrained(tmp_path / "weights").named_parameters())
+    assert not all(torch.equal(v.detach(), average[f"net.{k}"]) for k, v in weights.items())
+    # No average in it: refused, naming where it was looked for and the fix.
+    assert main(["export-hf", str(tmp_path / "weights.ckpt"), str(tmp_path / "refused"), "--prefix", "net.", "--ema"]) == 1
+    error = capsys.readouterr().err
+    assert "holds no ShardedEMA average" in error and "'hp_lightning_ema'" in error and "drop --ema" in error, error
+    assert not (tmp_path / "refused").exists()
+
+
+def test_replicate_params_stay_bitwise_equal_under_accumulation_every(launch: dict[str, Any], reference: dict[str, Any]) -> None:
+    """The replicate parameters' gradient, reduced on each micro-batch, is the sum of reductions only: no rank's own rounding."""
+    for rank, result in enumerate(launch["ranks"]):
+        run = result["replicate_every"]
+        assert run["whole"] == ["net.head.bias", "net.head.weight", "net.inp.bias", "net.inp.weight"], run["whole"]
+        assert run["audit"] == (5, []), (rank, run["audit"])
+        assert run["replicas_equal"], rank
+        assert max_diff(run["ema5"], reference["ema"][5]) <= 1e-6, rank
+
+
+def test_ema_under_expert_parallelism_keeps_the_layouts_and_adds_no_collective(launch: dict[str, Any]) -> None:
+    for rank, result in enumerate(launch["ranks"]):
+        ep = result["expert_parallel"]
+        assert all(same for same, _ in ep["layouts"].values()), (rank, ep["layouts"])
+        expert_meshes = {mesh for name, (_, mesh) in ep["layouts"].items() if ".experts." in name}
+        assert len([n for n in ep["layouts"] if ".experts." in n]) == 4 and all("ep" in mesh for mesh in expert_meshes), ep["layouts"]
+        assert max_diff(ep["average"], ep["mirror"]) <= 1e-6, rank
+        assert ep["ema_collectives"] == [] and ep["ema_reads"] == [], (rank, ep["ema_collectives"], ep["ema_reads"])
 
 
 def test_fabric_drives_the_same_callback(launch: dict[str, Any], fabric_reference: dict[str, Any]) -> None:

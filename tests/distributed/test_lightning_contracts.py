@@ -5,7 +5,7 @@ One launch of 4 gloo ranks. ``examples/from_model_parallel.py`` (the example of
 ``ModelParallelStrategy`` (a feed-forward stack; ``configure_model`` slices
 ``self.device_mesh["tensor_parallel"]`` / ``["data_parallel"]``, applies torch's
 ``parallelize_module`` when TP is on and torch's ``fully_shard`` when data parallelism is; a
-``training_step(self, batch)`` without ``batch_idx``; a ``validation_step`` with
+``training_step(self, batch)`` without ``batch_idx``, under a decorator of the user's; a ``validation_step`` with
 ``dataloader_idx=0`` over two loaders) trains under ``ModelParallelStrategy`` (the control) and
 under ``HSDPStrategy`` with only the strategy line changed, at TP 2 x DP 2 and at DP 4 x TP 1: the
 same losses. The same module written with hp_lightning's dim names (``tp``, ``shard``) under
@@ -15,6 +15,8 @@ FSDP1 submodule is refused by the Trainer strategy with the Fabric strategy's me
 """
 
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
@@ -28,6 +30,16 @@ from tests.helpers import run_distributed, trainer_kwargs
 
 WORLD = 4
 STEPS = 3
+
+
+def _passed_through(step):
+    """A user's own decorator (``functools.wraps``, ``*args``): Lightning reads the step's signature beneath it."""
+
+    @functools.wraps(step)
+    def wrapper(*args, **kwargs):
+        return step(*args, **kwargs)
+
+    return wrapper
 
 
 class Recorded(LitModel):
@@ -55,6 +67,7 @@ class Recorded(LitModel):
     def on_train_start(self) -> None:
         self.meshes["on_train_start"] = self.device_mesh
 
+    @_passed_through
     def training_step(self, batch):
         self.meshes["training_step"] = self.device_mesh
         loss = super().training_step(batch)

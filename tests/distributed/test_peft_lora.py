@@ -71,6 +71,7 @@ def worker(tmp: str) -> dict:
     from transformers import LlamaForCausalLM
 
     import hp_lightning
+    from hp_lightning.callbacks import ShardingReport
 
     base, merged, adapter = Path(tmp) / "base", Path(tmp) / "merged", Path(tmp) / "adapter"
     seed_everything(0)
@@ -79,7 +80,8 @@ def worker(tmp: str) -> dict:
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids, (7 * ids + 1) % VOCAB), batch_size=4)
     module = LitLoRA(str(base))
     strategy = hp_lightning.HSDPStrategy(mesh_shape=[WORLD])
-    trainer = Trainer(devices=WORLD, strategy=strategy, max_steps=3, limit_val_batches=0, **trainer_kwargs())
+    report = ShardingReport(log_table=False)
+    trainer = Trainer(devices=WORLD, strategy=strategy, max_steps=3, limit_val_batches=0, callbacks=[report], **trainer_kwargs())
     # The base model's files, written once before the ranks build anything (rank 0; the others wait for it).
     marker = Path(tmp) / "written"
     if int(os.environ.get("RANK", "0")) == 0:
@@ -96,6 +98,8 @@ def worker(tmp: str) -> dict:
     out["q_base"] = _full(q_base)
     out["q_base_grad"] = q_base.grad is None and not q_base.requires_grad
     out["lora_b_abs"] = float(_full(lora_b).abs().sum())
+    out["report"] = [(row.name, row.frozen, row.trainable) for row in report.summary.units]
+    out["warnings"] = list(report.summary.warnings)
     with torch.no_grad():
         out["logits"] = module.net(input_ids=ids[:2]).logits.detach().clone()
     try:
@@ -133,6 +137,10 @@ def test_base_weights_load_per_rank_into_base_layer_and_stay_frozen(results):
         assert torch.equal(res["q_base"], file_q)  # loaded from the file, never trained
         assert res["q_base_grad"]
         assert res["lora_b_abs"] > 0  # the adapter trained (peft starts B at zero)
+        # Each block unit mixes frozen base weights with trainable adapters, as LoRA does: the
+        # report lists them and gives no advice to split them apart (it would not help here).
+        assert any(frozen and trainable for _, frozen, trainable in res["report"]), res["report"]
+        assert not [w for w in res["warnings"] if "frozen" in w], res["warnings"]
 
 
 def test_merged_and_adapter_exports_reload_as_the_trained_model(results):

@@ -77,10 +77,10 @@ def test_the_cli_reads_every_strategy_option_with_type_default_and_help():
     """What LightningCLI (jsonargparse) sees of both front ends: every option, typed, with its default and its field docstring."""
     from jsonargparse._parameter_resolvers import get_signature_parameters
 
-    from hp_lightning.core.options import HSDPOptions, field_docs, field_types
+    from hp_lightning.core.options import HSDPOptions, field_docs, input_types
     from hp_lightning.fabric import HSDPFabricStrategy
 
-    docs, types = field_docs(), field_types()
+    docs, types = field_docs(), input_types()
     defaults = {f.name: f.default for f in __import__("dataclasses").fields(HSDPOptions)}
     for cls in (HSDPStrategy, HSDPFabricStrategy):
         params = {p.name: p for p in get_signature_parameters(cls)}

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from hp_lightning.checkpoint import CorruptCheckpointError, classify, layout, recover, save_checkpoint
+from hp_lightning.checkpoint.integrity import file_record, verify_file, verify_zip
 from hp_lightning.checkpoint.layout import (
     FORMAT_VERSION,
     MANIFEST_FILE,
@@ -24,14 +25,11 @@ from hp_lightning.checkpoint.layout import (
     CheckpointKind,
     clean_stale,
     exchange,
-    file_record,
     publish,
     read_manifest,
     remove,
     staging_path,
     swap_by_renames,
-    verify_file,
-    verify_zip,
 )
 
 

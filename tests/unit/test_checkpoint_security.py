@@ -37,6 +37,7 @@ from hp_lightning.checkpoint import (
 )
 from hp_lightning.checkpoint.__main__ import main
 from hp_lightning.checkpoint.convert import consolidate, read_sharded, shard, verify
+from hp_lightning.checkpoint.integrity import file_record
 from hp_lightning.checkpoint.load import dcp_index
 from hp_lightning.checkpoint.unpickle import resolve_weights_only
 
@@ -88,7 +89,7 @@ def _rerecord(root: Path) -> None:
     """What an attacker does after editing a file: record its new size and checksum in the manifest."""
     manifest = json.loads((root / layout.MANIFEST_FILE).read_text())
     checksums = manifest.get("checksum") == "sha256"
-    manifest["files"] = {n: layout.file_record(root / n, checksum=checksums) for n in layout.data_files(root)}
+    manifest["files"] = {n: file_record(root / n, checksum=checksums) for n in layout.data_files(root)}
     layout.write_manifest(root, manifest)
 
 

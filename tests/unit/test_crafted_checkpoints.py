@@ -32,7 +32,8 @@ from torch import nn
 
 from hp_lightning.checkpoint import CorruptCheckpointError, UnsafeCheckpointError, layout, load_checkpoint, load_weights, read_full_file, save_checkpoint
 from hp_lightning.checkpoint.__main__ import main as cli
-from hp_lightning.checkpoint.layout import DCP_METADATA_FILE, MANIFEST_FILE, file_record
+from hp_lightning.checkpoint.integrity import file_record
+from hp_lightning.checkpoint.layout import DCP_METADATA_FILE, MANIFEST_FILE
 from hp_lightning.checkpoint.read import read_dcp, read_sharded
 
 WEIGHTS = {"weight": torch.arange(16.0).reshape(4, 4), "bias": torch.arange(4.0) - 2}
@@ -258,7 +259,7 @@ def pathlib_guard() -> Any:
 def test_an_index_may_call_and_fill_only_dcps_own_objects(tmp_path: Path, case: str, pathlib_guard: Any) -> None:
     from torch.distributed.checkpoint import metadata as dcp_metadata
 
-    from hp_lightning.checkpoint.unpickle import read_dcp_metadata
+    from hp_lightning.checkpoint.read import read_dcp_metadata
 
     data, fragment = CLASS_INDEX_CASES[case]
     hp, lightning = _sharded(tmp_path), _lightning(tmp_path)

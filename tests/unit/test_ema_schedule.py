@@ -109,3 +109,37 @@ def test_a_callable_decay_out_of_range_is_refused() -> None:
     ema.attach(model)
     with pytest.raises(ValueError, match=r"must return a number in \[0, 1\]"):
         ema.update()
+
+
+def test_export_hf_ema_takes_the_average_of_a_full_file_for_tied_copies_too(tmp_path) -> None:
+    """``export_hf(..., ema=True)`` on a hand-written full checkpoint: each averaged weight replaced (a tied copy
+    by its twin's average), buffers kept, the dtype the weight's (or ``dtype``'s, cast from the fp32 average)."""
+    from safetensors.torch import load_file
+
+    from hp_lightning.checkpoint.hf import export_hf
+    from hp_lightning.core.ema import AVERAGE, FORMAT
+
+    embed = torch.randn(6, 4, dtype=torch.bfloat16)
+    weights = {"net.embed.weight": embed, "net.lm_head.weight": embed.clone(), "net.norm.weight": torch.ones(4), "net.steps": torch.arange(3)}
+    averages = {"net.embed.weight": torch.randn(6, 4), "net.norm.weight": torch.full((4,), 0.5)}
+
+    def save(path, averaged):
+        state = {"state": {name: {AVERAGE: value} for name, value in averaged.items()}, "param_groups": [{"params": list(averaged)}]}
+        torch.save({"state_dict": weights, "callbacks": {"ShardedEMA{}": {"format": FORMAT, "stored": "full", AVERAGE: state}}}, path)
+        return path
+
+    source = save(tmp_path / "ema.ckpt", averages)
+    for dtype, out in ((None, tmp_path / "kept"), ("fp32", tmp_path / "fp32")):
+        export_hf(source, out, prefix="net.", dtype=dtype, ema=True)
+        written = load_file(str(out / "model-00001-of-00001.safetensors"))
+        want = averages["net.embed.weight"].to(torch.bfloat16) if dtype is None else averages["net.embed.weight"]
+        assert torch.equal(written["embed.weight"], want) and torch.equal(written["lm_head.weight"], want)
+        assert torch.equal(written["norm.weight"], averages["net.norm.weight"]) and torch.equal(written["steps"], weights["net.steps"])
+    with pytest.raises(ValueError, match=r"covers 1 parameter\(s\) its model weights lack, e.g. \['net.other'\]"):
+        export_hf(save(tmp_path / "other.ckpt", {**averages, "net.other": torch.zeros(1)}), tmp_path / "o", prefix="net.", ema=True)
+    with pytest.raises(ValueError, match=r"has shape \(5,\), its weight \(4,\)"):
+        export_hf(save(tmp_path / "shape.ckpt", {"net.norm.weight": torch.zeros(5)}), tmp_path / "s", prefix="net.", ema=True)
+    torch.save({"state_dict": weights}, tmp_path / "plain.ckpt")
+    with pytest.raises(ValueError, match="holds no ShardedEMA average.*drop --ema"):
+        export_hf(tmp_path / "plain.ckpt", tmp_path / "p", prefix="net.", ema=True)
+    assert not any((tmp_path / name).exists() for name in ("o", "s", "p"))

@@ -1,4 +1,5 @@
-"""The folder layout tells the truth: every package has a layer, imports only go down, nothing imports in a circle.
+"""The folder layout tells the truth: every package has a layer, imports only go down, nothing imports in a circle,
+and the map in ``docs/architecture.md`` names every module (and nothing else).
 
 The import checks run in a fresh interpreter, so this test process's imports cannot hide a
 cycle; the AST checks read every import statement, inside functions and ``TYPE_CHECKING``
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -380,9 +382,9 @@ def test_the_two_front_ends_have_distinct_names_and_the_old_ones_still_work():
         assert StrategyRegistry[name]["strategy"] is HSDPStrategy
         assert STRATEGY_REGISTRY[name]["strategy"] is HSDPFabricStrategy
     # One shared core; each front end keeps only its own hooks.
-    from hp_lightning.frontends.core import StrategyCore
+    from hp_lightning.frontends.base import StrategyBase
 
-    assert issubclass(HSDPStrategy, StrategyCore) and issubclass(HSDPFabricStrategy, StrategyCore)
+    assert issubclass(HSDPStrategy, StrategyBase) and issubclass(HSDPFabricStrategy, StrategyBase)
     assert HSDPStrategy.__init__ is not HSDPFabricStrategy.__init__  # each gets Lightning's own arguments
     assert repr(HSDPFabricStrategy(mesh_shape=[2])) == "HSDPFabricStrategy(mesh_shape=(2,))"
 
@@ -390,3 +392,51 @@ def test_the_two_front_ends_have_distinct_names_and_the_old_ones_still_work():
 def test_import_patches_nothing_in_lightning(fresh_interpreter):
     assert fresh_interpreter["patched_auto_accelerator"] is False, "import hp_lightning patched accelerator=auto"
     assert fresh_interpreter["registered"] == ["hp_fsdp", "hsdp"]
+
+
+# ------------------------------------------------------------------ the map in docs/architecture.md
+
+ARCHITECTURE = PACKAGE.parent / "docs" / "architecture.md"
+#: A path in backticks in the prose: folders and names, ending in ``.py`` (a module) or ``/`` (a package).
+_PATH_IN_PROSE = re.compile(r"`((?:[A-Za-z0-9_]+/)*(?:[A-Za-z0-9_]+\.py|[A-Za-z0-9_]+/))`")
+
+
+def architecture_map(text: str) -> list[str]:
+    """The paths the tree under "## The map" names (``hp_lightning/core/mesh.py``; a package ends in ``/``), from its indentation."""
+    block = text.split("\n## The map\n", 1)[1].split("```\n", 2)[1]
+    named: list[str] = []
+    folders: list[str] = []
+    for line in block.splitlines():
+        if not line.strip():
+            continue
+        indent = len(line) - len(line.lstrip(" "))
+        depth, name = indent // 2, line.split()[0]
+        assert indent % 2 == 0 and depth <= len(folders) and (depth == 0) == (name == "hp_lightning/"), f"the map's tree is malformed at {line!r}"
+        folders[depth:] = [name] if name.endswith("/") else []
+        named.append("".join(folders[:depth]) + name)
+    return named
+
+
+def package_paths(package: Path) -> set[str]:
+    """Every module of ``package`` as the map names it: a package by its folder (``hp_lightning/core/``), a module by its file."""
+    found = set()
+    for path in package.rglob("*.py"):
+        relative = path.relative_to(package.parent)
+        found.add(f"{relative.parent.as_posix()}/" if path.name == "__init__.py" else relative.as_posix())
+    return found
+
+
+def test_the_architecture_map_names_every_module_and_only_modules_that_exist():
+    text = ARCHITECTURE.read_text()
+    named = architecture_map(text)
+    assert len(named) == len(set(named)), "a module named twice in docs/architecture.md's map"
+    actual = package_paths(PACKAGE)
+    assert sorted(actual - set(named)) == [], "modules missing from the map in docs/architecture.md (add a line each)"
+    assert sorted(set(named) - actual) == [], "the map in docs/architecture.md names modules that do not exist"
+    # Paths in the prose exist too (relative to hp_lightning/, or to the repository for tests/ and docs/).
+    prose = {p for p in _PATH_IN_PROSE.findall(text) if not (PACKAGE / p).exists() and not (PACKAGE.parent / p).exists()}
+    assert prose == set(), "docs/architecture.md names paths that do not exist"
+    # The check sees a module added without a line, and a line left for a module that is gone.
+    lines = text.replace("    mesh.py ", "    meshes.py ", 1)
+    assert {"hp_lightning/core/mesh.py"} <= actual - set(architecture_map(lines))
+    assert "hp_lightning/core/meshes.py" in set(architecture_map(lines)) - actual

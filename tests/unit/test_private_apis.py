@@ -267,7 +267,7 @@ def test_no_private_import_outside_the_adapters():
 
 #: Private torch attributes that only the adapter may spell (each has a function there), and torch's
 #: error text, which nothing may match (checkpoint/ asks torch.serialization.get_unsafe_globals_in_checkpoint).
-_ADAPTER_ONLY = {"_local_tensor": "local_tensor()", "_opname": "op_name()", "Weights only load failed": "nothing: no code may match torch's error text"}
+_ADAPTER_ONLY = {"_local_tensor": "local_tensor()", "Weights only load failed": "nothing: no code may match torch's error text"}
 
 
 def test_private_torch_attributes_only_in_the_adapter():

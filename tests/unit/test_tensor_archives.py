@@ -20,8 +20,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from hp_lightning.checkpoint import CorruptCheckpointError, UnsafeCheckpointError
+from hp_lightning.checkpoint.integrity import MAX_COMPRESSION_RATIO, SIZED_TOKENS, check_archive
 from hp_lightning.checkpoint.read import read_dcp
-from hp_lightning.checkpoint.unpickle import MAX_COMPRESSION_RATIO, SIZED_TOKENS, check_archive
 from tests.unit.test_crafted_checkpoints import SIZED_PICKLES
 
 

@@ -1,17 +1,17 @@
-"""StrategyCore: everything the Trainer and Fabric strategies do the same way, once.
+"""StrategyBase: everything the Trainer and Fabric strategies do the same way, once.
 
-Both front ends are ``class HSDPStrategy(StrategyCore, <Lightning's ParallelStrategy>)``. The core
+Both front ends are ``class HSDPStrategy(StrategyBase, <Lightning's ParallelStrategy>)``. The base
 gives them:
 
-* what their constructors do (:meth:`StrategyCore._init_core`). The constructors themselves are
-  written out in :mod:`hp_lightning.frontends.constructors` (Lightning's own arguments, then every
-  field of :class:`~hp_lightning.core.options.HSDPOptions` as a keyword-only argument with its
-  type, default and documentation), generated from the fields by ``scripts/gen_signatures.py``, so
-  type checkers, editors and LightningCLI/jsonargparse read every option through the class while
-  each option is written once, in :mod:`hp_lightning.core.options`;
+* what their constructors do (:meth:`StrategyBase._init_base`). The constructors themselves are
+  in :mod:`hp_lightning.frontends.constructors` (Lightning's own arguments, then every field of
+  :class:`~hp_lightning.core.options.HSDPOptions` as a keyword-only argument: ``**options:
+  Unpack[OptionInputs]`` for type checkers, the fields' names, types, defaults and documentation
+  at run time for LightningCLI/jsonargparse and ``inspect.signature``), so each option is written
+  once, in :mod:`hp_lightning.core.options`;
 * launch and the process group, the fault watchdog, the settings every rank must agree on, the
   mesh (its layout resolved once, before launch), the mesh properties and the collectives;
-* sharding a model (:meth:`StrategyCore._shard`) and its summary, gradient accumulation modes
+* sharding a model (:meth:`StrategyBase._shard`) and its summary, gradient accumulation modes
   (what a non-final micro-batch communicates), the shorter collective timeout after the first
   step, checkpoint paths and writes (sharded, full, in the background), the watchdog's end,
   teardown, registration and ``repr``.
@@ -45,20 +45,19 @@ from hp_lightning.checkpoint import AsyncSaves
 from hp_lightning.core import agreement, devices, replica_audit, watchdog
 from hp_lightning.core.accumulation import check_mode, no_gradient_sync
 from hp_lightning.core.ema import require_average
-from hp_lightning.core.fault_tolerance import check_accumulation_mode
+from hp_lightning.core.fault_tolerance import FaultTolerance, check_accumulation_mode
 from hp_lightning.core.introspection import ShardingSummary, summarize, units_in_order
 from hp_lightning.core.materialize import link_construction, meta_init_context
 from hp_lightning.core.mesh import MeshLayout, ParallelMesh, build_parallel_mesh, describe, set_collective_timeout
 from hp_lightning.core.options import HSDPOptions
 from hp_lightning.core.watchdog import elastic
 from hp_lightning.frontends.precision import PrecisionCore
-from hp_lightning.ft.config import FaultTolerance
 from hp_lightning.fully_shard import HSDPModule
 from hp_lightning.fully_shard.divergence import divergence_check, gradients_stay_local
 from hp_lightning.recipe.parallelize import ShardedModel, ShardingPlan
 from hp_lightning.recipe.prepare import prepare_model, prepared
 
-__all__ = ["StrategyCore", "refuse_fsdp1"]
+__all__ = ["StrategyBase", "refuse_fsdp1"]
 
 
 def refuse_fsdp1(module: nn.Module) -> None:
@@ -116,7 +115,7 @@ _REGISTERED: tuple[tuple[str, str, dict[str, Any]], ...] = (
 )
 
 
-class StrategyCore:
+class StrategyBase:
     """The shared half of both ``HSDPStrategy`` classes (see the module docstring).
 
     Attributes:
@@ -130,7 +129,7 @@ class StrategyCore:
     _mesh_available: ClassVar[str] = "once the processes are set up"
     _mesh: Optional[ParallelMesh] = None
 
-    def _init_core(self, lightning_args: dict[str, Any], options: HSDPOptions) -> None:
+    def _init_base(self, lightning_args: dict[str, Any], options: HSDPOptions) -> None:
         """What both constructors do (:mod:`hp_lightning.frontends.constructors` calls it).
 
         Args:
@@ -159,7 +158,7 @@ class StrategyCore:
         """Raise for what this front end cannot honour (before Lightning's base is set up)."""
 
     def _init_front_end(self) -> None:
-        """The adapter's own state, after the core's."""
+        """The adapter's own state, after the base's."""
 
     @property
     def _hsdp_precision(self) -> PrecisionCore:
@@ -190,7 +189,7 @@ class StrategyCore:
     @property
     def fault_tolerance_config(self) -> Optional[FaultTolerance]:
         """The ``fault_tolerance`` option as resolved at construction (None: off)."""
-        return cast(Optional[FaultTolerance], self.options.fault_tolerance)  # HSDPOptions resolves "env" and dicts
+        return self.options.fault_tolerance  # HSDPOptions resolves "env" and dicts
 
     @property
     def cpu_offload(self) -> bool:
