@@ -16,7 +16,7 @@ LIGHTNING_PIN ?= lightning==2.6.6 pytorch-lightning==2.6.6
 # Each requirement quoted for the shell (a range's < or > is no redirection).
 quoted = $(foreach requirement,$(1),'$(requirement)')
 
-.PHONY: install test test-compat tested-pins lint generate test-fast demo bench bench-cluster bench-overhead bench-checkpoint bench-pipeline bench-ft bench-hf gpu-check clean
+.PHONY: install test test-compat tested-pins lint generate test-fast demo bench bench-cluster bench-overhead bench-llm bench-checkpoint bench-pipeline bench-ft bench-hf gpu-check clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -105,6 +105,11 @@ bench-cluster: $(STAMP)
 # (and the manual-optimization floor) at k = 1 and 4, with a per-category profile (2 gloo ranks, ~8 min idle).
 bench-overhead: $(STAMP)
 	$(PY) -m benchmarks.overhead
+
+# compile per block and activation checkpointing (none / full / selective_op / every 2nd) on an 8-block Llama,
+# 2 gloo ranks, interleaved rounds: step-time ratios to eager, compile time, peak heap (~10 min idle).
+bench-llm: $(STAMP)
+	$(PY) -m benchmarks.llm
 
 # Checkpoint save / resume time against plain DCP, and the async_save stall (2 gloo ranks; also in make bench).
 bench-checkpoint: $(STAMP)

@@ -34,6 +34,8 @@ One 4-rank launch runs every scenario in the same processes, one after another:
 * **EP**: FSDP 4 with ``expert_parallel_size=2`` (a mixture-of-experts block): each average has its
   parameter's mesh and placements (the experts' on the EP mesh), equals the EMA of the whole
   weights, and the EMA's hook issues no collective and reads nothing into Python.
+* **TP**: FSDP 2 x TP 2 (the blocks' MLPs split colwise/rowwise): the same checks, the blocks'
+  averages ``(shard, tp)`` DTensors like their parameters.
 * **Fabric**: the same callback object drives a Fabric loop (``attach``, ``update``, ``swapped``),
   equal to one process; ``fabric.save``/``fabric.load`` of ``ema.averages`` round-trips it; the
   audit, checking after every ``optimizer.step()``, finds the replicas equal 3 times.
@@ -443,20 +445,32 @@ class MoEModule(QuietModule):
         self.net.blocks = nn.ModuleList(MoEBlock(16) for _ in range(2))
 
 
+#: FSDP 2 x TP 2 on TinyNet: each block's MLP split Megatron-style.
+TP_PLAN = {"net.blocks.*.fc1": "colwise", "net.blocks.*.fc2": "rowwise"}
+
+
 def expert_parallel(tmp: Path) -> dict[str, Any]:
     """FSDP 4 with EP 2: the average keeps each parameter's mesh and placements; no collective, no host read in its hook."""
+    return _layouts_kept(MoEModule(), mesh_shape=[4], expert_parallel_size=2)
+
+
+def tensor_parallel(tmp: Path) -> dict[str, Any]:
+    """FSDP 2 x TP 2: the same as :func:`expert_parallel`, the blocks' averages 2-D ``(shard, tp)`` DTensors."""
+    return _layouts_kept(QuietModule(), mesh_shape=[2], tensor_parallel_size=2, tp_plan=TP_PLAN)
+
+
+def _layouts_kept(model: nn.Module, **options: Any) -> dict[str, Any]:
     from torch.distributed.tensor import DTensor
 
     from hp_lightning.callbacks import ShardedEMA
     from hp_lightning.core.diagnostics import CollectiveCounter, HostReads
 
     seed_everything(0)
-    model = MoEModule()
     ema, mirror = ShardedEMA(decay=DECAY), InRankEMA()
     with CollectiveCounter() as comms, HostReads() as reads:
         log: list[tuple[Any, int]] = []
         marks = [Marks(comms, reads, name, log) for name in ("train", "ema", "after")]
-        trainer = Trainer(devices=WORLD, strategy=_strategy(mesh_shape=[4], expert_parallel_size=2), max_steps=3,
+        trainer = Trainer(devices=WORLD, strategy=_strategy(**options), max_steps=3,
                           callbacks=[marks[0], marks[1], ema, marks[2], mirror], limit_val_batches=0, **trainer_kwargs())
         trainer.fit(model, _data())
     buckets = comms.buckets()
@@ -543,6 +557,7 @@ def worker(tmp: str) -> dict[str, Any]:
         "export": export(root),
         "replicate_every": replicate_every(root),
         "expert_parallel": expert_parallel(root),
+        "tensor_parallel": tensor_parallel(root),
         "fabric": fabric_loop(root),
     }
 
@@ -719,6 +734,17 @@ def test_ema_under_expert_parallelism_keeps_the_layouts_and_adds_no_collective(l
         assert len([n for n in ep["layouts"] if ".experts." in n]) == 4 and all("ep" in mesh for mesh in expert_meshes), ep["layouts"]
         assert max_diff(ep["average"], ep["mirror"]) <= 1e-6, rank
         assert ep["ema_collectives"] == [] and ep["ema_reads"] == [], (rank, ep["ema_collectives"], ep["ema_reads"])
+
+
+def test_ema_under_tensor_parallelism_keeps_the_2d_layouts_and_adds_no_collective(launch: dict[str, Any]) -> None:
+    for rank, result in enumerate(launch["ranks"]):
+        tp = result["tensor_parallel"]
+        assert all(same for same, _ in tp["layouts"].values()), (rank, tp["layouts"])
+        split = [name for name, (_, mesh) in tp["layouts"].items() if "tp" in mesh]
+        assert {f"net.blocks.{i}.{fc}.weight" for i in range(2) for fc in ("fc1", "fc2")} <= set(split), split
+        assert not any(name.startswith(("net.inp.", "net.head.")) for name in split), split
+        assert max_diff(tp["average"], tp["mirror"]) <= 1e-6, rank
+        assert tp["ema_collectives"] == [] and tp["ema_reads"] == [], (rank, tp["ema_collectives"], tp["ema_reads"])
 
 
 def test_fabric_drives_the_same_callback(launch: dict[str, Any], fabric_reference: dict[str, Any]) -> None:

@@ -6,8 +6,8 @@ backend that counts each graph it is handed and runs it eagerly: the numbers sta
 comparison is tight) while dynamo captures, guards and recompiles exactly as under inductor. After
 the warm-up step, no graph is compiled again (no recompile per micro-batch or per
 ``set_requires_gradient_sync`` toggle). A compiled run's checkpoint has the eager run's keys and
-resumes in an eager run. Activation checkpointing, ``"full"``, ``"selective_op"`` and every second
-block, trains with the same losses as none.
+resumes in an eager run. Activation checkpointing, ``"full"`` on every block and ``"selective_op"``
+on every second block, trains with the same losses as none.
 """
 
 from __future__ import annotations
@@ -167,7 +167,8 @@ def worker(tmp: str) -> dict:
         for how in ("wrapper", "in_place"):
             out[f"exported_{how}"] = LlamaForCausalLM.from_pretrained(out[f"user_{how}"]["exported"]).model.embed_tokens.weight.detach()
     blocks = ["net.model.layers.*"]
-    for mode, every in (("full", 1), ("selective_op", 1), ("full", 2)):
+    # Selective checkpointing on every second block: both levers in one fit (the other block runs plain).
+    for mode, every in (("full", 1), ("selective_op", 2)):
         out[f"ac_{mode}_{every}"] = _fit(activation_checkpointing=blocks, activation_checkpointing_mode=mode, activation_checkpointing_every=every)
     return out
 
@@ -213,5 +214,5 @@ def test_a_model_the_user_compiles_loads_exports_and_checkpoints_under_its_own_n
 
 def test_activation_checkpointing_modes_equal_none(results):
     for res in results:
-        for run in ("ac_full_1", "ac_selective_op_1", "ac_full_2"):
+        for run in ("ac_full_1", "ac_selective_op_2"):
             assert res[run]["losses"] == pytest.approx(res["eager"]["losses"][: 2 * STEPS], rel=1e-6, abs=1e-6), run

@@ -83,7 +83,7 @@ def test_torchrun_max_restarts_resumes_from_last_checkpoint_exactly(tmp_path):
     assert proc.returncode == 0, output[-4000:]
     result = torch.load(tmp_path / "result.pt")
     assert result["attempt"] == 1, "the job did not go through torchrun's restart"
-    assert result["resumed_from"] == str(tmp_path / "ckpt" / "epoch=0-step=1.ckpt"), result["resumed_from"]
+    assert result["resumed_from"] == str(tmp_path / "ckpt" / "epoch=0-step=2.ckpt"), result["resumed_from"]
     assert result["steps"] == result["reference_steps"] == 4
     assert result["params"].keys() == result["reference"].keys()
     for name, value in result["params"].items():
