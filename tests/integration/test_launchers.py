@@ -70,27 +70,6 @@ def test_script_under_torchrun(tmp_path, reference):
 RESTART_SCRIPT = ROOT / "tests" / "scripts" / "restart_train.py"
 
 
-def test_torchrun_max_restarts_resumes_from_last_checkpoint_exactly(tmp_path):
-    """``torchrun --standalone --max-restarts=1``: rank 1 is SIGKILLed mid-fit (step 2 of 4); torchrun
-    restarts both ranks in place, the new attempt forms its process group (a fresh rendezvous in the
-    agent's store, which outlives the dead attempt), resumes from the newest checkpoint and ends
-    bitwise equal to an uninterrupted run of the same recipe (run afterwards in the same processes)."""
-    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which("torchrun")
-    assert torchrun is not None, "torchrun ships with torch and must be on PATH next to the interpreter"
-    cmd = [torchrun, "--standalone", "--nproc-per-node", "2", "--max-restarts", "1", str(RESTART_SCRIPT), str(tmp_path), "2"]
-    proc = subprocess.run(cmd, env=_env(), cwd=tmp_path, timeout=400, capture_output=True, text=True)
-    output = proc.stdout + proc.stderr
-    assert proc.returncode == 0, output[-4000:]
-    result = torch.load(tmp_path / "result.pt")
-    assert result["attempt"] == 1, "the job did not go through torchrun's restart"
-    assert result["resumed_from"] == str(tmp_path / "ckpt" / "epoch=0-step=2.ckpt"), result["resumed_from"]
-    assert result["steps"] == result["reference_steps"] == 4
-    assert result["params"].keys() == result["reference"].keys()
-    for name, value in result["params"].items():
-        assert torch.equal(value, result["reference"][name]), f"{name}: resumed run differs from the uninterrupted one"
-    assert "Connection refused" not in output and "connectFullMesh" not in output, output[-4000:]
-
-
 def test_torchrun_wrong_lighthouse_ends_the_job_instead_of_restarting(tmp_path):
     """``--max-restarts=100`` and a lighthouse address nothing listens at: one attempt, a clear error, no retry."""
     pytest.importorskip("torchft", reason="fault tolerance needs the 'ft' extra (torchft)")
@@ -108,6 +87,11 @@ def test_torchrun_wrong_lighthouse_ends_the_job_instead_of_restarting(tmp_path):
 def test_two_torchrun_agents_re_form_the_job_whatever_restart_count_each_node_holds(tmp_path):
     """Two torchrun agents on this machine (``--nnodes 2``, c10d rendezvous on 127.0.0.1, 2 ranks each), the
     plan of ``restart_train.py nodes``: both ranks of node 1 killed while node 0's are busy.
+
+    Also the one-node case's test (``--standalone`` is this same c10d rendezvous on one agent): a restarted
+    attempt forms a fresh process group (no dead attempt's address read) and resumes from the newest
+    checkpoint bitwise equal to an uninterrupted run. The in-place restart of a single standalone agent
+    runs in the lighthouse test below and in tests/distributed/test_fault_tolerance.py.
 
     Node 0's agent restarts its healthy workers for node 1's re-join without counting a restart, so the second
     attempt's nodes hold different ``TORCHELASTIC_RESTART_COUNT``s (a prefix keyed on it split the job's
@@ -139,6 +123,7 @@ def test_two_torchrun_agents_re_form_the_job_whatever_restart_count_each_node_ho
     assert result["steps"] == result["reference_steps"] == 4
     for name, value in result["params"].items():
         assert torch.equal(value, result["reference"][name]), f"{name}: resumed run differs from the uninterrupted one"
+    assert "Connection refused" not in output and "connectFullMesh" not in output, output
 
 
 def _lighthouse(port: int) -> subprocess.Popen:
