@@ -7,10 +7,11 @@ thread waits in a collective (or is the thing that hangs). It never touches the 
 from __future__ import annotations
 
 import threading
+import time
 
 from hp_lightning.core.watchdog.departure import Departure
 from hp_lightning.core.watchdog.exits import _say
-from hp_lightning.core.watchdog.failure_board import FailureBoard
+from hp_lightning.core.watchdog.failure_board import _FINE_POLL, FailureBoard
 from hp_lightning.core.watchdog.liveness import MainThreadMonitor, PeerLiveness
 from hp_lightning.core.watchdog.processes import _StoreUnreachable
 
@@ -51,8 +52,24 @@ class Poller:
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=timeout)
 
+    def _wait_for_next_poll(self) -> bool:
+        """Wait one poll interval, cut short when a local peer's process has ended; True once ``stopping`` is set.
+
+        A dead local process is seen by a ``/proc`` read (no store call) every :data:`_FINE_POLL`
+        seconds, so it is named within a fine poll, not a whole one: under Lightning's launcher, rank
+        0's parent process SIGKILLs every rank on its own 5 s poll once a child dies, and the
+        watchdog's report should come first.
+        """
+        deadline = time.monotonic() + self._poll_interval
+        while (left := deadline - time.monotonic()) > 0:
+            if self._stopping.wait(min(_FINE_POLL, left)):
+                return True
+            if self._peers.first_dead_local_peer() is not None:
+                return False
+        return self._stopping.is_set()
+
     def _run(self) -> None:
-        while not self._stopping.wait(self._poll_interval):
+        while not self._wait_for_next_poll():
             try:
                 self._tick()
             except _StoreUnreachable as unreachable:
