@@ -1,30 +1,14 @@
 """Hugging Face in, Hugging Face out: safetensors directories read into, and written from, a sharded model.
 
-A Hugging Face model directory holds ``config.json`` and either one ``model.safetensors`` or
-several ``model-0000i-of-0000N.safetensors`` shards listed by ``model.safetensors.index.json``.
+* :func:`load_hf_weights`: rank 0 checks the headers against the directory and the model, every rank
+  agrees, then DCP's ``HuggingFaceStorageReader`` reads on each rank only the slices it holds (a memory
+  map, never the whole file). Reads are strict (:class:`StrictHFPlanner`, :func:`_check_tied_copies`).
+* :func:`save_hf`: every rank writes its part with DCP's ``HuggingFaceStorageWriter``, which merges the
+  parts into whole-tensor shards on rank 0 file by file: no rank holds the whole model.
+* :func:`export_hf` (``export-hf``): a checkpoint read by the project's own readers, written in one process.
 
-* :func:`load_hf_weights` (what :func:`hp_lightning.checkpoint.load_weights` calls for such a
-  directory): rank 0 reads the headers only (through ``safetensors``) and checks them against the
-  directory and the model; every rank then agrees, and DCP's public
-  ``HuggingFaceStorageReader`` reads on each rank only the slices of the tensors that rank holds
-  (``safe_open(...).get_slice(name)[rows]`` over a memory map: the pages of its own rows, never
-  the whole file).
-* :func:`save_hf` (``strategy.save_hf``): every rank writes its own part with DCP's public
-  ``HuggingFaceStorageWriter`` (``save_distributed=True, enable_consolidation=True``), which then
-  merges the parts into whole-tensor shards on rank 0, file by file, without any rank holding the
-  whole model in memory.
-* :func:`export_hf` (``python -m hp_lightning.checkpoint export-hf``): a sharded directory or a
-  full file, read by the project's own readers, written with the same writer in one process.
-
-Reads are strict: a key DCP's reader does not find on some rank, or a tensor it would fill only in
-part, is refused on every rank (:class:`StrictHFPlanner`), and so are two copies of tied weights that
-differ (:func:`_check_tied_copies`).
-
-Every output is staged under a temporary name and renamed into place; an existing non-empty
-directory is refused unless ``overwrite=True``, and even then only an earlier export of ours is
-replaced: its ``.hp_lightning_export.json`` must carry the token the directory's mark holds and list
-only regular files directly inside it (:func:`_read_export_record`); the user's own files there are
-carried over, the directories are exchanged in one step, and only the listed files are deleted.
+Every output is staged and renamed into place; a non-empty target is refused unless ``overwrite=True``,
+and even then only an earlier export of ours is replaced (:func:`_read_export_record`).
 """
 
 from __future__ import annotations
@@ -52,6 +36,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from hp_lightning.checkpoint import layout
 from hp_lightning.checkpoint.adapters import ADAPTER_WEIGHTS, adapter_state, check_peft_export, merged_adapters
 from hp_lightning.checkpoint.collective import agree, on_every_rank, on_rank0, rank, warn_rank0
+from hp_lightning.checkpoint.convert import _safetensors_ready
 from hp_lightning.checkpoint.integrity import CorruptCheckpointError, UnsafeCheckpointError, open_regular, outside_reason
 from hp_lightning.checkpoint.layout import MODEL_KEY, TOKEN_FILE
 from hp_lightning.checkpoint.names import FileNames
@@ -91,10 +76,7 @@ _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2*
 
 
 def is_hf_directory(path: Path) -> bool:
-    """Whether ``path`` is a Hugging Face weights directory (an index or ``*.safetensors`` and no DCP index).
-
-    A DCP checkpoint (``.metadata``) is never taken for one, even if it holds safetensors files.
-    """
+    """Whether ``path`` is a Hugging Face weights directory (an index or ``*.safetensors``, and no DCP ``.metadata``)."""
     path = Path(path)
     if not path.is_dir() or (path / ".metadata").exists():
         return False
@@ -158,15 +140,9 @@ def _index_files(directory: Path) -> tuple[Optional[dict[str, str]], Optional[in
 def _inspect(directory: Path) -> dict[str, _Entry]:
     """Every tensor of the directory with its file, shape and dtype, from the headers alone, cross-checked.
 
-    ``safetensors`` parses each header and refuses a file whose declared data does not end exactly
-    at the file's end (a truncated or padded shard); the index must list exactly the files present
-    (DCP's reader reads every ``*.safetensors`` file of the directory, so a stray one would be read
-    too), name each tensor's real file, and its ``total_size`` (when given) must equal the bytes
-    the headers declare.
-
-    Raises:
-        CorruptCheckpointError: a missing, truncated or unreadable shard, or an index that disagrees.
-        UnsafeCheckpointError: a link, or an index naming a file outside the directory.
+    ``safetensors`` refuses a header whose data does not end exactly at the file's end; the index must
+    list exactly the files present (DCP's reader reads every ``*.safetensors`` file, a stray one too),
+    name each tensor's real file, and its ``total_size`` must equal the bytes the headers declare.
     """
     from safetensors import safe_open  # safetensors is optional (hp-lightning[safetensors])
 
@@ -203,7 +179,7 @@ def _inspect(directory: Path) -> dict[str, _Entry]:
                             f"a dtype torch cannot hold ({sorted(_TORCH_DTYPES)} are read)."
                         )
                     entries[key] = _Entry(name, shape, dtype)
-                    declared += _numel(shape) * getattr(torch, dtype).itemsize
+                    declared += math.prod(shape) * getattr(torch, dtype).itemsize
         except CorruptCheckpointError:
             raise
         except Exception as exc:  # noqa: BLE001 - safetensors raises its own error type for a bad header or size
@@ -233,22 +209,14 @@ _TORCH_DTYPES = {"BOOL": "bool", "U8": "uint8", "I8": "int8", "F8_E5M2": "float8
                  "I64": "int64", "U64": "uint64", "F64": "float64"}
 
 
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
 # ---------------------------------------------------------------- loading
 
 
 def _tie_groups(module: nn.Module) -> list[list[str]]:
     """Names sharing one parameter (tied weights), each group in the whole model's order; singletons left out.
 
-    A pipeline stage cut by hp_lightning also knows the ties it shares with other stages (GPT-2's
-    ``lm_head`` on the last stage, its embedding on the first): those groups list every name, so
-    the last stage loads the embedding's tensor into its ``lm_head`` and writes none of it.
+    A pipeline stage also lists the ties it shares with other stages (``lm_head`` on the last, the
+    embedding on the first), so the last stage loads the embedding's tensor and writes none of it.
     """
     groups: dict[int, list[str]] = {}
     for name, param in module.named_parameters(remove_duplicate=False):
@@ -271,8 +239,7 @@ def _plan_load(
 ) -> tuple[dict[str, str], list[str], list[str]]:
     """Which file tensor goes into which module key; (mapping hf -> module key, missing, unexpected).
 
-    Raises:
-        ValueError: missing / unexpected keys (when strict), a shape mismatch, or a dtype cast not allowed.
+    Raises ValueError for missing / unexpected keys (when strict), a shape mismatch, or a cast not allowed.
     """
     ours = {k[len(prefix):]: k for k in module_state if k.startswith(prefix)}
     if not ours:
@@ -347,8 +314,7 @@ def _prefix_hint(module_keys: list[str], file_keys: list[str], prefix: str) -> s
 
 
 class _DeferredLoad:
-    """:func:`load_hf_weights` on a module the strategy has not materialized yet: run by materialize, which
-    allocates the tensors it names and initializes only the others (:mod:`hp_lightning.core.materialize.preloaded`)."""
+    """:func:`load_hf_weights` run by materialize, which allocates the tensors it names and initializes only the others."""
 
     def __init__(self, module: nn.Module, path: Path, *, prefix: str, strict: bool, allow_cast: bool) -> None:
         self.module, self.path = module, path
@@ -384,12 +350,10 @@ class _DeferredLoad:
 
 
 def defer_until_materialized(module: nn.Module, path: Path, *, prefix: str = "", strict: bool = True, allow_cast: bool = False) -> bool:
-    """Leave the load to the strategy when ``module`` awaits its materialization (built on the meta device in
-    ``configure_model`` or ``init_module()``, not set up yet); returns whether it did.
+    """Leave the load to the strategy when ``module`` awaits its materialization; returns whether it did.
 
-    The strategy then allocates the tensors the files hold without initializing them, initializes
-    only the rest (buffers such as rotary ``inv_freq``, a new head) and loads the files into them:
-    nothing is initialized to be overwritten. Nothing is read here.
+    The strategy then initializes only the tensors the files do not hold (rotary ``inv_freq``, a new
+    head) and loads the files into the others: nothing is initialized to be overwritten.
     """
     if not awaits_materialization(module):
         return False
@@ -408,29 +372,19 @@ def load_hf_weights(
 ) -> None:
     """Load a Hugging Face safetensors directory into a (sharded) module, each rank reading its own slices.
 
-    Call it on every rank after the model is sharded and materialized (e.g. in ``on_fit_start``);
-    :func:`hp_lightning.checkpoint.load_weights` calls it for a Hugging Face directory. Rank 0 reads
-    the headers and checks them (files, index, sizes) and every rank compares them with its module
-    (keys, shapes, dtypes) before any tensor is read, so a refusal is raised on every rank alike.
-    The read itself is DCP's: each rank reads the rows of the tensors it holds (FSDP, HSDP, TP,
-    EP shards, a pipeline stage's own layers), through a memory map, never the whole file.
+    Call it on every rank once the model is sharded and materialized. Headers, keys, shapes and dtypes
+    are checked before any tensor is read, so a refusal is raised on every rank alike; then each rank
+    reads only the rows of the tensors it holds, through a memory map.
 
     Args:
-        module: the module to fill (``self`` of a LightningModule, or any sharded ``nn.Module``).
-        path: the directory (``model.safetensors``, or shards with or without the index).
-        prefix: where the Hugging Face model sits inside ``module``: ``"net."`` when the
-            LightningModule holds it as ``self.net``. Module keys outside it are left alone.
-        strict: a module key the files lack, or a file key the module lacks, is an error; else both
-            are reported and skipped. Tied weights (``lm_head`` tied to the input embedding) count as
-            present when the file holds either name: Hugging Face stores them once.
-        allow_cast: load tensors whose dtype differs from the module's (e.g. a bf16 checkpoint into
-            an fp32 model), cast on copy. Off by default: a silent cast is a silent precision change.
-        elsewhere: module keys other ranks hold (a pipeline's other stages): neither missing nor
-            unexpected here. Found on a LightningModule cut by ``HSDPStrategy`` without being passed.
+        prefix: where the Hugging Face model sits inside ``module`` (``"net."`` for ``self.net``).
+        strict: a key missing on either side is an error, else reported and skipped. Tied weights
+            count as present when the file holds either name (Hugging Face stores them once).
+        allow_cast: cast on copy when dtypes differ; off by default (a silent cast changes precision).
+        elsewhere: module keys other ranks hold (a pipeline's other stages): neither missing nor unexpected.
 
     Raises:
-        CorruptCheckpointError: a missing, truncated or damaged shard, or an index that disagrees with its files.
-        UnsafeCheckpointError: a symbolic link, or an index naming a file outside the directory.
+        CorruptCheckpointError, UnsafeCheckpointError: a damaged directory, a link, a file outside it.
         ValueError: keys, shapes or dtypes that do not fit the module, or a module still on the meta device.
     """
     path = Path(path)
@@ -487,10 +441,8 @@ def load_hf_weights(
 class StrictHFPlanner(DefaultLoadPlanner):
     """DCP's planner for the Hugging Face read, strict: every tensor requested is found and every element of it is read.
 
-    The request was checked against the headers (:func:`_inspect`, on rank 0), but each rank's DCP reader
-    lists its own copy of the directory: a key it does not find, or a tensor whose chunks it reads do not
-    cover the rank's part (a header's ``DCP_SHARDING_INFO`` placing it elsewhere), would otherwise keep
-    its initialization silently. Refused on every rank (DCP gathers the failure), naming the key.
+    Rank 0 checked the headers, but each rank's reader lists its own copy of the directory: a key it
+    does not find, or chunks that do not cover the rank's part, would otherwise keep the initialization.
     """
 
     def __init__(self, source: str) -> None:
@@ -547,11 +499,7 @@ _COMPARE_ELEMENTS = 1 << 22
 def _check_tied_copies(directory: Path, entries: Mapping[str, _Entry], groups: Sequence[tuple[str, ...]]) -> None:
     """Refuse files holding two copies of tied weights that differ (bit for bit), naming both keys and the largest difference.
 
-    The module shares one parameter between them, so loading one would silently drop the other. Read
-    block by block through ``safetensors`` (memory maps), never both tensors whole.
-
-    Raises:
-        CorruptCheckpointError: naming the files, both keys and the largest absolute difference.
+    Loading one would silently drop the other. Read block by block (memory maps), never both whole.
     """
     from safetensors import safe_open
 
@@ -568,7 +516,7 @@ def _check_tied_copies(directory: Path, entries: Mapping[str, _Entry], groups: S
             with safe_open(str(directory / first.file), framework="pt") as fa, safe_open(str(directory / other.file), framework="pt") as fb:
                 a, b = fa.get_slice(group[0]), fb.get_slice(key)
                 rows = first.shape[0] if first.shape else 1
-                step = max(1, _COMPARE_ELEMENTS // max(1, _numel(first.shape[1:])))
+                step = max(1, _COMPARE_ELEMENTS // max(1, math.prod(first.shape[1:])))
                 largest: Optional[float] = None
                 for start in range(0, rows, step):
                     x, y = (a[start:start + step], b[start:start + step]) if first.shape else (fa.get_tensor(group[0]), fb.get_tensor(key))
@@ -589,11 +537,7 @@ def _check_tied_copies(directory: Path, entries: Mapping[str, _Entry], groups: S
 
 
 def parse_size(value: Union[int, str]) -> int:
-    """``"5GB"`` (10^9), ``"500MiB"`` (2^20 each), ``"50KB"`` or a byte count -> bytes.
-
-    Raises:
-        ValueError: anything else, or a size below one byte.
-    """
+    """``"5GB"`` (10^9), ``"500MiB"`` (2^20 each), ``"50KB"`` or a byte count -> bytes; ValueError for anything else or < 1."""
     if isinstance(value, int) and not isinstance(value, bool):
         size = value
     else:
@@ -607,11 +551,10 @@ def parse_size(value: Union[int, str]) -> int:
 
 
 def _file_plan(sizes: Mapping[str, int], max_shard_size: int) -> dict[str, int]:
-    """Tensor -> 1-based file index: tensors in order, a new file when the next would pass the limit, a
-    tensor larger than the limit in a file of its own where it comes. ``save_pretrained`` (huggingface_hub's
-    ``split_torch_state_dict_into_shards``) fills files the same way but puts such a tensor in a file ahead
-    of the one being filled; ours keeps the files in the tensors' order and needs only their sizes, which
-    every pipeline stage sends (huggingface_hub plans from tensors in one process)."""
+    """Tensor -> 1-based file index: in order, a new file when the next tensor would pass the limit.
+
+    Unlike huggingface_hub's planner it needs only sizes (which every pipeline stage sends), not tensors.
+    """
     plan: dict[str, int] = {}
     index, used = 1, 0
     for key, size in sizes.items():
@@ -640,8 +583,7 @@ def _read_config(config: Optional[Path]) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class _Previous:
-    """An earlier export of ours at the output, checked (:func:`_read_export_record`): its token, the files its record
-    lists that are there (deleted once the new export is in place), and the user's own files beside them (carried over)."""
+    """An earlier export of ours: its token, its listed files present (deleted later), the user's files (carried over)."""
 
     token: str
     files: tuple[str, ...]
@@ -667,15 +609,11 @@ _TOKEN = re.compile(r"^[0-9a-f]{12}$")
 
 
 def _read_export_record(out: Path) -> _Previous:
-    """The earlier export at ``out``, checked before anything is written: its record (a regular file, written by us,
-    naming a token that the directory's :data:`~hp_lightning.checkpoint.layout.TOKEN_FILE` holds too) lists only
-    plain names of regular files directly inside ``out``; every other entry is a regular file of the user's
-    (a README, tokenizer files), never weights.
+    """The earlier export at ``out``, checked before anything is written.
 
-    Raises:
-        UnsafeCheckpointError: a record naming a path outside ``out``, a link or a directory, or weights we did not write
-            (each named); a directory without our record or token.
-        CorruptCheckpointError: a record that is not ours in form (not JSON, no token, no file list).
+    Its record (ours, naming the token the directory's ``TOKEN_FILE`` holds) must list only plain names
+    of regular files directly inside ``out``; every other entry must be a regular file of the user's
+    (a README, tokenizer files), never weights. Anything else is refused, naming it.
     """
     record = out / EXPORT_RECORD
     where = f"Hugging Face export: {str(out)!r}"
@@ -759,15 +697,11 @@ def _same_file(a: Path, b: Path) -> bool:
 
 
 def _publish(staging: Path, out: Path, previous: Optional[_Previous], config: Optional[Path], token: str, dtype: Optional[torch.dtype]) -> list[str]:
-    """Copy the config files in (with a cast, its dtype entry says the new one), record and mark what we wrote, and put
-    the staged directory in ``out``'s place in one step.
+    """Copy the config files in, record and mark what we wrote, and put the staged directory in ``out``'s place.
 
-    Over an earlier export (``previous``) the user's files are carried into the staged directory first (hard
-    links), then the two directories are exchanged atomically (``renameat2(RENAME_EXCHANGE)``): a reader of
-    ``out`` sees the old export or the new one, never a mix. Where the filesystem cannot exchange, the old
-    directory is renamed aside and the new one renamed in: between those two renames ``out`` is absent (never
-    partial). The old directory then loses, by name, only the files its record listed, the user's files carried
-    over (each checked to be in the new directory), the record and the mark; anything else keeps it in place.
+    Over an earlier export the user's files are hard-linked in first, then the directories are exchanged
+    atomically (else renamed: ``out`` is briefly absent, never partial). The old directory then loses only
+    the files its record listed and the carried files (checked to be in the new one); anything else stays.
     """
     if config is not None:
         base = Path(config) if Path(config).is_dir() else Path(config).parent
@@ -848,39 +782,25 @@ def save_hf(
     overwrite: bool = False,
     peft: Optional[str] = None,
 ) -> Path:
-    """Write the (sharded) module as a Hugging Face directory, every rank writing its own part; call on every rank.
+    """Write the (sharded) module as a Hugging Face directory, every rank writing its own part; call on every rank; returns ``path``.
 
-    Each rank hands DCP's ``HuggingFaceStorageWriter`` its local shards (no gather); the writer
-    then merges the parts into whole-tensor ``model-0000i-of-0000N.safetensors`` files plus
-    ``model.safetensors.index.json`` on rank 0, reading the parts back file by file (so rank 0
-    writes every byte once but never holds the model), and the parts are deleted. Tied weights
-    are written once, under their first name, as ``save_pretrained`` does.
+    No gather: DCP's writer merges the ranks' parts into whole-tensor shards on rank 0 file by file
+    (rank 0 never holds the model). Tied weights are written once, under their first name.
 
     Args:
-        module: the module holding the model (``self`` of a LightningModule, or the model).
-        path: the output directory; absent or empty, or an earlier export of ours with ``overwrite``.
-        prefix: where the Hugging Face model sits inside ``module`` (``"net."``): only those keys are
-            written, with it stripped.
-        config: a Hugging Face model directory (or its ``config.json``) whose ``config.json`` and
-            ``generation_config.json`` are copied next to the weights, so ``from_pretrained`` loads it.
+        prefix: where the Hugging Face model sits inside ``module`` (``"net."``): only those keys, stripped.
+        config: a Hugging Face model directory (or its ``config.json``) whose config files are copied in.
         max_shard_size: the largest file, like ``save_pretrained``'s (``"5GB"``, ``"500MB"``, bytes).
         dtype: cast floating tensors on write (``"bf16"``); None keeps the module's dtype.
         overwrite: replace an earlier export of ours at ``path`` (only the files it recorded).
-        peft: for a model with peft (LoRA) adapters, required: ``"merged"`` writes the base model with
-            each adapter folded into its layer's weight (``W + scale B A``, computed on the shards:
-            no layer is gathered), which ``from_pretrained`` loads as the fine-tuned model;
-            ``"adapter"`` writes peft's own adapter directory (``adapter_model.safetensors``,
-            ``adapter_config.json``; the adapters gathered to rank 0, small), which
-            ``PeftModel.from_pretrained(base, path)`` loads.
-
-    Returns:
-        ``path``.
+        peft: required with peft adapters: ``"merged"`` folds each into its weight (``W + scale B A``, on
+            the shards), for ``from_pretrained``; ``"adapter"`` writes peft's adapter directory, for
+            ``PeftModel.from_pretrained(base, path)``.
 
     Raises:
         FileExistsError: ``path`` is not empty and ``overwrite`` is False.
-        ValueError: ``path`` holds weights we did not write, a bad size or dtype, or no key under ``prefix``;
-            a model with adapters without ``peft`` (its keys are not the base model's), or an adapter
-            ``"merged"`` cannot fold (DoRA, a LoRA bias, a non-LoRA tuner: use ``"adapter"``).
+        ValueError: a bad size or dtype, no key under ``prefix``, adapters without ``peft``, or an
+            adapter ``"merged"`` cannot fold (DoRA, a LoRA bias, another tuner: use ``"adapter"``).
     """
     out = Path(path)
     limit = parse_size(max_shard_size)
@@ -945,7 +865,7 @@ def save_hf(
 
 
 def _save_adapter(module: nn.Module, out: Path, names: FileNames, *, overwrite: bool) -> Path:
-    """peft's adapter directory for ``module``'s one ``PeftModel``: gathered to rank 0, written, published as an export of ours."""
+    """peft's adapter directory for ``module``'s one ``PeftModel``, gathered to rank 0 and published as an export of ours."""
     from safetensors.torch import save_file
 
     peft_model, state = adapter_state(module, names)  # every rank: the gather is a collective
@@ -983,27 +903,19 @@ def export_hf(
 ) -> str:
     """Write checkpoint ``src`` (a sharded directory or a full file) as a Hugging Face directory; return a summary.
 
-    One process, no process group: the checkpoint is read by the project's readers (integrity
-    checked, pickles read safely unless ``trust_pickle``), its model weights under ``prefix``
-    taken with the prefix stripped, the tied copy dropped when ``config`` says
-    ``tie_word_embeddings`` (it must then equal the input embedding, else the export is refused),
-    and written as safetensors shards with an index by DCP's ``HuggingFaceStorageWriter``.
+    One process, no process group; read by the project's readers (checked, pickles safe unless
+    ``trust_pickle``). With ``config`` saying ``tie_word_embeddings`` the tied copy is dropped (it must
+    equal the input embedding, else refused).
 
-    Args: as :func:`save_hf`, and ``trust_pickle``: unpickle the source without safe loading
-        (only for a trusted source). ``prefix`` None (not given): no prefix, but a checkpoint whose
-        keys all start with one attribute (``net.``, a LightningModule's model) is refused, naming
-        the ``--prefix`` to pass: written unstripped, ``from_pretrained`` would find none of its
-        keys and silently initialize the model at random. Pass ``""`` to write the keys as they are.
-        ``ema``: write the ``ShardedEMA`` average the checkpoint holds in place of the weights
-        (``export-hf --ema``), as ``save_hf(..., ema=True)`` does from a live model: each averaged
-        parameter (and a weight tied to it) in the weight's dtype unless ``dtype`` casts it (from the
-        average's own fp32, not rounded to the weight's first); buffers and frozen parameters as saved.
-        From a sharded directory only the average's entries are read besides the weights.
+    Args: as :func:`save_hf`, and ``prefix`` None: no prefix, but keys that all start with one attribute
+        (``net.``) are refused, naming the ``--prefix`` to pass (unstripped, ``from_pretrained`` would
+        silently initialize the model at random); ``""`` writes them as they are. ``ema``: write the
+        ``ShardedEMA`` average in place of the weights (a tied weight too), in the weight's dtype unless
+        ``dtype`` casts it from the average's fp32.
 
     Raises:
-        FileExistsError, ValueError: as :func:`save_hf`; also a tied copy that differs from its embedding;
-            with ``ema``, a checkpoint without an average (saved without ``ShardedEMA``, weights only) or
-            one that does not fit its weights.
+        FileExistsError, ValueError: as :func:`save_hf`; a tied copy that differs; with ``ema``, no
+            average or one that does not fit the weights.
         CorruptCheckpointError, UnsafeCheckpointError: as the readers.
     """
     src, out = Path(src), Path(out)
@@ -1050,14 +962,7 @@ def export_hf(
                 )
             del state[key]
             dropped.append(key)
-    state = _cast({k: v.contiguous() for k, v in state.items()}, cast)
-    # safetensors refuses tensors sharing memory (tied copies under two names left in): write each once.
-    seen: set[int] = set()
-    for k, v in list(state.items()):
-        pointer = v.untyped_storage().data_ptr() if v.numel() else 0
-        if pointer and pointer in seen:
-            state[k] = v.clone()
-        seen.add(pointer)
+    state, _ = _safetensors_ready(_cast(state, cast))  # contiguous, tied copies under two names stored twice
     plan = _file_plan({k: _nbytes(v) for k, v in state.items()}, limit)
     token = layout.new_token()
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -1077,14 +982,9 @@ def export_hf(
 
 
 def _averages_in(src: Path, checkpoint: Optional[Mapping[str, Any]], *, trust_pickle: bool) -> dict[str, torch.Tensor]:
-    """The ``ShardedEMA`` average checkpoint ``src`` holds, whole, by parameter name.
+    """The ``ShardedEMA`` average checkpoint ``src`` holds, whole, by parameter name; ValueError if none.
 
-    A full file (``checkpoint``, already read): in the callback's state or in optimizer 0's state (a
-    consolidated sharded save). A sharded directory: only optimizer 0's average entries are read (not
-    the optimizer's own state, twice the model's size with Adam).
-
-    Raises:
-        ValueError: none there, saying where it was looked for and what to do.
+    From a sharded directory only optimizer 0's average entries are read, not the optimizer's own state.
     """
     from hp_lightning.core.ema import AVERAGE, CHECKPOINT_KEY, FORMAT, averaged_weights_in
 
@@ -1139,12 +1039,8 @@ def _averages_for_weights(
 ) -> dict[str, Any]:
     """``weights`` with each averaged parameter's average in place of its weight (and of a weight tied to it).
 
-    A weight without an average of its own that equals an averaged parameter's weight bit for bit (a tied
-    copy saved under a second name, such as an LM head tied to the embedding) takes that average too, as the
-    one tensor a live model would swap. ``keep_dtype``: each average cast to its weight's dtype.
-
-    Raises:
-        ValueError: an average for a name the weights lack, or of another shape.
+    A weight equal bit for bit to an averaged one (a tied copy saved under a second name) takes that
+    average too. ``keep_dtype``: each average cast to its weight's dtype.
     """
     unknown = sorted(set(averages) - set(weights))
     if unknown:

@@ -1,38 +1,26 @@
 """What checks: every test a checkpoint's bytes pass before a reader trusts them, and the two errors it raises.
 
-:mod:`.read` reads, calling these at each step; :mod:`.unpickle` unpickles. A failure is one of the
-two errors every loader raises for a bad checkpoint, :class:`CorruptCheckpointError` or
-:class:`UnsafeCheckpointError`. In the order a load meets them:
+In the order a load meets them:
 
-* **Where a file is**: every name a checkpoint gives stays inside its directory
-  (:func:`check_contained`) and is a regular file (:func:`regular_file_size`, :func:`open_regular`;
-  a FIFO or a device could block or never end).
-* **What the save recorded**: every file of a sharded checkpoint has a **CRC-32 of every byte** in
-  the manifest, and with ``checkpoint_checksums=True`` a SHA-256 too (cryptographic strength, at the
-  price of a read-back at save and a slower hash at load). Both catch flipped bits, a partial or bad
-  copy, a shard replaced by another rank's file of the same size and a truncated file, naming the
-  file. The CRC-32 costs a save almost nothing: torch's zip writer already stores one for every
-  record of the ``torch.save`` archive DCP writes per tensor; :func:`shard_record` takes those of
-  the large records (the tensor bytes) and reads back only the rest. Per shard file::
+* **Where a file is**: every name stays inside its directory (:func:`check_contained`) and is a
+  regular file (:func:`regular_file_size`, :func:`open_regular`; a FIFO or a device could block).
+* **What the save recorded**: every file of a sharded checkpoint has a CRC-32 of every byte in the
+  manifest (a SHA-256 too with ``checkpoint_checksums=True``). The CRC-32 costs a save almost nothing:
+  :func:`shard_record` takes the ones torch's zip writer stored for the large records and reads back
+  only the rest. Per shard file::
 
     {"size": 123456, "crc32": "<CRC-32 of the bytes outside the ranges>",
      "crc32_ranges": [[offset, length, "<CRC-32>"], ...]}
 
-  A resume checks every byte it uses without a second read (:class:`ReadCheck`): the size and the
-  bytes outside the ranges before DCP reads anything, then each tensor's range as DCP loads it;
-  ``verify`` and conversion read every byte once (:func:`verify_file`). The ranges are fixed in the
-  manifest, so another rank's or save's shard fails even when internally consistent; a record with
-  neither CRC nor SHA-256 (older manifests) is checked by its size only. A single file's record is
+  A resume checks every byte it uses without a second read (:class:`ReadCheck`): the bytes outside
+  the ranges first, then each tensor's range as DCP loads it. The ranges are fixed in the manifest,
+  so another rank's or save's shard fails even when internally consistent. A single file's record is
   the CRC-32 its zip format keeps for every entry (:func:`verify_zip`).
-* **Declared sizes against the bytes present**, before anything is allocated for them: DCP's index
-  (:func:`check_index`) and each ``torch.save`` archive (:func:`check_archive`, with
-  :class:`ArchivePolicy` for the pickles).
-* **Each tensor DCP loads** is the one the index promised, before it is copied into the model
-  (:class:`TensorCheck`).
+* **Declared sizes against the bytes present**, before anything is allocated for them
+  (:func:`check_index`, :func:`check_archive`).
+* **Each tensor DCP loads** is the one the index promised (:class:`TensorCheck`).
 
-The CRC-32 releases the GIL: zlib's runs at ~3.7 GB/s per core (about twice SHA-256's speed),
-ISA-L's at ~11 GB/s with the ``fast-crc`` extra (``isal``); both compute the same checksum, so a
-checkpoint written with one is verified by the other.
+zlib's and ISA-L's (``fast-crc`` extra) CRC-32 are the same checksum, so either verifies the other's.
 """
 
 from __future__ import annotations
@@ -92,11 +80,7 @@ class CorruptCheckpointError(ValueError):
 
 
 class UnsafeCheckpointError(ValueError):
-    """A checkpoint that loading would let run code (a pickle safe loading refuses) or read files outside it.
-
-    Raised before the refused object is built or the outside file is opened, naming the file or
-    entry; a pickle refusal also names the opt-in for trusted files (``weights_only=False``).
-    """
+    """A checkpoint that loading would let run code (a pickle safe loading refuses) or read files outside it."""
 
 
 #: How to opt out of safe loading, for a file you trust (named in every refusal).
@@ -107,10 +91,13 @@ OPT_IN = (
 )
 
 
+def _listed(problems: list[str]) -> str:
+    return "; ".join(problems[:6]) + (f"; and {len(problems) - 6} more" if len(problems) > 6 else "")
+
 
 def corruption_message(problems: list[str], checkpoint: Path) -> str:
     """One error message for every problem found, with what to do next."""
-    listed = "; ".join(problems[:6]) + (f"; and {len(problems) - 6} more" if len(problems) > 6 else "")
+    listed = _listed(problems)
     return (
         f"Checkpoint {str(checkpoint)!r} failed its integrity check: {listed}. It was damaged after it "
         f"was written (partial copy, disk or network fault, manual edit); restore it from a good copy "
@@ -122,12 +109,7 @@ def corruption_message(problems: list[str], checkpoint: Path) -> str:
 
 
 def outside_reason(root: Path, name: Any) -> str | None:
-    """Why entry ``name`` of checkpoint directory ``root`` would lead outside it; None when it stays inside.
-
-    Two checks: the name itself (no absolute path, drive or ``..`` part, in POSIX or Windows
-    spelling: DCP and the manifest name files relative to the directory), then where it resolves
-    to (a symlink, of the file or of a folder on the way, that leads out of ``root``).
-    """
+    """Why entry ``name`` of directory ``root`` would lead outside it (by its spelling, POSIX or Windows, or a symlink); None if not."""
     if not isinstance(name, str) or not name or "\x00" in name:
         return "it is not a file name"
     spelled = PureWindowsPath(name)  # parses both '/' and '\\' as separators
@@ -143,15 +125,11 @@ def outside_reason(root: Path, name: Any) -> str | None:
 
 
 def check_contained(root: Path, names: Iterable[Any], *, what: str) -> None:
-    """Refuse a checkpoint whose ``names`` (read from ``what``) lead outside directory ``root``.
-
-    Raises:
-        UnsafeCheckpointError: naming each such entry and where it leads.
-    """
+    """Refuse (UnsafeCheckpointError) a checkpoint whose ``names`` (read from ``what``) lead outside directory ``root``."""
     root = Path(root)
     problems = [f"{name!r} ({reason})" for name in names if (reason := outside_reason(root, name))]
     if problems:
-        listed = "; ".join(problems[:6]) + (f"; and {len(problems) - 6} more" if len(problems) > 6 else "")
+        listed = _listed(problems)
         raise UnsafeCheckpointError(
             f"Checkpoint {str(root)!r}: {what} names files outside the checkpoint directory: {listed}. A checkpoint "
             f"reads only its own files, so it is refused before any of them is opened. It was altered or built to "
@@ -171,11 +149,7 @@ def _check_regular(path: Path, mode: int) -> None:
 
 
 def regular_file_size(root: Path, name: str) -> int:
-    """The size of file ``name`` of checkpoint directory ``root``, checked to be a regular file before anything opens it.
-
-    Raises:
-        CorruptCheckpointError: it is missing, or a FIFO, device, socket or directory.
-    """
+    """The size of file ``name`` of directory ``root``, checked to be a regular file before anything opens it."""
     path = Path(root) / name
     try:
         info = os.stat(path)
@@ -187,11 +161,7 @@ def regular_file_size(root: Path, name: str) -> int:
 
 def open_regular(path: Path) -> IO[bytes]:
     """Open ``path`` for reading if it is a regular file: checked before the open (a FIFO would block it), then
-    on the file opened non-blocking (so it cannot be swapped in between).
-
-    Raises:
-        CorruptCheckpointError: a FIFO, device, socket or directory. OSError: it cannot be opened.
-    """
+    on the file opened non-blocking (so it cannot be swapped in between)."""
     _check_regular(Path(path), os.stat(path).st_mode)
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0) | getattr(os, "O_BINARY", 0))
     try:
@@ -241,14 +211,10 @@ class FileWindow(io.RawIOBase):
 
 
 def torch_crc_ranges(path: Path, items: Iterable[Span]) -> list[tuple[int, int, int]]:
-    """``(offset, length, crc32)`` of the large records torch's zip writer stored CRC-32s for.
+    """``(offset, length, crc32)`` of the large records torch's zip writer stored CRC-32s for, in the archives at ``items``.
 
-    ``items`` are the byte spans of the ``torch.save`` archives DCP wrote into ``path`` (its
-    ``WriteResult`` offsets and lengths). Only stored (uncompressed) records of at least
-    :data:`TORCH_CRC_MIN` bytes with a non-zero CRC are taken (``torch.serialization.set_crc32_options
-    (False)`` writes zeros); anything else, or an item that is not a zip archive, stays in the bytes
-    :func:`shard_record` reads itself, so nothing is ever left unchecked. A few small reads per
-    tensor: each archive's central directory, and the local header of each large record.
+    Only stored records of at least :data:`TORCH_CRC_MIN` bytes with a non-zero CRC are taken; anything
+    else stays in the bytes :func:`shard_record` reads itself, so nothing is left unchecked.
     """
     ranges: list[tuple[int, int, int]] = []
     with open(path, "rb", buffering=0) as f:
@@ -333,12 +299,8 @@ def file_record(path: Path, *, checksum: bool = True) -> dict[str, Any]:
 
 
 def shard_record(path: Path, items: Iterable[Span], *, sha256: bool = False) -> dict[str, Any]:
-    """The record of a DCP shard file just written, from the spans of the archives in it.
-
-    By default the large records' CRC-32s come from torch's zip directories (nothing of them is
-    read) and only the other bytes are read back; with ``sha256`` the whole file is read once for
-    its SHA-256 and CRC-32 (:func:`file_record`).
-    """
+    """The record of a DCP shard file just written: the large records' CRC-32s from torch's zip directories, the rest
+    read back; with ``sha256`` the whole file is read once (:func:`file_record`)."""
     path = Path(path)
     if sha256:
         return file_record(path, checksum=True)
@@ -372,12 +334,10 @@ def _recorded_ranges(record: Mapping[str, Any], size: int) -> Optional[list[tupl
 
 
 def verify_file(path: Path, record: Mapping[str, Any], *, ranges_on_read: bool = False) -> Optional[str]:
-    """Check one file against its record; return a sentence naming the file if it does not match.
+    """Check one file against its record (size, then CRC-32s and SHA-256); return a sentence naming the file if it does not match.
 
-    The size first (a truncated file is named without reading it), then every byte against the
-    CRC-32s and the SHA-256 the save recorded (one read). With ``ranges_on_read`` (a resume whose
-    reader checks each range as it loads it, :class:`ReadCheck`) only the bytes outside the
-    ranges are read here; a record with a SHA-256 is still read whole.
+    With ``ranges_on_read`` (:class:`ReadCheck` checks each range as it loads it) only the bytes outside
+    the ranges are read; a record with a SHA-256 is still read whole.
     """
     path = Path(path)
     if not isinstance(record, Mapping) or isinstance(record.get("size"), bool) or not isinstance(record.get("size"), int):
@@ -420,10 +380,7 @@ def verify_records(root: Path, records: Mapping[str, Mapping[str, Any]], names: 
 
 
 def share_by_size(records: Mapping[str, Mapping[str, Any]], parts: int) -> list[list[str]]:
-    """The record names split into ``parts`` lists of about equal bytes (largest first, to the lightest part).
-
-    Deterministic, so every rank computes the same split from the same manifest.
-    """
+    """The record names split into ``parts`` lists of about equal bytes; deterministic, so every rank computes the same split."""
     def size(name: str) -> int:
         record = records[name]
         value = record.get("size") if isinstance(record, Mapping) else None
@@ -441,9 +398,7 @@ def share_by_size(records: Mapping[str, Mapping[str, Any]], parts: int) -> list[
 def _storage_crc(storage: Any) -> Optional[int]:
     """CRC-32 of a CPU storage's bytes, read in place (no copy); None for any other storage.
 
-    Only a CPU storage with memory of its own may be read at its address: a meta storage reports its
-    size but a null address (ISA-L's CRC-32 then reads address 0 and the process dies), another
-    device's address is not host memory.
+    A meta storage has a size but a null address (ISA-L would read address 0 and kill the process).
     """
     size = storage.nbytes()
     if storage.device.type != devices.CPU:
@@ -457,10 +412,8 @@ def _storage_crc(storage: Any) -> Optional[int]:
 class ReadCheck:
     """A resume's check of each tensor DCP loads, against the CRC-32 ranges of the file it came from.
 
-    :meth:`verify_item` is called between DCP's ``torch.load`` of an item and its copy into the model
-    (by :class:`~hp_lightning.checkpoint.read.SafeLoadPlanner`). The range recorded inside the
-    item is the archive's data record, whose bytes are exactly the loaded storage: its CRC-32 is
-    computed in place (~4 GB/s, no second read); any other range inside the item is read back.
+    The range inside an item is its archive's data record, exactly the loaded storage: its CRC-32 is
+    computed in place (no second read); any other range inside the item is read back.
     """
 
     def __init__(self, root: Path, records: Mapping[str, Mapping[str, Any]]) -> None:
@@ -523,22 +476,18 @@ LEGACY_TORCH_HEAD = b"\x80\x02\x8a\nl\xfc\x9cF\xf9 j\xa8P\x19"
 MAX_COMPRESSION_RATIO = 32
 
 #: How many quantized values one storage byte may hold (``torch.quint2x4``: four): ``_rebuild_qtensor`` allocates
-#: its declared shape before it points the tensor at the storage, so the shape is bounded by the storage's size.
+#: its declared shape before it points the tensor at the storage.
 QUANTIZED_VALUES_PER_BYTE = 4
-#: What a pickle torch's safe loader reads must spell, with a literal ``GLOBAL`` (its only way to reach a global;
-#: none of the Python 2 name mappings it applies leads to one), to call a constructor that allocates a declared
-#: size: the legacy tensor types (``torch.Tensor``, ``torch.FloatTensor``, ...), the storages it allows as
-#: classes (``torch.storage.UntypedStorage`` / ``TypedStorage``), ``bytearray`` and ``_rebuild_qtensor``.
-#: A pickle holding none of these bytes is not walked.
+#: What a pickle torch's safe loader reads must spell (a literal ``GLOBAL``, its only way to a global) to call a
+#: constructor that allocates a declared size; a pickle holding none of these bytes is not walked.
 SIZED_TOKENS = (b"Tensor", b"TypedStorage", b"UntypedStorage", b"bytearray", b"_rebuild_qtensor")
 
 
 def sized_constructor(name: str) -> bool:
     """Whether calling global ``name`` (``"module.qualname"``) reserves whatever size its arguments declare.
 
-    torch's safe loader allows ``bytearray`` (``bytearray(2**30)`` is 1 GiB of zeros), ``torch.Tensor`` and
-    every legacy typed tensor class (``torch.FloatTensor(n)``, also their ``sparse`` / ``cuda`` / other backends'
-    namesakes), and the storage classes (``torch.storage.UntypedStorage(n)``); ``torch.save`` calls none of them.
+    torch's safe loader allows ``bytearray(2**30)``, ``torch.FloatTensor(n)`` (any backend's legacy class)
+    and ``torch.storage.UntypedStorage(n)``; ``torch.save`` calls none of them.
     """
     module, _, qualname = name.rpartition(".")
     parts = module.split(".")
@@ -554,12 +503,9 @@ _MODERN_TENSOR_MODULES = frozenset({"distributed", "nested"})
 class ArchivePolicy(opcodes.Policy):
     """A ``torch.save`` pickle's instructions, checked for calls that allocate a declared size.
 
-    torch's safe loader decides which globals may be named and what ``BUILD`` may touch; this adds what it
-    does not bound: a :func:`sized_constructor` is never called (``bytearray`` only of a string or bytes,
-    as ``torch.save`` writes one), also not through ``_rebuild_from_type_v2(func, type, args, state)``,
-    which calls ``func(*args)``; ``_rebuild_qtensor`` allocates the shape it declares only up to
-    :data:`QUANTIZED_VALUES_PER_BYTE` values per byte of the storage it is given. A storage itself is
-    safe: torch checks its record's size before it allocates one.
+    torch's safe loader decides which globals may be named; this bounds what it does not: no
+    :func:`sized_constructor` call (``bytearray`` only of data), also not through
+    ``_rebuild_from_type_v2``, and ``_rebuild_qtensor`` within :data:`QUANTIZED_VALUES_PER_BYTE`.
     """
 
     mappings = frozenset({"collections.OrderedDict", "collections.Counter"})
@@ -624,18 +570,9 @@ def check_archive(stream: IO[bytes], length: int, where: str, *, compressed: boo
     """Refuse a ``torch.save`` zip archive (``length`` bytes, at the start of ``stream``) whose declared sizes
     are not backed by its bytes, before ``torch.load`` allocates anything for it.
 
-    :mod:`zipfile` reads the archive's directory (torch's reader trusts it): every record must lie
-    inside the archive, stored uncompressed (or, with ``compressed``, deflated at most
-    :data:`MAX_COMPRESSION_RATIO` times), and no pickle may call a :func:`sized_constructor` (:class:`ArchivePolicy`).
-
-    ``whole``, the archive's bytes when the caller holds them, and loaded by ``torch.load(weights_only=True)``
-    (DCP's tensor items): a stored record's bytes are a slice of ``whole``, so when none of
-    :data:`SIZED_TOKENS` occurs anywhere in it no pickle can call one, and the pickles are not read one
-    by one (~25 us an archive).
-
-    Raises:
-        CorruptCheckpointError: naming ``where`` and the record.
-        UnsafeCheckpointError: a pickle calls a constructor that allocates what it declares.
+    Every record must lie inside the archive, stored (or, with ``compressed``, deflated at most
+    :data:`MAX_COMPRESSION_RATIO` times), and no pickle may call a :func:`sized_constructor`. With
+    ``whole`` (the archive's bytes, every record stored) free of :data:`SIZED_TOKENS`, no pickle is walked.
     """
     try:
         with zipfile.ZipFile(stream) as archive:
@@ -664,16 +601,10 @@ def check_archive(stream: IO[bytes], length: int, where: str, *, compressed: boo
 
 
 def verify_zip(path: Path) -> str | None:
-    """Check every entry of a ``torch.save`` archive against its CRC-32; return a problem or None.
+    """Check every entry of a ``torch.save`` archive against its CRC-32 (bounded first); return a problem or None.
 
-    Files written by the legacy (non-zip) ``torch.save`` format have no checksums; they pass when
-    they start with that format's magic number.
-
-    Raises:
-        ValueError: for anything that is no checkpoint at all (an empty file, random bytes, text).
-        CorruptCheckpointError: not a regular file, or a record whose declared size its bytes do not back
-            (:func:`check_archive`), before anything is inflated.
-        UnsafeCheckpointError: a pickle calling a constructor that allocates what it declares.
+    A legacy (non-zip) file has no checksums: it passes when it starts with that format's magic number.
+    Anything that is no checkpoint at all is a ValueError.
     """
     regular_file_size(path.parent, path.name)
     if path.suffix == ".safetensors":
@@ -717,16 +648,10 @@ def _check_safetensors_header(path: Path) -> str | None:
 
 
 def check_index(root: Path, metadata: dcp_metadata.Metadata, where: str) -> None:
-    """Every size DCP's index declares is backed by bytes present, before anything is allocated from it.
+    """Every size DCP's index (file ``where``) declares is backed by bytes present, before anything is allocated from it.
 
-    Each tensor entry's chunks lie inside it, do not overlap and cover all of it (an entry with
-    missing chunks would leave memory nothing fills); each chunk has a storage record whose item
-    holds at least the chunk's bytes, inside a regular file of the directory.
-
-    ``where`` is the index file, named in the error.
-
-    Raises:
-        CorruptCheckpointError: naming the entry and the file.
+    Each tensor entry's chunks tile it exactly (missing chunks would leave memory nothing fills); each
+    chunk's storage item holds at least its bytes, inside a regular file of the directory.
     """
     storage = metadata.storage_data if isinstance(metadata.storage_data, dict) else {}
     sizes: dict[str, int] = {}
@@ -794,8 +719,7 @@ def describe_entry(root: Any, fqn: str, name: str) -> str:
 
 
 class _CheckedTarget(torch.Tensor):
-    """What DCP copies a loaded tensor into (:meth:`TensorCheck.target`): the model's own memory, whose
-    ``copy_`` first checks that the source is the tensor the index promised (torch's public subclassing)."""
+    """The model's memory as DCP's copy target, whose ``copy_`` first checks its source (:meth:`TensorCheck.target`)."""
 
     check: Any
     plain: torch.Tensor  # the same memory as a plain tensor: DCP's three calls on the target go straight to it
@@ -816,12 +740,8 @@ class _CheckedTarget(torch.Tensor):
 class TensorCheck:
     """Each tensor DCP loads from directory ``source``, checked before it is copied into the model.
 
-    :meth:`target` hands DCP the model's memory as a tensor whose ``copy_`` calls :meth:`verify` on its
-    source first (:class:`~hp_lightning.checkpoint.read.SafeLoadPlanner`'s ``resolve_tensor``). The loaded
-    tensor must be the one the index promised: its dtype, a dense layout of the chunk's shape filling
-    exactly the chunk's bytes (an 8x8 archive read for a 4x4 chunk, float64 for float32 and int64 cast
-    to float are refused, never narrowed or cast); and, given a :class:`ReadCheck`, its bytes' CRC-32
-    against the manifest, computed on the loaded storage in place (no second read).
+    The loaded tensor must be the one the index promised: its dtype, a dense layout of the chunk's shape
+    filling exactly the chunk's bytes (never narrowed or cast); and, given a :class:`ReadCheck`, its CRC-32.
     """
 
     def __init__(self, source: Path, check: Optional[ReadCheck] = None) -> None:
@@ -837,22 +757,17 @@ class TensorCheck:
         return target
 
     def verify(self, metadata: Optional[dcp_metadata.Metadata], item: ReadItem, loaded: torch.Tensor) -> None:
-        """Refuse ``loaded`` (DCP's narrowed view of the tensor it read for ``item``) unless it is what the index promised.
-
-        Raises:
-            CorruptCheckpointError: naming the entry, the file and what differs.
-        """
+        """Refuse ``loaded`` (DCP's narrowed view of the tensor it read for ``item``) unless it is what the index promised."""
         assert metadata is not None  # set by DCP before any read
         fqn = item.storage_index.fqn
         info = metadata.storage_data[item.storage_index]
         entry = metadata.state_dict_metadata[fqn]
+        where = describe_entry(self.source, fqn, info.relative_path)
         if not isinstance(entry, dcp_metadata.TensorStorageMetadata) or not isinstance(loaded, torch.Tensor):
-            where = describe_entry(self.source, fqn, info.relative_path)
             raise CorruptCheckpointError(f"{where}: the index and the item disagree on whether it is a tensor; the checkpoint is damaged.")
         dtype = entry.properties.dtype
         storage = loaded.untyped_storage()
         if loaded.device != devices.cpu_device() or (storage.nbytes() and not storage.data_ptr()):
-            where = describe_entry(self.source, fqn, info.relative_path)
             raise CorruptCheckpointError(
                 f"{where}: the archive holds a tensor on the {loaded.device} device, with no bytes of its own in memory "
                 f"(DCP reads every item onto the CPU); it was crafted and is refused."
@@ -866,11 +781,9 @@ class TensorCheck:
             }
         sizes = self._chunks.get((fqn, tuple(item.storage_index.offset or ())))
         if loaded.dtype != dtype:
-            where = describe_entry(self.source, fqn, info.relative_path)
             raise CorruptCheckpointError(f"{where}: the archive holds a {loaded.dtype} tensor where the index declares {dtype}; it is refused, not cast.")
         nbytes = storage.nbytes()
         if sizes is None or nbytes != math.prod(sizes) * loaded.element_size() or not _dense_from_start(loaded, sizes, item.storage_offsets):
-            where = describe_entry(self.source, fqn, info.relative_path)
             raise CorruptCheckpointError(
                 f"{where}: the archive's tensor ({nbytes:,} bytes, strides {tuple(loaded.stride())}) is not the {sizes} {dtype} "
                 f"chunk the index declares ({math.prod(sizes or ()) * loaded.element_size():,} bytes); it is refused, not narrowed."

@@ -9,23 +9,15 @@ A sharded checkpoint is a directory::
         hp_lightning.json    the manifest: format version, and the size and CRC-32s (SHA-256 too, if
                              asked) of every file: see :mod:`.integrity`
 
-The manifest is written last, so its presence marks a complete save. ``meta.pt`` and the DCP files
-use the names Lightning's own ``ModelParallelStrategy`` uses, so Lightning's tools can read the
-directory too.
+The manifest is written last, so its presence marks a complete save; the other names are Lightning's
+``ModelParallelStrategy``'s. A full checkpoint is one ordinary Lightning ``torch.save`` file with an
+extra ``"hp_lightning"`` entry holding the format version.
 
-A full checkpoint is one file: an ordinary Lightning checkpoint (a ``torch.save`` zip archive)
-with an extra ``"hp_lightning"`` entry holding the format version. Its integrity record is the
-CRC-32 the zip format keeps for every entry, checked on load. The checks of either format live in
-:mod:`.integrity`; the readers in :mod:`.read`.
-
-Publishing: a save is written under a staging name (``<name>.hp-partial-<token>``) next to its
-target, then moved into place in one step. An existing target is swapped with the staging entry
-by ``renameat2(RENAME_EXCHANGE)`` where the filesystem has it (Linux: ext4, xfs, btrfs, tmpfs),
-so the target name always holds a complete checkpoint. Elsewhere the old entry is first renamed
-to ``<stem>.hp-prev-<token><suffix>`` (``last.hp-prev-1a2b.ckpt``: still a complete checkpoint that
-Lightning's ``ckpt_path="last"`` finds), then the staging entry takes its place; :func:`recover`
-finishes a swap a kill interrupted. Staging names never end in ``.ckpt``, so neither Lightning's
-``ckpt_path="last"`` nor a scan for ``*.ckpt`` ever picks up an unfinished save.
+Publishing: a save is written under a staging name (``<name>.hp-partial-<token>``, never ``*.ckpt``,
+so nothing picks up an unfinished save), then swapped into place by ``renameat2(RENAME_EXCHANGE)``
+where the filesystem has it. Elsewhere the old entry is first renamed to ``<stem>.hp-prev-<token><suffix>``
+(still a complete checkpoint ``ckpt_path="last"`` finds), then the staging entry takes its place;
+:func:`recover` finishes a swap a kill interrupted.
 """
 
 from __future__ import annotations
@@ -102,12 +94,9 @@ class StateKeys:
 
 def in_trainer_layout(checkpoint: dict[str, Any], keys: Optional[StateKeys]) -> Optional[dict[str, Any]]:
     """A Lightning Fabric single-file checkpoint (``{"model": ..., "optimizer": ..., "step": ...}``) in the
-    Trainer's layout (``state_dict``, ``optimizer_states``, ``lr_schedulers``), by ``keys`` or by the keys a save
-    of ours recorded; None when it is neither (no model entry of tensors under the key).
+    Trainer's layout, by ``keys`` or by the keys a save of ours recorded; None when it is neither.
 
-    Lightning's own Fabric strategies, its consolidated sharded checkpoints and hp_lightning's Fabric
-    ``state_dict_type="full"`` saves are in this layout. The result carries a record of the keys
-    (:data:`FABRIC_RECORD_KEY`), so the Fabric strategy knows which entries were the user's.
+    The result records the keys (:data:`FABRIC_RECORD_KEY`), so the Fabric strategy knows which entries were the user's.
     """
     keys = keys or StateKeys.recorded(checkpoint)
     model = checkpoint.get(keys.model) if keys is not None else None
@@ -146,13 +135,7 @@ class CheckpointKind(enum.Enum):
 
 
 def classify(path: Path) -> CheckpointKind:
-    """Say which format ``path`` holds, or raise saying why it is not a loadable checkpoint.
-
-    Raises:
-        FileNotFoundError: nothing at ``path``.
-        ValueError: a staging entry of an unfinished save, a directory that is not a checkpoint,
-            an incomplete DCP directory, or a checkpoint written by a newer format version.
-    """
+    """Say which format ``path`` holds, or raise (FileNotFoundError, ValueError) saying why it is not a loadable checkpoint."""
     path = Path(path)
     if STAGING_MARKER in path.name:
         target = path.name.split(STAGING_MARKER, 1)[0]
@@ -222,11 +205,7 @@ def _nearby_hint(path: Path) -> str:
 
 
 def check_version(record: Mapping[str, Any], where: Path) -> None:
-    """Refuse a layout newer than this hp_lightning reads (it could be misread silently).
-
-    Raises:
-        ValueError: for a missing, malformed or newer ``format_version``.
-    """
+    """Refuse a missing, malformed or newer ``format_version`` (a newer layout could be misread silently)."""
     version = record.get("format_version")
     if isinstance(version, bool) or not isinstance(version, int) or version < 1:
         raise CorruptCheckpointError(
@@ -244,12 +223,10 @@ def check_version(record: Mapping[str, Any], where: Path) -> None:
 
 
 def write_error(exc: BaseException, path: Path, *, source: str = "") -> OSError:
-    """An ``OSError`` that names the cause and the path, for a write that failed.
+    """An ``OSError`` that names the cause (with ``source``, e.g. ``"rank 1: "``) and the path, for a write that failed.
 
-    A full disk (``ENOSPC``, or under 1 MiB left) says "No space left on device", with the free
-    space left; anything else says what failed, with ``source`` (e.g. ``"rank 1: "``). ``torch.save``
-    (and so every DCP shard write) reports a full disk as ``RuntimeError: [enforce fail at
-    inline_container.cc] ... unexpected pos N vs M``: the bytes it wrote did not all arrive.
+    A full disk says "No space left on device" with the free space left; ``torch.save`` (so every DCP
+    shard write) reports one as ``RuntimeError: ... unexpected pos N vs M``.
     """
     target = Path(path)
     folder = next((p for p in (target.parent, *target.parents) if p.exists()), Path("."))
@@ -266,15 +243,9 @@ def write_error(exc: BaseException, path: Path, *, source: str = "") -> OSError:
 
 
 def refuse_foreign(path: Path, *, overwrite: bool, what: str) -> None:
-    """Refuse to replace ``path`` unless it is a checkpoint and replacing is intended.
+    """Refuse to replace ``path`` unless it is a checkpoint and ``overwrite`` is True: no user file is deleted by mistake.
 
-    A save or conversion replaces its target only when it holds a checkpoint (a file that is a
-    torch.save archive or .safetensors, or a checkpoint directory) and ``overwrite`` is True, so
-    no user file or directory is ever deleted by mistake.
-
-    Raises:
-        FileExistsError: ``path`` exists and ``overwrite`` is False.
-        ValueError: ``path`` exists but is not a checkpoint (naming what is there).
+    Raises FileExistsError without ``overwrite``, ValueError when ``path`` is not a checkpoint (naming what is there).
     """
     path = Path(path)
     if path.is_symlink() or not path.exists():
@@ -306,11 +277,7 @@ def write_manifest(root: Path, manifest: Mapping[str, Any]) -> None:
 
 
 def read_manifest(root: Path) -> dict[str, Any]:
-    """The manifest of a sharded checkpoint.
-
-    Raises:
-        CorruptCheckpointError: when it is not valid JSON or lacks its file records.
-    """
+    """The manifest of a sharded checkpoint; CorruptCheckpointError when it is not valid JSON or lacks its file records."""
     where = root / MANIFEST_FILE
     check_contained(root, [MANIFEST_FILE], what="its manifest")
     try:
@@ -337,10 +304,7 @@ def staging_path(path: Path, token: str) -> Path:
 
 
 def new_staging(path: Path) -> Path:
-    """A fresh staging directory for a save of ``path``, marked as ours (:func:`is_ours`).
-
-    A sharded save writes into it; a single file is written inside it under ``path``'s name.
-    """
+    """A fresh staging directory for a save of ``path``, marked as ours (a single file goes inside it under its name)."""
     token = new_token()
     staging = staging_path(path, token)
     staging.mkdir()
@@ -381,13 +345,9 @@ _gc_pause_lock = threading.Lock()
 def cyclic_gc_paused(fn: _F) -> _F:
     """Run ``fn`` with Python's cyclic garbage collector paused (reference counting still frees everything).
 
-    A checkpoint's save or load allocates tens of thousands of short-lived objects (unpickled
-    metadata, plans, per-tensor records), which trigger the collector's full (oldest-generation)
-    passes; each walks every object the process holds (the model, Lightning, the framework),
-    0.3 s measured in the checkpoint benchmark's process, landing at random in a 0.2 s resume.
-    Pausing it for the call (torchtitan pauses it for the whole training loop) takes that pause
-    out. Calls nest and may overlap across threads: the collector resumes, if it ran before the
-    first, when the last one returns or raises.
+    A save or load allocates tens of thousands of short-lived objects, which trigger full collections
+    that walk every object of the process (0.3 s measured, in a 0.2 s resume). Calls nest and may
+    overlap across threads: the collector resumes, if it ran before, when the last one returns.
     """
 
     @functools.wraps(fn)
@@ -428,10 +388,7 @@ _AT_FDCWD = -100
 
 
 def exchange(a: Path, b: Path) -> bool:
-    """Atomically swap two existing entries with ``renameat2(RENAME_EXCHANGE)``.
-
-    Returns False where the platform or filesystem cannot (the caller then falls back to two renames).
-    """
+    """Atomically swap two existing entries with ``renameat2(RENAME_EXCHANGE)``; False where the platform or filesystem cannot."""
     if not sys.platform.startswith("linux"):
         return False
     try:
@@ -491,9 +448,7 @@ def set_aside(path: Path) -> Path:
 def swap_by_renames(staging: Path, path: Path) -> None:
     """Replace ``path`` without atomic exchange: set the old entry aside, rename the new one in, delete the old.
 
-    A kill between the two renames leaves no entry at ``path``, a complete staging entry and the
-    complete previous checkpoint; :func:`recover` (run by the next load or save of ``path``) moves
-    the staging entry into place.
+    A kill between the two renames leaves no ``path`` but two complete entries; :func:`recover` handles it.
     """
     previous = set_aside(path)
     os.rename(staging, path)
@@ -539,10 +494,7 @@ def is_complete(entry: Path) -> bool:
 
 
 def recover(path: Path) -> Path | None:
-    """Finish a swap a kill interrupted: if ``path`` is gone, move the newest complete save of it there.
-
-    Only a publish without atomic exchange can leave that state. Returns the entry moved, if any.
-    """
+    """Finish a swap a kill interrupted: if ``path`` is gone, move the newest complete save of it there; return that entry."""
     path = Path(path)
     if path.exists() or path.is_symlink():
         return None
@@ -566,11 +518,8 @@ def _payload(entry: Path, path: Path) -> Path:
 
 
 def clean_stale(path: Path) -> list[Path]:
-    """Delete the staging, set-aside and trash entries killed saves or deletes of ``path`` left behind:
-    only those marked as ours (:func:`is_ours`); a user's entry that merely looks like one is never touched.
-
-    Run :func:`recover` first: when ``path`` is missing, one of them may be the only complete copy.
-    """
+    """Delete the staging, set-aside and trash entries of ``path`` killed saves left, only those marked as ours
+    (:func:`is_ours`). Run :func:`recover` first: one of them may be the only complete copy."""
     stale = _siblings(path, STAGING_MARKER) + _siblings(path, PREVIOUS_MARKER) + _siblings(path, TRASH_MARKER)
     for entry in stale:
         _delete(entry)

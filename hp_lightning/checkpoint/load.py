@@ -1,17 +1,8 @@
 """Loading any supported checkpoint into a sharded model and its optimizers, from every rank.
 
-Formats: hp_lightning sharded directories and full files, Lightning's ModelParallelStrategy and
-FSDPStrategy sharded directories, plain Lightning ``.ckpt`` files (optimizer state keyed by
-position), bare ``state_dict`` files and ``.safetensors`` weights.
-
-Order of work: recognize the format (rank 0), verify integrity (the ranks share the reading of a
-sharded checkpoint; rank 0 checks a single file), compare keys and shapes with the model, and
-only then move tensors: DCP reads each rank's part of a sharded checkpoint (resharding to this
-mesh), or rank 0 reads a single file and broadcasts it tensor by tensor, so only rank 0 needs to
-see that file.
-
-Every pickle is read with torch's safe loading unless ``weights_only=False`` is passed (see
-:mod:`.unpickle`), and no entry of a checkpoint directory may name a file outside it.
+Order of work: recognize the format (rank 0), verify integrity (the ranks share a sharded
+checkpoint's files), compare keys and shapes with the model, and only then move tensors: DCP reads
+each rank's part (resharding to this mesh), or rank 0 reads a single file and broadcasts it.
 """
 
 from __future__ import annotations
@@ -79,44 +70,26 @@ def load_checkpoint(
     elsewhere: Collection[str] = (),
     keys: Optional[layout.StateKeys] = None,
 ) -> dict[str, Any]:
-    """Load a checkpoint of any supported format into the sharded ``model`` and ``optimizers``.
+    """Load a checkpoint of any supported format into the sharded ``model`` and ``optimizers``; return the rest.
 
-    Formats: hp_lightning sharded directories and full files, Lightning's ModelParallelStrategy
-    and FSDPStrategy sharded directories, plain Lightning ``.ckpt`` files (optimizer state keyed by
-    position is matched to this run's parameters by order), bare ``state_dict`` files and
-    ``.safetensors`` weights. Optimizer state is loaded for each optimizer passed (pass none to
-    load the weights only).
+    Formats: hp_lightning sharded directories and full files, Lightning's sharded directories, plain
+    Lightning ``.ckpt`` files (optimizer state keyed by position matched by order), bare ``state_dict``
+    files and ``.safetensors`` weights. Pass no optimizers to load the weights only.
 
     Args:
         strict: missing or unexpected model keys are an error (else they are reported and skipped).
-        weights_only: how the pickled parts (``meta.pt``, a full file, DCP's index and non-tensor
-            entries) are read. None (torch's and Lightning's default) or True: safely, rebuilding
-            only tensors, primitive containers and types registered with
-            ``torch.serialization.add_safe_globals``; anything else is refused with
-            :class:`UnsafeCheckpointError`. False: unpickle anything, which runs code the file
-            carries: only for files you trust.
-        verify: check every byte this load uses against what the save recorded: the manifest,
-            the sizes and the bytes outside the tensors before anything else is read (the ranks
-            share the files), each tensor against its CRC-32 as DCP reads it, before it is copied
-            into the model (one read of every byte: a damaged tensor fails the load on every rank,
-            with the tensors before it loaded); with a SHA-256 recorded (``checksums=True``) every
-            byte is read before any tensor moves. Single files: their zip CRC-32s.
-        elsewhere: model keys other ranks load (a pipeline's other stages): neither missing here
-            nor unexpected.
-        keys: a Lightning Fabric single file's ``state`` keys (Fabric's ``fabric.load``), read in
-            the Trainer's layout (:func:`~hp_lightning.checkpoint.layout.in_trainer_layout`). A single file is first written once as a temporary sharded directory
-            next to it, so each stage reads only its part.
-
-    Returns:
-        The rest of the checkpoint (loops, callbacks, schedulers, ...) for Lightning to restore.
+        weights_only: None or True: every pickle is read safely (tensors, primitive containers and
+            ``add_safe_globals`` types; else :class:`UnsafeCheckpointError`). False: unpickle anything,
+            which runs code the file carries: only for files you trust.
+        verify: check every byte this load uses against what the save recorded, each tensor before it
+            is copied into the model (with a SHA-256 recorded, every byte before any tensor moves).
+        elsewhere: model keys other ranks load (a pipeline's other stages): neither missing nor unexpected.
+            A single file is then first written as a temporary sharded directory, so each stage reads its part.
+        keys: a Lightning Fabric single file's ``state`` keys, read in the Trainer's layout.
 
     Raises:
-        FileNotFoundError: nothing at ``path``.
-        CorruptCheckpointError: a missing, truncated or altered file (named in the message).
-        UnsafeCheckpointError: a pickle safe loading refuses (the file, the type and the opt-in are
-            named), or an entry naming a file outside the checkpoint directory; on every rank,
-            before any tensor is read.
-        ValueError: not a checkpoint, a newer format, keys or shapes that do not fit the model.
+        FileNotFoundError, CorruptCheckpointError, UnsafeCheckpointError (on every rank, before any
+        tensor is read), ValueError: not a checkpoint, a newer format, keys or shapes that do not fit.
     """
     path = Path(path)
     model = _unwrapped(model)
@@ -145,11 +118,9 @@ def _load_full_into_stage(
     verify: bool,
     elsewhere: Collection[str],
 ) -> dict[str, Any]:
-    """A single file into one pipeline stage: rank 0 reads it, every rank writes it once as a sharded
-    directory next to it (rank 0 holds all the tensors), each stage loads its part, the directory goes.
+    """A single file into one pipeline stage, through a temporary sharded directory next to it.
 
-    Each stage needs other keys of the file, so a broadcast of everything would send every stage
-    the whole model; a temporary DCP directory costs one write and lets each rank read its part.
+    A broadcast would send every stage the whole model; one write lets each rank read only its part.
     """
     whole: dict[str, Any] = {}
 
@@ -176,13 +147,7 @@ def _load_full_into_stage(
 
 
 def _verify_sharded(path: Path, manifest: Mapping[str, Any], *, ranges_on_read: bool) -> None:
-    """This rank's share of the recorded files (about equal bytes) against the manifest: sizes, every byte
-    against its CRC-32 (only the bytes outside the tensor ranges with ``ranges_on_read``: the reader checks
-    those as it loads them), and SHA-256 when recorded.
-
-    Raises:
-        CorruptCheckpointError: naming the files; the caller shares it with every rank.
-    """
+    """This rank's share of the recorded files (about equal bytes) against the manifest (:func:`verify_records`)."""
     try:
         mine = share_by_size(manifest["files"], world_size())[rank()]
         problems = verify_records(path, manifest["files"], mine, ranges_on_read=ranges_on_read)
@@ -225,9 +190,7 @@ def _check_positions(
 ) -> None:
     """State keyed by position names this run's parameters only if they are the saved ones, in the saved order.
 
-    A parameter the checkpoint lacks means the model changed and every later position may be
-    shifted onto another parameter (of the same shape, where nothing else would notice); a
-    state tensor whose shape differs from its parameter's shows the same. Either is refused.
+    A missing parameter or a state shape that differs from its parameter's shows that positions moved.
     """
     absent = [name for name in flat if name in missing]
     shapes = model_shapes(model)
@@ -286,9 +249,7 @@ def _load_sharded(
 ) -> dict[str, Any]:
     """Read a sharded directory into ``model`` and ``optimizers``; return ``meta.pt`` (empty without ``rest``).
 
-    Every pickle is read before any tensor moves: ``meta.pt`` (only with ``rest``: weights need
-    none of it) and DCP's index, each rank reading them itself, so a refusal is raised by every
-    rank alike through one agreement.
+    Every pickle is read (by each rank) before any tensor moves, so a refusal is raised on every rank alike.
     """
     source = repr(str(path))
 
@@ -304,8 +265,7 @@ def _load_sharded(
     check = ReadCheck(path, manifest["files"]) if manifest is not None and verify else None
 
     def read_and_compare() -> tuple[Any, ...]:
-        """The pickles and the keys and shapes, before any tensor moves: reads and checks only (no collective,
-        no optimizer code), so the ranks can share one agreement over all of it."""
+        # Reads and checks only (no collective, no optimizer code), so the ranks share one agreement over all of it.
         meta = read_meta(path, weights_only) if rest else {}
         metadata = read_dcp_metadata(path, weights_only=weights_only)
         index = dcp_index(path, weights_only=weights_only, metadata=metadata)
@@ -317,14 +277,11 @@ def _load_sharded(
         request: dict[str, Any] = {model_key: {prefix + k: v for k, v in sharded_model.items() if k in stored}}
         return meta, metadata, index, model_key, missing, unexpected, restoring, request
 
-    # Every pickle (meta.pt, DCP's index) is read, and every key and shape compared, before any tensor
-    # moves; one agreement shares the outcome (the first rank's refusal is raised on every rank).
     meta, metadata, index, model_key, missing, unexpected, restoring, request = on_every_rank(read_and_compare)
     _report_skipped(missing, unexpected, source)
 
     def optimizer_requests() -> list[Any]:
-        """Each optimizer's state to load into (torch's state-dict API may run the optimizer's step to create it:
-        only after every rank agreed above, so an optimizer whose step communicates finds every rank here)."""
+        # torch's state-dict API may run the optimizer's step: only after the agreement above, so every rank is here.
         return [_optimizer_request(model, optimizer, index, i, set(missing), source, elsewhere) for i, optimizer in enumerate(restoring)]
 
     plans = on_every_rank(optimizer_requests) if restoring else []
@@ -477,32 +434,19 @@ def _unwrapped(module: nn.Module) -> nn.Module:
 def load_weights(
     module: nn.Module, path: Path, *, prefix: str = "", strict: bool = True, weights_only: Optional[bool] = None, allow_cast: bool = False
 ) -> None:
-    """Load pretrained weights into a (sharded) module: fine-tuning from whole tensors or another run.
+    """Load pretrained weights into a (sharded) module, for fine-tuning; optimizer and trainer state are not touched.
 
-    Reads a bare ``state_dict`` file, a Lightning ``.ckpt`` (its ``state_dict``), a
-    ``.safetensors`` file, a sharded checkpoint directory or a Hugging Face model directory
-    (``model.safetensors`` or shards with ``model.safetensors.index.json``); for a single file only
-    rank 0 reads it and the others receive each tensor by broadcast; a Hugging Face directory is
-    read by every rank, each its own slices (:func:`hp_lightning.checkpoint.hf.load_hf_weights`).
-    Call it on every rank once the model is sharded, e.g. in ``LightningModule.on_fit_start``; a
-    Hugging Face directory may also be named earlier, on the model ``configure_model`` (or Fabric's
-    ``init_module()``) built on the meta device: the strategy then loads it while materializing the
-    model, and the tensors it holds are never initialized (only the others are, e.g. rotary
-    buffers). Optimizer and trainer state are not touched.
+    Reads a bare ``state_dict`` file, a Lightning ``.ckpt``, a ``.safetensors`` file, a sharded checkpoint
+    directory or a Hugging Face model directory (each rank reading its own slices, :func:`hf.load_hf_weights`).
+    Call it on every rank once the model is sharded (``on_fit_start``); a Hugging Face directory may also be
+    named on the meta-device model ``configure_model`` built: the strategy then loads it while materializing.
 
     Args:
-        module: the module to fill, e.g. ``self`` or ``self.backbone``.
-        path: the weights.
-        prefix: use only the checkpoint's keys starting with it, with it stripped (``"net."`` loads
-            a LightningModule checkpoint's ``net.*`` weights into ``self.net``).
+        prefix: use only the checkpoint's keys starting with it, stripped (``"net."`` loads ``net.*`` into
+            ``self.net``); for a Hugging Face directory, where the model sits inside ``module``.
         strict: missing or unexpected keys (among those with ``prefix``) are an error.
-        weights_only: None (default) or True: safe loading, which never unpickles anything but
-            tensors and plain values (a ``.safetensors`` file holds no pickle at all, the format to
-            prefer for weights from elsewhere); False: unpickle anything, only for files you trust.
-            A sharded directory's ``meta.pt`` is not read at all.
-        allow_cast: Hugging Face directories: load tensors whose dtype differs from the module's,
-            cast on copy (else refused). For a Hugging Face directory ``prefix`` is where the model
-            sits inside ``module`` (``"net."`` for ``self.net``): the files' keys get it prepended.
+        weights_only: None or True: safe loading; False: unpickle anything, only for files you trust.
+        allow_cast: Hugging Face directories: cast on copy when dtypes differ (else refused).
 
     Raises:
         FileNotFoundError, CorruptCheckpointError, ValueError: as :func:`load_checkpoint`.
@@ -526,28 +470,10 @@ def load_weights(
 def load_from_checkpoint(cls: type[LightningModule], checkpoint_path: Any, **kwargs: Any) -> Any:
     """``cls.load_from_checkpoint(checkpoint_path, **kwargs)`` that also takes sharded directories.
 
-    One plain process, no process group, CPU tensors: a sharded directory (hp_lightning's, or
-    Lightning's ``ModelParallelStrategy`` / ``FSDPStrategy`` layout) is consolidated in memory
-    (model weights and hyper-parameters; integrity checked), then handed to Lightning's own
-    ``load_from_checkpoint``, which rebuilds the module from its hyper-parameters (calling
-    ``configure_model``) and loads the weights. Files go to Lightning unchanged.
-
-    The whole model passes through host memory twice (the consolidated dict and its serialized
-    copy for Lightning); for models larger than host memory, consolidate once on a large
-    machine instead (``python -m hp_lightning.checkpoint consolidate``).
-
-    Args:
-        cls: the ``LightningModule`` subclass, e.g. ``MyModule``.
-        checkpoint_path: a checkpoint file or a sharded checkpoint directory.
-        kwargs: passed to ``cls.load_from_checkpoint`` (``map_location``, ``strict``, hparam
-            overrides, ``weights_only``). ``weights_only`` (None: safe, as Lightning) also decides
-            how a directory's pickles are read: only ``weights_only=False`` unpickles anything,
-            for checkpoints you trust.
-
-    Raises:
-        FileNotFoundError: nothing at ``checkpoint_path``.
-        UnsafeCheckpointError: a pickle safe loading refuses, or a file outside the directory.
-        CorruptCheckpointError, ValueError: as :func:`hp_lightning.checkpoint.read.read_sharded`.
+    One plain CPU process: a sharded directory is consolidated in memory (integrity checked), then
+    handed to Lightning's own ``load_from_checkpoint``; files go to Lightning unchanged. The model
+    passes through host memory twice: for larger models, ``python -m hp_lightning.checkpoint consolidate``
+    once. ``weights_only`` in ``kwargs`` also decides how a directory's pickles are read.
     """
     if isinstance(checkpoint_path, (str, Path)) and Path(checkpoint_path).exists() and not Path(checkpoint_path).is_dir():
         regular_file_size(Path(checkpoint_path).parent, Path(checkpoint_path).name)  # a FIFO would block Lightning's open
@@ -563,11 +489,8 @@ def load_from_checkpoint(cls: type[LightningModule], checkpoint_path: Any, **kwa
 
 
 class LoadsShardedCheckpoints:
-    """Mix into a LightningModule so that ``MyModule.load_from_checkpoint(sharded_dir)`` works.
-
-    ``class MyModule(LoadsShardedCheckpoints, LightningModule): ...``; files load as before. Without
-    the mixin, use :func:`load_from_checkpoint` (Lightning cannot be taught this without patching it).
-    """
+    """Mix into a LightningModule (``class MyModule(LoadsShardedCheckpoints, LightningModule)``) so that
+    ``MyModule.load_from_checkpoint(sharded_dir)`` works; files load as before."""
 
     @classmethod
     def load_from_checkpoint(cls, checkpoint_path: Any, *args: Any, **kwargs: Any) -> Any:

@@ -1,25 +1,20 @@
 """A pickle's instructions, checked before any of them runs: what it calls, on what, with which sizes.
 
-Unpickling runs a small stack machine: ``GLOBAL`` / ``STACK_GLOBAL`` import a name, ``REDUCE`` and
-``NEWOBJ`` call it, ``BUILD`` sets state on whatever lies below it on the stack. Restricting what a
-pickle may *name* (``find_class``) does not restrict what it does with a name: ``GLOBAL
-pathlib.PurePath`` then ``BUILD`` sets attributes on the class itself, for the whole process, and a
-constructor a loader allows (``bytearray``, ``torch.FloatTensor``) reserves any size it is given.
+Restricting what a pickle may *name* (``find_class``) does not restrict what it does with a name:
+``GLOBAL pathlib.PurePath`` then ``BUILD`` sets attributes on the class itself, for the whole process,
+and a constructor a loader allows (``bytearray``, ``torch.FloatTensor``) reserves any size it is given.
 
-:func:`check_pickle` walks the instructions :mod:`pickletools` decodes (the standard library's own
-parser: nothing is imported or called, nothing allocated beyond the bytes present) and tracks what each stack slot and memo entry
-holds: a global by name, what a call of a global returned, a container, a literal. Every call and
-every ``BUILD`` is put to a :class:`Policy` before the real unpickler reads the bytes; a pickle it
-refuses is never unpickled. The trade-off: a second pass over the bytes in Python (about a
-microsecond per instruction: ~70 per chunk of a DCP index with its storage record, ~20 per tensor archive), for a
-decision made on the instructions themselves rather than on their effects after the fact.
-
-Instructions that no checkpoint writes and that reach code by other routes (``INST``, ``OBJ``, the
-``copyreg`` extension codes, out-of-band buffers) are refused outright.
+:func:`check_pickle` walks the instructions :mod:`pickletools` decodes (nothing imported, called or
+allocated) and tracks what each stack slot and memo entry holds; every call and ``BUILD`` is put to a
+:class:`Policy` before the real unpickler reads the bytes. The trade-off: a second pass in Python
+(about a microsecond per instruction), for a decision made on the instructions, not their effects.
+Instructions no checkpoint writes that reach code by other routes (``INST``, ``OBJ``, ``EXT*``,
+out-of-band buffers) are refused outright.
 """
 
 from __future__ import annotations
 
+import math
 import pickletools
 from typing import Any, Optional, Union
 
@@ -77,9 +72,7 @@ Value = Union[int, str, tuple, _Kind, Global, Made]
 class Policy:
     """What a pickle may do; the default allows nothing but literals and containers.
 
-    Subclasses answer :meth:`named` (a ``GLOBAL``), :meth:`call` (``REDUCE``, ``NEWOBJ``), :meth:`build`
-    (``BUILD``) and :meth:`persistent` (``PERSID``), each by returning what the slot then holds or
-    raising :class:`PickleRefused`.
+    Each hook returns what the slot then holds, or raises :class:`PickleRefused`.
     """
 
     #: Besides plain dicts, what ``SETITEM(S)`` may fill: objects these globals made (by name).
@@ -123,11 +116,7 @@ _EMPTY: dict[str, Value] = {"EMPTY_LIST": LIST, "EMPTY_DICT": DICT, "EMPTY_SET":
 
 
 class _Machine:
-    """The unpickler's stack, marks and memo, holding :data:`Value` s instead of objects.
-
-    As in CPython's unpickler, a MARK is a position in the stack (a fence): nothing below the last one
-    may be taken until it is popped.
-    """
+    """The unpickler's stack, marks and memo, holding :data:`Value` s; as in CPython, nothing below the last MARK may be taken."""
 
     def __init__(self) -> None:
         self.stack: list[Value] = []
@@ -158,9 +147,7 @@ class _Machine:
 def check_pickle(data: bytes, policy: Policy) -> None:
     """Walk ``data``'s instructions to ``STOP``, putting every global, call and ``BUILD`` to ``policy``.
 
-    Raises:
-        PickleRefused: the policy refused one (the message names it).
-        PickleDamaged: the stream is malformed (an unpickler would fail on it too).
+    Raises PickleRefused (naming what was refused) or PickleDamaged (a stream no unpickler would finish).
     """
     m = _Machine()
     stack, memo, category = m.stack, m.memo, _CATEGORY
@@ -276,7 +263,4 @@ def size_of(value: Value) -> Optional[int]:
         value = value.detail
     if not isinstance(value, tuple) or not all(type(n) is int and n >= 0 for n in value):
         return None
-    count = 1
-    for n in value:
-        count *= n
-    return count
+    return math.prod(value)

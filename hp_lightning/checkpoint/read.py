@@ -1,15 +1,7 @@
 """What reads: every way a checkpoint comes into this process, and DCP's reader and planner that load it.
 
-:mod:`.load` (into a sharded model, from every rank), :mod:`.convert` (offline, between formats) and
-the callbacks read through here, so none imports another: a single file (:func:`read_full_file`), a
-sharded directory's index (:func:`read_dcp_metadata`, :func:`dcp_index`), trainer state
-(:func:`read_meta`), tensors into a model's state dict (:func:`dcp_load`, with :class:`SafeReader`
-and :class:`SafeLoadPlanner` hooked into DCP's public reader and planner) or whole, with no model and
-no process group (:func:`read_dcp`, :func:`read_sharded`), and the integrity check (:func:`verify`).
-
-Reading is all this module does: each step calls :mod:`.integrity` to check what it is about to
-trust (files inside the directory and regular, sizes backed by bytes, CRC-32s, each tensor against
-its index entry) and :mod:`.unpickle` to rebuild a pickle (safely unless the caller opts out).
+:mod:`.load`, :mod:`.convert` and the callbacks read through here. Each step calls :mod:`.integrity`
+to check what it is about to trust and :mod:`.unpickle` to rebuild a pickle (safely unless asked).
 """
 
 from __future__ import annotations
@@ -73,24 +65,12 @@ WHOLE_READ_MAX = 1 << 20
 def read_full_file(
     path: Path, *, weights_only: Optional[bool] = None, verify: bool = True, keys: Optional[layout.StateKeys] = None
 ) -> dict[str, Any]:
-    """Read a single-file checkpoint into a dict on this process (with plain ``torch.load``: not memory-mapped).
+    """Read a single-file checkpoint into a dict on this process (plain ``torch.load``: not memory-mapped).
 
-    Bare state dicts and ``.safetensors`` files come back as ``{"state_dict": ...}``.
-
-    Args:
-        weights_only: None (default) or True: torch's safe loading, which refuses any type but
-            tensors, primitive containers and registered safe globals; False: unpickle anything,
-            which runs code the file carries: only for files you trust.
-        verify: check the zip CRC-32s first.
-        keys: where a Lightning Fabric checkpoint (its own layout: the ``state`` keys) keeps the
-            model, optimizers and schedulers; it comes back in the Trainer's layout
-            (:func:`~hp_lightning.checkpoint.layout.in_trainer_layout`). A Fabric-layout save of ours
-            says so itself.
-
-    Raises:
-        UnsafeCheckpointError: safe loading refused a type (the file, the type and the opt-in named).
-        CorruptCheckpointError: a truncated or altered file (zip CRC-32 check).
-        ValueError: not a checkpoint, or written by a newer format version.
+    Bare state dicts and ``.safetensors`` files come back as ``{"state_dict": ...}``; a Lightning Fabric
+    checkpoint (``keys``: its ``state`` keys; ours say so themselves) in the Trainer's layout.
+    ``weights_only``: None or True: safe loading; False: unpickle anything, only for files you trust.
+    ``verify``: check the zip CRC-32s first.
     """
     path = Path(path)
     if path.is_dir():
@@ -147,17 +127,8 @@ def directory_message(path: Path, caller: str) -> str:
 
 
 def read_dcp_metadata(path: Path, *, weights_only: Optional[bool] = None, rank: Optional[int] = None) -> dcp_metadata.Metadata:
-    """DCP's index of the checkpoint directory ``path``, unpickled safely by default and checked to stay inside it.
-
-    Safely: by :func:`~hp_lightning.checkpoint.unpickle.unpickle_index`; then every size it declares is checked
-    against the bytes present (:func:`~hp_lightning.checkpoint.integrity.check_index`).
-
-    Raises:
-        UnsafeCheckpointError: the index names or calls something outside DCP's own types, sets state on
-            anything but a DCP object it made, or names a storage file outside ``path``.
-        CorruptCheckpointError: it cannot be read or is not DCP metadata.
-        ImportError: this torch lacks a name DCP writes into its indexes (:func:`~hp_lightning.checkpoint.unpickle.resolve_index_names`).
-    """
+    """DCP's index of the checkpoint directory ``path``: unpickled safely by default (:func:`unpickle_index`), checked
+    to stay inside ``path`` and every size it declares backed by bytes present (:func:`check_index`)."""
     path = Path(path)
     name = DCP_METADATA_FILE if rank is None else f"__{rank}{DCP_METADATA_FILE}"
     where = path / name
@@ -184,10 +155,8 @@ def read_dcp_metadata(path: Path, *, weights_only: Optional[bool] = None, rank: 
 
 
 class SafeReader(FileSystemReader):
-    """torch's ``FileSystemReader`` reading the index with :func:`read_dcp_metadata` (safe, contained, bounded by
-    :func:`~hp_lightning.checkpoint.integrity.check_index`); before its own ``read_data`` opens a file, the file must be regular (and, given
-    ``recorded``, in the manifest); being its own ``transforms``, it checks each tensor archive with
-    :func:`~hp_lightning.checkpoint.integrity.check_archive` as DCP opens it, then hands it to DCP's ``torch.load``."""
+    """torch's ``FileSystemReader`` reading the index with :func:`read_dcp_metadata`; every file it opens must be regular
+    (and, given ``recorded``, in the manifest), and each tensor archive passes :func:`check_archive` as DCP opens it."""
 
     def __init__(
         self,
@@ -247,9 +216,8 @@ class SafeReader(FileSystemReader):
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
-    """torch's ``DefaultLoadPlanner`` that unpickles DCP's non-tensor entries safely
-    (:func:`~hp_lightning.checkpoint.unpickle.load_entry`) and hands DCP a target for each tensor whose
-    ``copy_`` checks its source first (:class:`~hp_lightning.checkpoint.integrity.TensorCheck`)."""
+    """torch's ``DefaultLoadPlanner`` that unpickles non-tensor entries safely (:func:`load_entry`) and checks
+    each tensor before it is copied (:class:`TensorCheck`)."""
 
     def __init__(self, source: Path, *, weights_only: Optional[bool] = None, allow_partial_load: bool = False, check: Optional[ReadCheck] = None) -> None:
         super().__init__(allow_partial_load=allow_partial_load)
@@ -305,18 +273,9 @@ def dcp_load(
 ) -> None:
     """``dcp.load(state, ...)`` from directory ``path`` with :class:`SafeReader` and :class:`SafeLoadPlanner`.
 
-    DCP gathers every rank's failure and raises the same ``CheckpointException`` everywhere; a
-    refusal inside it comes back out as the :class:`UnsafeCheckpointError` it was, on every rank.
-
-    Args:
-        check: verify each tensor against the manifest's CRC-32s as it is read (:class:`SafeLoadPlanner`),
-            and read only files the manifest records.
-        metadata: DCP's index, when the caller already read it with :func:`read_dcp_metadata`.
-
-    Raises:
-        UnsafeCheckpointError: a non-tensor entry or the index needs more than safe loading allows.
-        CorruptCheckpointError: any damage DCP or torch meets (their exceptions unwrapped into it), a
-            tensor that is not what the index promised or, with ``check``, whose bytes differ from the save's.
+    A refusal inside DCP comes back out as the error it was, on every rank; any other damage DCP or
+    torch meets as a :class:`CorruptCheckpointError`. ``check``: verify each tensor against the
+    manifest's CRC-32s and read only files it records; ``metadata``: the index, if already read.
     """
     reader = SafeReader(str(path), weights_only=weights_only, metadata=metadata, recorded=check.recorded if check is not None else None)
     planner = SafeLoadPlanner(path, weights_only=weights_only, allow_partial_load=allow_partial_load, check=check)
@@ -335,15 +294,7 @@ def dcp_load(
 
 
 def dcp_index(path: Path, *, weights_only: Optional[bool] = None, metadata: Optional[Metadata] = None) -> dict[tuple[Any, ...], Shape]:
-    """Every entry DCP stored, as its nested path (``('state_dict', 'net.w')``) -> global shape.
-
-    DCP's index is a pickle: it is read safely unless ``weights_only=False`` (see :mod:`.unpickle`);
-    pass ``metadata`` already read by :func:`read_dcp_metadata` to read it once.
-
-    Raises:
-        UnsafeCheckpointError: the index needs a type outside DCP's own, or names a file outside ``path``.
-        CorruptCheckpointError: the index is missing or damaged.
-    """
+    """Every entry DCP stored, as its nested path (``('state_dict', 'net.w')``) -> global shape (``metadata``: the index, if read)."""
     if metadata is None:
         metadata = read_dcp_metadata(path, weights_only=weights_only)
     planner_data = metadata.planner_data or {}
@@ -355,12 +306,7 @@ def dcp_index(path: Path, *, weights_only: Optional[bool] = None, metadata: Opti
 
 
 def read_meta(path: Path, weights_only: Optional[bool]) -> dict[str, Any]:
-    """A sharded directory's trainer state (``meta.pt``: everything but the tensors), read before any tensor.
-
-    Raises:
-        UnsafeCheckpointError: a type safe loading refuses, or the entry names a file outside ``path``.
-        CorruptCheckpointError: the file does not hold a dict.
-    """
+    """A sharded directory's trainer state (``meta.pt``: everything but the tensors), read before any tensor."""
     check_contained(path, [META_FILE], what="its trainer state")
     meta = torch_load(path / META_FILE, weights_only=weights_only)
     if not isinstance(meta, dict):
@@ -369,16 +315,7 @@ def read_meta(path: Path, weights_only: Optional[bool]) -> dict[str, Any]:
 
 
 def verify(path: Path) -> str:
-    """Check a checkpoint against its integrity records; return a one-line summary.
-
-    Only DCP's index is unpickled (DCP's own types, nothing else); a manifest or index that names a
-    file outside the directory is refused.
-
-    Raises:
-        CorruptCheckpointError: a missing, truncated or altered file.
-        UnsafeCheckpointError: an entry naming a file outside the checkpoint directory.
-        ValueError: not a checkpoint, or one written by a newer format version.
-    """
+    """Check a checkpoint against its integrity records; return a one-line summary (only DCP's index is unpickled)."""
     path = Path(path)
     kind = layout.classify(path)
     if kind is CheckpointKind.FULL_FILE:
@@ -414,16 +351,8 @@ def verify(path: Path) -> str:
 def read_sharded(path: Path, *, weights_only: bool = False, verify_files: bool = True, trust_pickle: bool = False) -> dict[str, Any]:
     """A sharded directory as one Lightning checkpoint dict of whole CPU tensors (no process group).
 
-    Args:
-        weights_only: read the model state only (no optimizer state). Not torch's flag of that name.
-        verify_files: check the manifest's sizes and checksums first.
-        trust_pickle: unpickle ``meta.pt``, DCP's index and its non-tensor entries without safe
-            loading (torch's ``weights_only=False``), which runs code they carry: only for trusted files.
-
-    Raises:
-        ValueError: ``path`` is a single file, or not a checkpoint.
-        CorruptCheckpointError: a file does not match its integrity record.
-        UnsafeCheckpointError: a pickle safe loading refuses, or an entry naming a file outside ``path``.
+    ``weights_only``: the model state only (not torch's flag of that name). ``verify_files``: check the
+    manifest first. ``trust_pickle``: unpickle without safe loading (runs code: only for trusted files).
     """
     path = Path(path)
     kind = layout.classify(path)
@@ -447,12 +376,8 @@ def read_sharded(path: Path, *, weights_only: bool = False, verify_files: bool =
 
 
 def _positions_back(optimizer_state: dict[str, Any]) -> dict[str, Any]:
-    """Integer state keys back, for state keyed by position (plain PyTorch / single-device Lightning).
-
-    DCP stores dict keys as strings, so position ``0`` comes back as ``"0"`` while the param groups
-    still list ``0``; ``Optimizer.load_state_dict`` would then file the state under ``"0"`` and
-    train on with fresh state, silently.
-    """
+    """Integer state keys back for state keyed by position: DCP returns ``"0"``, which ``Optimizer.load_state_dict``
+    would not match to the groups' ``0`` (training on with fresh state, silently)."""
     listed = [p for group in optimizer_state.get("param_groups", []) for p in group.get("params", [])]
     state = optimizer_state.get("state", {})
     if listed and all(isinstance(p, int) for p in listed) and all(str(k).isdigit() for k in state):
@@ -463,10 +388,8 @@ def _positions_back(optimizer_state: dict[str, Any]) -> dict[str, Any]:
 def read_dcp(path: Path, roots: Optional[set[str]] = None, *, trust_pickle: bool = False) -> dict[str, Any]:
     """A DCP directory (or the entries under ``roots``) as nested whole CPU tensors, in this process.
 
-    torch's public API only: the target is built from the directory's own metadata (each tensor
-    allocated at its global shape and dtype, other values as placeholders), ``dcp.load`` fills it
-    without a process group, and the flat keys are nested back along the metadata's recorded paths.
-    The index and the non-tensor entries are unpickled safely unless ``trust_pickle``.
+    The target is built from the index (each tensor at its global shape), filled by ``dcp.load`` without
+    a process group, and nested back along the recorded paths; pickles are safe unless ``trust_pickle``.
     """
     pickles = False if trust_pickle else None
     metadata = read_dcp_metadata(path, weights_only=pickles)

@@ -1,17 +1,9 @@
 """Saving a sharded model's checkpoint from every rank: staged, checksummed, then published in one step.
 
-* **sharded**: every rank writes its own shards in parallel with ``torch.distributed.checkpoint``
-  (DCP) into a staging directory; rank 0 adds ``meta.pt`` (the rest of Lightning's checkpoint);
-  then each file's size and CRC-32s (taken from the CRC-32s torch's writer already computed, see
-  :mod:`.integrity`; with ``checksums=True`` also its SHA-256, read back by the rank that wrote
-  it) go into the manifest rank 0 writes before it publishes.
-  Fast and light on memory; loads into any world size or mesh; needs a filesystem every rank sees.
-  :class:`AsyncSaves` runs the same save through DCP's ``async_save``: the state is copied to host
-  memory (the only stall), the files are written by a background thread, and rank 0 publishes
-  when DCP reports every rank's write finished.
-* **full**: the state arrives already gathered on rank 0 (tensor by tensor, see
-  :mod:`hp_lightning.core.state_dict`), which writes one ``torch.save`` file. Portable, but rank 0
-  holds the whole state in host memory and writes it alone.
+* **sharded**: every rank writes its own shards with DCP into a staging directory, rank 0 adds
+  ``meta.pt`` and the manifest (each file's size and CRC-32s), then publishes. Loads into any mesh;
+  needs a filesystem every rank sees. :class:`AsyncSaves` writes the same save in the background.
+* **full**: rank 0 holds the gathered state and writes one ``torch.save`` file alone.
 """
 
 from __future__ import annotations
@@ -91,19 +83,9 @@ def prepare_target(path: Path, *, overwrite: bool = True, what: str = "Cannot sa
 def save_checkpoint(checkpoint: dict[str, Any], path: Path, *, sharded: bool, checksums: bool = False) -> None:
     """Write Lightning's ``checkpoint`` dict to ``path`` from every rank; the save appears whole or not at all.
 
-    The state in ``checkpoint`` must come from :func:`model_state_dict` / :func:`optimizer_state_dict`
-    with the same ``full`` setting (``full = not sharded``). Every rank calls this.
-
-    Args:
-        checksums: sharded only: also record every file's SHA-256 (each rank reads back the files
-            it wrote, usually from the page cache), checked by every later load. Without it the
-            manifest records each file's size and CRC-32s, which every load checks as well (see
-            :mod:`.integrity`); SHA-256 adds cryptographic strength, not more coverage.
-
-    Raises:
-        ValueError: the target is something other than a file or directory.
-        OSError: the write failed, on every rank alike: ``No space left on device while writing
-            checkpoint '...' (N bytes free ...)`` for a full disk; nothing is published then.
+    The state must come from :func:`model_state_dict` / :func:`optimizer_state_dict` with ``full = not sharded``.
+    ``checksums`` (sharded): also record every file's SHA-256 (a read-back; cryptographic strength, not
+    more coverage than the CRC-32s). A failed write raises the same OSError on every rank, nothing published.
     """
     path = Path(path)
     if sharded:
@@ -125,15 +107,11 @@ _RECORDS_INDEX = MetadataIndex(fqn="__hp_lightning_file_records__")
 
 
 class RecordingWriter(FileSystemWriter):
-    """torch's DCP ``FileSystemWriter`` that also records each shard file's integrity record.
+    """torch's DCP ``FileSystemWriter`` that also records each shard file's integrity record (:func:`shard_record`).
 
-    Each rank, right after writing its files (on DCP's background thread under ``async_save``),
-    makes their records (:func:`~hp_lightning.checkpoint.integrity.shard_record`: the CRC-32s torch computed while writing,
-    plus a read of the few bytes they do not cover; with ``sha256`` a read-back of the whole file)
-    and hands them to the coordinator inside its write results, the list DCP already gathers on
-    rank 0. :meth:`finish` takes them out again before DCP's index is written, so ``.metadata`` is
-    exactly what plain DCP writes, and :attr:`records` then holds every rank's files, on rank 0,
-    with no collective of its own.
+    Each rank hands its records to the coordinator inside its write results, which DCP already gathers;
+    :meth:`finish` takes them out before the index is written (``.metadata`` is plain DCP's), leaving
+    every rank's in :attr:`records` on rank 0, with no collective of its own.
     """
 
     def __init__(self, path: Path, *, sha256: bool = False) -> None:
@@ -191,11 +169,7 @@ def _start_sharded(path: Path, rest: dict[str, Any]) -> Path:
 
 
 def _finish_sharded(staging: Path, path: Path, records: Mapping[str, Any], tensors: Mapping[str, Any], checksums: bool) -> None:
-    """Rank 0, once every rank's files are written: the manifest (the completion mark), then publish.
-
-    ``records`` are the shard files' records the ranks made (:class:`RecordingWriter`); the small
-    files (``meta.pt``, DCP's ``.metadata``) are read back here.
-    """
+    """Rank 0, once every rank's files are written: the manifest (the completion mark), then publish."""
     try:
         files = {n: records.get(n) or file_record(staging / n, checksum=checksums) for n in layout.data_files(staging)}
         manifest = {
@@ -229,25 +203,14 @@ def _save_sharded(checkpoint: dict[str, Any], path: Path, *, checksums: bool) ->
 class AsyncSaves:
     """Sharded saves that write while training goes on, at most one in flight (``async_save=True``).
 
-    :meth:`save` stalls training only to copy the state to host memory (DCP's ``async_save``
-    stager) and to write the small ``meta.pt``; a background thread writes the shards. DCP's own
-    finish step (its coordinator, rank 0, gathers every rank's write result) completes rank 0's
-    future only when every rank's files are written, so rank 0 then writes the manifest from the
-    file records each rank made on its own background thread (:class:`RecordingWriter`) and
-    publishes, with no collective. A failed write is raised by :meth:`wait` (at the next save or
-    the end of the run) on every rank with one message that says which save it was. Until then the checkpoint exists only under its
-    staging name: a kill leaves the previous checkpoint in place and the staging directory is
-    cleared by the next save. Removals asked for meanwhile (``ModelCheckpoint`` dropping an older
-    top-k save) wait for the publish, so the previous checkpoint outlives an interrupted write.
+    :meth:`save` stalls only to copy the state to host memory and write ``meta.pt``; a background
+    thread writes the shards, and rank 0 publishes when DCP reports every rank's write finished (no
+    collective). A failure is raised by :meth:`wait` on every rank. Removals asked for meanwhile wait
+    for the publish, so the previous checkpoint outlives an interrupted write. The background
+    collectives run on a gloo group of their own, so they never interleave with training's.
 
-    A save due while another is in flight first waits for it (the rest of that write is then a
-    stall), as torchtitan does; so does a synchronous save. The background DCP collectives run on
-    a gloo group of their own, created at the first save, so they never interleave with training's.
-
-    The host copy is kept between saves (DCP's ``DefaultStager`` reuses its buffers, pinned when
-    CUDA is there): each save after the first copies into memory already mapped instead of
-    allocating and faulting in a fresh copy of the state, at the price of one host copy of this
-    rank's shards held for the run (:meth:`close` frees it).
+    The host copy is kept between saves (no fresh allocation and page faults each time), at the price
+    of one host copy of this rank's shards for the run (:meth:`close` frees it).
     """
 
     def __init__(self) -> None:
@@ -269,12 +232,7 @@ class AsyncSaves:
 
     @layout.cyclic_gc_paused
     def save(self, checkpoint: dict[str, Any], path: Path, *, checksums: bool = False) -> None:
-        """Start a sharded save of Lightning's ``checkpoint`` dict; every rank calls it.
-
-        Raises:
-            OSError: the previous save's background write failed (see :meth:`wait`), or this
-                one's ``meta.pt`` could not be written; on every rank alike.
-        """
+        """Start a sharded save of Lightning's ``checkpoint`` dict; every rank calls it (first waiting for the previous)."""
         self.wait()
         if self._group is None and dist.is_initialized():
             self._group = dist.new_group(backend=devices.default_backend(devices.CPU))  # host copies: gloo
@@ -305,8 +263,7 @@ class AsyncSaves:
     def _publish(self, done: Future, staging: Path, path: Path, tensors: Mapping[str, Any], writer: RecordingWriter, started: str) -> None:
         """Rank 0, on DCP's background thread: publish the finished save, then the removals it held back.
 
-        ``wait()`` returns only once the removals are done too (``_published`` is set last, under
-        the lock, when none is left), so a removal is never lost or racing the next save.
+        ``_published`` is set last, under the lock, so a removal is never lost or racing the next save.
         """
         try:
             try:
@@ -342,16 +299,9 @@ class AsyncSaves:
         layout.remove(Path(path))
 
     def wait(self) -> None:
-        """Block until the save in flight is written and published; its error is raised on every rank.
+        """Block until the save in flight is written and published; its error (an OSError naming the save) on every rank.
 
-        Every rank calls it (the outcome is agreed in one collective). After a failure, when the
-        other ranks may not come, do not call it: an unpublished save stays a staging directory.
-
-        Raises:
-            OSError: the background write or the publish failed, with the same message on every
-                rank: which save it was (its number in this run, target, global step and epoch),
-                then the cause, e.g. ``No space left on device while writing checkpoint '...'
-                (N bytes free ...)``. Nothing was published; the previous checkpoint is untouched.
+        A collective: after a failure, when the other ranks may not come, do not call it.
         """
         future, self._future = self._future, None
         if future is None:

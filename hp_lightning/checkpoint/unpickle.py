@@ -1,24 +1,12 @@
 """What unpickles: the pickled parts of a checkpoint, rebuilt without running code from them unless asked.
 
-A pickle can name any importable callable and have the reader call it (``os.system``, through an
-object's ``__reduce__``), so unpickling a file runs whatever its writer chose. torch's answer is
-``torch.load(weights_only=True)``, its default since 2.6: only tensors, primitive containers and
-the types registered with ``torch.serialization.add_safe_globals`` are rebuilt; anything else is
-refused. Lightning passes ``weights_only=None`` through to it, so a plain Lightning resume is safe.
+A pickle can have the reader call any importable callable, so each kind is unpickled safely by
+default: ``torch.save`` files by :func:`torch_load`; DCP's index (a bare ``pickle.load`` in torch) by
+:func:`unpickle_index`, which checks every instruction first (:class:`IndexPolicy`) and rebuilds only
+DCP's classes; DCP's non-tensor entries by :func:`load_entry` with torch's safe loader; its tensor
+archives by torch's own ``torch.load(weights_only=True)``. Declared sizes are checked first (:mod:`.integrity`).
 
-A checkpoint has four kinds of pickles, each unpickled safely by default: ``torch.save`` files (a
-full checkpoint, ``meta.pt``) by :func:`torch_load`; DCP's index ``.metadata`` (a bare
-``pickle.load`` in torch) by :func:`unpickle_index`, which checks every instruction first
-(:class:`IndexPolicy`: nothing but DCP's own metadata objects is made or filled) and then rebuilds
-only DCP's classes; DCP's non-tensor entries (``torch.load(weights_only=False)`` in torch) by
-:func:`load_entry` with torch's safe loader; DCP's tensor archives by torch's own
-``FileSystemReader.read_data`` and ``torch.load(weights_only=True)``, unchanged. Before any of them
-is unpickled, its declared sizes are checked against the bytes present (:mod:`.integrity`); the
-files are opened by :mod:`.read`.
-
-``weights_only=None`` means torch's default: safe, unless the environment sets torch's documented
-``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` (and ``TORCH_FORCE_WEIGHTS_ONLY_LOAD`` forces safe loading
-even where ``False`` was passed). ``weights_only=False`` unpickles anything: only for files you trust.
+``weights_only=None`` is torch's default: safe, with torch's two environment overrides.
 """
 
 from __future__ import annotations
@@ -55,8 +43,7 @@ def _env_flag(name: str) -> bool:
 def resolve_weights_only(weights_only: Optional[bool]) -> bool:
     """Whether to unpickle safely: ``None`` is torch's default (True), with torch's two environment overrides.
 
-    Raises:
-        TypeError: for anything but None, True or False (a typo such as ``"False"`` must not decide this).
+    TypeError for anything but None, True or False (a typo such as ``"False"`` must not decide this).
     """
     if weights_only is not None and not isinstance(weights_only, bool):
         raise TypeError(f"weights_only expects None (safe, torch's default), True or False; got {weights_only!r}.")
@@ -82,12 +69,7 @@ def refusal(where: str, refused: list[str], *, entry: Optional[str] = None) -> U
 
 def _refusal_or_damage(source: IO[bytes], where: str, entry: Optional[str] = None) -> ValueError:
     """What an ``UnpicklingError`` from ``torch.load(weights_only=True)`` of ``source`` means: a refusal
-    when the file names globals safe loading does not allow, else damage.
-
-    torch reports both alike; its public ``get_unsafe_globals_in_checkpoint`` tells them apart (it
-    lists the globals without running them). Only a refusal is a question of trust, so only a
-    refusal names the opt-in: suggesting ``weights_only=False`` for junk would be wrong.
-    """
+    when the file names globals safe loading does not allow, else damage (which must not suggest the opt-in)."""
     try:
         source.seek(0)
         refused = torch.serialization.get_unsafe_globals_in_checkpoint(source)
@@ -105,15 +87,9 @@ def _refusal_or_damage(source: IO[bytes], where: str, entry: Optional[str] = Non
 def torch_load(path: Path, *, weights_only: Optional[bool]) -> Any:
     """``torch.load`` a checkpoint file onto the CPU, safely by default, its declared sizes checked first.
 
-    Not memory-mapped: torch's mmap reading trusts each record's declared length and would read past
-    a short record into whatever follows; plain ``torch.load`` checks each record (and decodes a
-    compressed one), at the price of holding the whole file's tensors in memory. Under safe loading
-    the archive's records and pickle are bounded first (:func:`~hp_lightning.checkpoint.integrity.check_archive`), and torch's legacy
-    (pre-1.6, non-zip) format is refused: it allocates every storage at the size its pickle declares.
-
-    Raises:
-        UnsafeCheckpointError: safe loading refused a type (naming the file, the type and the opt-in).
-        CorruptCheckpointError: the file cannot be unpickled at all (damaged, not a checkpoint).
+    Not memory-mapped: torch's mmap reading trusts each record's declared length and would read past a
+    short record. Under safe loading torch's legacy (non-zip) format is refused: it allocates every
+    storage at the size its pickle declares.
     """
     safe = resolve_weights_only(weights_only)
     path = Path(path)
@@ -162,14 +138,8 @@ def _depth(value: Any) -> int:
 
 
 def load_entry(value: io.BytesIO, source: Path, fqn: str, *, safe: bool) -> Any:
-    """DCP's non-tensor entry ``fqn`` of directory ``source`` (its bytes, as DCP read them) unpickled with ``torch.load``:
-    with torch's safe loader, its archive bounded first (:func:`~hp_lightning.checkpoint.integrity.check_archive`),
-    unless ``safe`` is False.
-
-    Raises:
-        UnsafeCheckpointError: safe loading refused a type (naming the entry, the directory and the opt-in).
-        CorruptCheckpointError: the entry cannot be unpickled at all.
-    """
+    """DCP's non-tensor entry ``fqn`` of directory ``source`` unpickled with ``torch.load``: with torch's safe
+    loader, its archive bounded first, unless ``safe`` is False."""
     if safe:
         check_archive(value, len(value.getbuffer()), f"Entry {fqn!r} of {str(source)!r}")
     try:
@@ -220,12 +190,7 @@ class IndexAllowlist:
 
 
 def resolve_index_names(names: Sequence[tuple[str, str]]) -> dict[str, Any]:
-    """Each ``(module, name)`` of torch's that a DCP index names, imported for real.
-
-    Raises:
-        ImportError: naming every one this torch lacks (a rename would otherwise shrink the allowlist
-            silently and refuse every index as one that could run code).
-    """
+    """Each ``(module, name)`` of torch's that a DCP index names, imported for real; ImportError naming any this torch lacks."""
     found: dict[str, Any] = {}
     missing: list[str] = []
     for module, name in names:
@@ -258,12 +223,8 @@ def _index_allowlist() -> IndexAllowlist:
 
 
 class IndexPolicy(opcodes.Policy):
-    """A DCP index's instructions (:func:`~hp_lightning.checkpoint.opcodes.check_pickle`): ``NEWOBJ`` only of DCP's
-    metadata classes, ``REDUCE`` only of :data:`INDEX_CALLS` (and ``getattr`` of a member of DCP's enums),
-    ``BUILD`` only onto an object the index made of a DCP class (or ``OrderedDict``), with a field dict.
-
-    The real unpickler then runs with ``find_class`` restricted to the same names (:class:`_MetadataUnpickler`).
-    """
+    """A DCP index's instructions: ``NEWOBJ`` only of DCP's metadata classes, ``REDUCE`` only of :data:`INDEX_CALLS`
+    (and ``getattr`` of a member of DCP's enums), ``BUILD`` only onto a DCP object the index made, with a field dict."""
 
     def __init__(self, allow: IndexAllowlist) -> None:
         self.allow = allow
@@ -298,10 +259,8 @@ class IndexPolicy(opcodes.Policy):
 class _MetadataUnpickler(pickle.Unpickler):
     """Rebuilds only DCP's metadata types: every other global is refused before it can be called.
 
-    Run only on an index :class:`IndexPolicy` passed, which already decided every call and ``BUILD``;
-    ``find_class`` refusing the same names is the second line. Python 3.11.0-3.11.4 pickle an enum
-    member as ``getattr(EnumClass, "NAME")``: ``builtins.getattr`` is answered by :meth:`_enum_member`,
-    which returns a member of one of DCP's enums and refuses anything else.
+    The second line after :class:`IndexPolicy`. ``builtins.getattr`` (an enum member on Python 3.11.0-3.11.4)
+    is answered by :meth:`_enum_member`, which returns only a member of one of DCP's enums.
     """
 
     def __init__(self, file: IO[bytes], allow: IndexAllowlist) -> None:
@@ -326,25 +285,15 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 def index_allowlist(weights_only: Optional[bool]) -> Optional[IndexAllowlist]:
-    """What a DCP index may name, call and fill when it is unpickled safely; None when ``weights_only`` trusts it.
-
-    Raises:
-        TypeError: ``weights_only`` is not None, True or False (:func:`resolve_weights_only`).
-        ImportError: this torch lacks a name DCP writes into its indexes (:func:`resolve_index_names`).
-    """
+    """What a DCP index may name, call and fill when it is unpickled safely; None when ``weights_only`` trusts it."""
     return _index_allowlist() if resolve_weights_only(weights_only) else None
 
 
 def unpickle_index(stream: IO[bytes], where: Path, allow: Optional[IndexAllowlist]) -> Any:
     """DCP's index read from ``stream`` (the file ``where``): its instructions checked first (:class:`IndexPolicy`),
-    then rebuilt by the standard unpickler with ``find_class`` restricted to the same names; with ``allow`` None
-    (a trusted file), a plain ``pickle.load``.
+    then rebuilt with ``find_class`` restricted to the same names; with ``allow`` None (trusted), ``pickle.load``.
 
-    Raises:
-        UnsafeCheckpointError: the index names or calls something outside DCP's own types, or sets state on
-            anything but a DCP object it made.
-        CorruptCheckpointError: its instructions do not parse.
-        pickle.UnpicklingError, and whatever else unpickling damaged bytes raises: the caller names the file.
+    Whatever else unpickling damaged bytes raises is left to the caller, which names the file.
     """
     if allow is None:
         return pickle.load(stream)  # noqa: S301 - trusted by the caller's explicit weights_only=False
