@@ -1,25 +1,17 @@
 """Checkpoint IO: sharded (DCP directory) and full (one file) state, atomic saves, any-mesh resume.
 
-* :func:`save_checkpoint` / :func:`load_checkpoint`: what ``HSDPStrategy`` calls, on every rank
-  (:mod:`.save`, :mod:`.load`; the on-disk layout and its guarantees are in :mod:`.layout`);
+* :func:`save_checkpoint` / :func:`load_checkpoint`: what ``HSDPStrategy`` calls, on every rank;
   :class:`AsyncSaves`: the same sharded save written in the background (``async_save=True``).
-* :func:`load_weights`: pretrained weights into a sharded module, for fine-tuning (a Hugging Face
-  directory too, each rank reading its own slices); :func:`save_hf` / :func:`export_hf` (and
-  ``export-hf`` below): the model as a Hugging Face directory (:mod:`.hf`).
+* :func:`load_weights`: pretrained weights into a sharded module; :func:`save_hf` / :func:`export_hf`:
+  the model as a Hugging Face directory (:mod:`.hf`).
 * :func:`load_from_checkpoint` / :class:`LoadsShardedCheckpoints`: ``MyModule.load_from_checkpoint``
   on a sharded directory, in one plain CPU process.
 * :class:`ResumableLoader`: a training loader that continues its epoch on resume.
 * ``python -m hp_lightning.checkpoint consolidate | shard | verify | export-hf``: offline conversion and checks.
 
-Every file of a sharded checkpoint has its size and CRC-32s recorded at save (SHA-256 too with
-``checksums=True``). A load checks each byte it uses once, as torch's own readers read it: sizes and
-the bytes around the tensors first, then each tensor, through DCP's public reader and planner hooks,
-before it is copied into the model (:mod:`.integrity`). A flipped, truncated or swapped shard, or a
-tensor other than the shape and dtype its index entry declares, is refused, naming the file.
-
-Every pickle a load reads is unpickled safely (torch's ``weights_only=True``) unless
-``weights_only=False`` is passed for a trusted file; :class:`UnsafeCheckpointError` names what was
-refused. No checkpoint entry may lead outside its directory (see ``docs/security.md``).
+A load checks each byte it uses once against the CRC-32s recorded at save, each tensor before it is
+copied into the model (:mod:`.integrity`); every pickle is unpickled safely unless ``weights_only=False``,
+and no entry may lead outside its directory (see ``docs/security.md``).
 """
 
 from hp_lightning.checkpoint.data import DATA_PARALLEL_KEY, ResumableLoader, loader_resume_warning

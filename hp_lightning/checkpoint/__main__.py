@@ -13,13 +13,8 @@ Subcommands::
         copied from --config) that ``from_pretrained`` loads; --ema writes the ShardedEMA average the
         checkpoint holds instead of the weights; see hp_lightning.checkpoint.hf
 
-An existing output is an error unless --overwrite is given, and even then only a checkpoint is
-replaced: the converter never deletes anything it did not write. Sources are unpickled safely
-(torch's weights_only=True): a pickle that needs more is refused unless --trust-pickle says the
-source is trusted (it then runs whatever code the file carries).
-
-No process group and no accelerator are needed. Exit status: 0 done, 1 bad checkpoint or path,
-2 bad command line.
+An existing output is replaced only with --overwrite, and only if it is a checkpoint. Sources are
+unpickled safely unless --trust-pickle. Exit status: 0 done, 1 bad checkpoint or path, 2 bad command line.
 """
 
 from __future__ import annotations

@@ -1,15 +1,8 @@
-"""Exporting a model fine-tuned with peft adapters (LoRA): merged into the base weights, or as peft's adapter directory.
+"""Exporting a model fine-tuned with peft adapters (LoRA), for :func:`hp_lightning.checkpoint.hf.save_hf`.
 
-Loading is :class:`~hp_lightning.checkpoint.names.FileNames`' job (a Hugging Face directory's
-weights go into each adapted layer's ``base_layer``; the adapters keep their initialization).
-Here, for :func:`hp_lightning.checkpoint.hf.save_hf`:
-
-* ``merged_adapters``: each LoRA layer's weight with its adapter folded in, ``W + scale B A``,
-  computed by peft's own ``get_delta_weight`` on the sharded DTensors (DTensor gathers the small
-  ``A``, never a layer's weight), so the export is the base model's layout and ``from_pretrained``
-  loads the fine-tuned model;
-* ``adapter_state``: the adapters alone, gathered whole (they are small), named as peft names them
-  in ``adapter_model.safetensors`` (peft's ``get_peft_model_state_dict``).
+* ``merged_adapters``: each LoRA layer's weight with its adapter folded in, ``W + scale B A``, by
+  peft's own ``get_delta_weight`` on the sharded DTensors (never gathering a layer's weight);
+* ``adapter_state``: the adapters alone, gathered whole (they are small), named as peft names them.
 """
 
 from __future__ import annotations
@@ -28,12 +21,7 @@ PEFT_EXPORTS = ("merged", "adapter")
 
 
 def check_peft_export(names: FileNames, peft: Optional[str]) -> None:
-    """Refuse an export that would misname a peft model's weights, or a ``peft`` choice without adapters.
-
-    Raises:
-        ValueError: adapters without ``peft`` (their keys are not the base model's: ``from_pretrained``
-            would keep the adapted layers at random values), ``peft`` without adapters, or an unknown value.
-    """
+    """Refuse an export that would misname a peft model's weights, or a ``peft`` choice without adapters."""
     if peft is not None and peft not in PEFT_EXPORTS:
         raise ValueError(f"save_hf(peft=...) expects 'merged', 'adapter' or None; got {peft!r}.")
     if names.has_adapters and peft is None:
@@ -56,12 +44,8 @@ def _tuner_layers(module: nn.Module) -> list[tuple[str, Any]]:
 def merged_adapters(module: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
     """``state`` (torch's ``get_model_state_dict`` of ``module``) with each active LoRA adapter folded into its base weight.
 
-    A collective where the weights are sharded (every rank calls it). Adapters already merged by
-    peft (``merge_adapter()``) are not added twice.
-
-    Raises:
-        ValueError: a tuner or option whose delta is not ``scale B A`` on the weight alone (DoRA, a
-            LoRA bias, another tuner): export it with ``peft="adapter"``.
+    A collective where the weights are sharded. Adapters already merged by peft are not added twice;
+    a delta that is not ``scale B A`` on the weight alone (DoRA, a LoRA bias) is a ValueError.
     """
     state = dict(state)
     for path, layer in _tuner_layers(module):
@@ -87,11 +71,7 @@ def merged_adapters(module: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
 
 
 def adapter_state(module: nn.Module, names: FileNames) -> tuple[Any, dict[str, torch.Tensor]]:
-    """``module``'s one ``PeftModel`` and its active adapter's tensors, whole, under peft's file names (a collective).
-
-    Raises:
-        ValueError: no ``PeftModel`` or more than one in ``module``.
-    """
+    """``module``'s one ``PeftModel`` and its active adapter's tensors, whole, under peft's file names (a collective)."""
     from peft import PeftModel
     from peft.utils import get_peft_model_state_dict
     from torch.distributed.checkpoint.state_dict import get_model_state_dict

@@ -1,8 +1,7 @@
 """Ranks agreeing on the outcome of a step, so that a failure on one rank never leaves the others waiting.
 
-Checkpoint code checks paths, formats, integrity, keys and shapes before moving any tensor. Each
-check runs where it can (on rank 0 for a file only rank 0 needs, on every rank otherwise), and its
-outcome goes through one collective: every rank then raises the same error, or none does.
+Each check runs where it can (rank 0, or every rank) and its outcome goes through one collective:
+every rank then raises the same error, or none does.
 """
 
 from __future__ import annotations
@@ -27,23 +26,13 @@ def world_size() -> int:
 
 
 _ERROR_TYPES: dict[str, type[Exception]] = {
-    "FileNotFoundError": FileNotFoundError,
-    "CorruptCheckpointError": CorruptCheckpointError,
-    "UnsafeCheckpointError": UnsafeCheckpointError,
-    "ValueError": ValueError,
-    "TypeError": TypeError,
-    "KeyError": KeyError,
-    "FileExistsError": FileExistsError,
-    "OSError": OSError,
+    cls.__name__: cls
+    for cls in (FileNotFoundError, CorruptCheckpointError, UnsafeCheckpointError, ValueError, TypeError, KeyError, FileExistsError, OSError)
 }
 
 
 def _as_wire(error: Optional[BaseException]) -> Optional[tuple[str, str, Optional[int], Optional[str]]]:
-    """(type name, message, errno, strerror): what another rank needs to raise the same error.
-
-    An ``OSError`` with an errno travels as that pair, so ``exc.errno`` (``ENOSPC`` for a full
-    disk) is the same on every rank and so is ``str(exc)``.
-    """
+    """(type name, message, errno, strerror): what another rank needs to raise the same error (``errno`` included)."""
     if error is None:
         return None
     name = type(error).__name__ if type(error).__name__ in _ERROR_TYPES else "RuntimeError"
@@ -71,8 +60,7 @@ def _raise_first(errors: Sequence[Optional[tuple[Any, ...]]], mine: Optional[Bas
 def agree(error: Optional[BaseException]) -> None:
     """Raise on every rank if any rank failed (the lowest rank's error), else return everywhere.
 
-    One ``all_gather_object``: every rank must reach it, which is why callers catch their own
-    failures and pass them here instead of raising on the spot.
+    A collective: callers catch their own failures and pass them here instead of raising on the spot.
     """
     errors: list[Any] = [_as_wire(error)]
     if dist.is_initialized():
@@ -82,11 +70,7 @@ def agree(error: Optional[BaseException]) -> None:
 
 
 def on_rank0(fn: Callable[..., T]) -> T:
-    """Run ``fn`` on rank 0 only and hand its result (or its error) to every rank.
-
-    ``fn`` is called with no arguments; a lambda may bind loop variables as defaults (``...`` in
-    its type lets mypy accept those).
-    """
+    """Run ``fn`` (no arguments) on rank 0 only and hand its result (or its error) to every rank."""
     result: Any = None
     error: Optional[BaseException] = None
     if rank() == 0:
@@ -103,10 +87,7 @@ def on_rank0(fn: Callable[..., T]) -> T:
 
 
 def on_every_rank(fn: Callable[..., T]) -> T:
-    """Run ``fn`` on every rank; if it fails anywhere, raise everywhere.
-
-    ``fn`` is called with no arguments (a lambda may bind loop variables as defaults).
-    """
+    """Run ``fn`` (no arguments) on every rank; if it fails anywhere, raise everywhere."""
     try:
         result, error = fn(), None
     except Exception as exc:  # noqa: BLE001 - shared with every rank, then re-raised

@@ -1,16 +1,11 @@
 """Offline conversion between the formats, in one process with no process group.
 
-* :func:`consolidate`: a sharded directory (hp_lightning's, or Lightning's ``ModelParallelStrategy``
-  / ``FSDPStrategy`` layout) -> one Lightning ``.ckpt`` file, or model weights only, or
-  ``.safetensors``. The whole state passes through this process's memory, so the machine needs
-  host RAM for the model (plus optimizer state, unless ``weights_only``).
+* :func:`consolidate`: a sharded directory -> one ``.ckpt`` file (or weights only, or ``.safetensors``);
+  the whole state passes through this process's memory.
 * :func:`shard`: a single-file checkpoint -> an hp_lightning sharded directory (one shard file,
   which DCP splits across however many ranks later load it).
 
-Outputs are written like training saves: staged under a temporary name, renamed into place.
-Inputs are read like training loads: every pickle safely (torch's ``weights_only=True``) unless
-``trust_pickle=True`` / ``--trust-pickle`` says the source is trusted, and no entry may name a file
-outside the source directory.
+Outputs are written and inputs read like training saves and loads (pickles safely unless ``trust_pickle``).
 """
 
 from __future__ import annotations
@@ -21,12 +16,7 @@ from typing import Any, Optional
 import torch
 
 from hp_lightning.checkpoint import layout
-from hp_lightning.checkpoint.layout import (
-    FULL_INFO_KEY,
-    MODEL_KEY,
-    OPTIMIZER_KEY,
-    CheckpointKind,
-)
+from hp_lightning.checkpoint.layout import FULL_INFO_KEY, MODEL_KEY, OPTIMIZER_KEY, CheckpointKind
 from hp_lightning.checkpoint.read import read_dcp, read_full_file, read_sharded, verify
 from hp_lightning.checkpoint.save import producer_record, save_checkpoint, write_file_atomically
 
@@ -73,17 +63,10 @@ def consolidate(
     """Write sharded checkpoint ``src`` as one file ``out``; return a one-line summary.
 
     Args:
-        weights_only: keep the model weights and what ``load_from_checkpoint`` needs; drop
-            optimizer, scheduler, loop-internal and callback state (smaller; cannot resume training).
+        weights_only: keep the model weights and what ``load_from_checkpoint`` needs (cannot resume training).
         fmt: ``"torch"`` (a Lightning ``.ckpt``) or ``"safetensors"`` (model tensors only).
         overwrite: replace ``out`` if it holds a checkpoint already (anything else is never replaced).
         trust_pickle: unpickle the source without safe loading (only for a trusted source).
-
-    Raises:
-        FileExistsError: ``out`` exists and ``overwrite`` is False.
-        UnsafeCheckpointError: a pickle safe loading refuses, or an entry naming a file outside ``src``.
-        ValueError: a bad format name, ``out`` equal to ``src``, ``out`` holding something that is
-            not a checkpoint, or ``src`` not a sharded checkpoint.
     """
     src, out = Path(src), Path(out)
     if fmt not in FORMATS:
@@ -111,17 +94,8 @@ def consolidate(
 def shard(src: Path, out: Path, *, weights_only: Optional[bool] = None, overwrite: bool = False) -> str:
     """Write single-file checkpoint ``src`` as an hp_lightning sharded directory ``out``; return a summary.
 
-    Args:
-        weights_only: torch's flag for reading ``src``: None (default) or True: safely; False:
-            unpickle anything, which runs code the file carries (only for a trusted source).
-        overwrite: replace ``out`` if it holds a checkpoint already (anything else is never replaced).
-
-    Raises:
-        FileExistsError: ``out`` exists and ``overwrite`` is False.
-        UnsafeCheckpointError: a pickle safe loading refuses (the file, the type and the opt-in named).
-        ValueError: ``src`` is not a single-file checkpoint, ``out`` is ``src``, or ``out`` holds
-            something that is not a checkpoint.
-        CorruptCheckpointError: ``src`` fails its CRC-32 check.
+    ``weights_only``: torch's flag for reading ``src`` (False only for a trusted source). ``overwrite``:
+    replace ``out`` if it holds a checkpoint already (anything else is never replaced).
     """
     src, out = Path(src), Path(out)
     if layout.classify(src) is not CheckpointKind.FULL_FILE:

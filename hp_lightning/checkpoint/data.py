@@ -1,17 +1,10 @@
 """A training loader that resumes mid-epoch where the checkpoint left off, instead of restarting the epoch.
 
-Lightning restores a plain ``DataLoader`` at the start of its epoch: a run resumed from a
-checkpoint taken after batch 3 of an epoch trains on batches 0, 1, 2 again and the run differs
-from one that never stopped. Lightning resumes a loader exactly when it has ``state_dict`` /
-``load_state_dict``; :class:`ResumableLoader` adds them to any sized loader.
-
-It counts the batches it has handed out in the current epoch; on resume it skips that many at the
-sampler, so skipped batches are never loaded (a ``torch.utils.data.DataLoader`` is rebuilt for the
-resumed epoch with the same settings and a batch sampler that starts further in). The sampler's
-order must be reproducible (``shuffle=False``, or a seeded ``DistributedSampler``, which is what
-Lightning injects) and the batches per epoch the same, i.e. the same global batch size; the world
-size may change, since the samples of global batch ``b`` stay the same under a
-``DistributedSampler`` whatever the number of ranks.
+Lightning restores a plain ``DataLoader`` at the start of its epoch (batches seen before the
+checkpoint are trained on again); it resumes a loader with ``state_dict`` / ``load_state_dict``,
+which :class:`ResumableLoader` adds to any sized loader. It counts the batches handed out and on
+resume skips them at the sampler, so they are never loaded. The order must be reproducible (a
+seeded ``DistributedSampler``) with the same global batch size; the world size may change.
 """
 
 from __future__ import annotations
@@ -60,19 +53,10 @@ def loader_starting_at(loader: DataLoader, skip: int) -> DataLoader:
 class ResumableLoader:
     """Wraps a sized training loader so that a resumed run continues its epoch.
 
-    Everything but iteration and the two state methods is forwarded to the wrapped loader
-    (``sampler``, ``dataset``, ``batch_size`` ...), so Lightning sets the sampler's epoch as usual.
-
-    Example::
+    Everything but iteration and the two state methods is forwarded to the wrapped loader, so
+    Lightning sets the sampler's epoch as usual. Example::
 
         trainer.fit(model, ResumableLoader(DataLoader(dataset, batch_size=8, sampler=sampler)))
-
-    Args:
-        loader: a ``DataLoader`` (or any iterable with ``len``) yielding the same batches in the
-            same order for the same epoch.
-
-    Raises:
-        TypeError: for a loader without ``len`` (an iterable dataset: resume it with its own state).
     """
 
     # Set with object.__setattr__ (every other attribute is forwarded to the wrapped loader).
@@ -124,11 +108,7 @@ class ResumableLoader:
         return {"batches_served": self._served, "batches_per_epoch": len(self)}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        """Start the next iteration after the batches the checkpoint's run had already served.
-
-        Raises:
-            ValueError: when the epoch length differs (another global batch size or dataset).
-        """
+        """Start the next iteration after the batches the checkpoint's run had already served (same epoch length only)."""
         served, length = int(state["batches_served"]), int(state["batches_per_epoch"])
         if length != len(self):
             raise ValueError(
@@ -147,9 +127,8 @@ DATA_PARALLEL_KEY = "hp_lightning_data_parallel_size"
 def loader_resume_warning(checkpoint: dict[str, Any], data_parallel_size: int) -> Optional[str]:
     """Why a mid-epoch resume of a stateful loader's position may not continue the same data, or None.
 
-    torchdata's ``StatefulDataLoader`` (with a ``DistributedSampler``) records how many samples
-    *this rank* had drawn; on another number of ranks that count points elsewhere in the epoch.
-    (:class:`ResumableLoader` counts batches of the global order and is unaffected.)
+    torchdata's ``StatefulDataLoader`` records the samples *this rank* drew, which on another number
+    of ranks points elsewhere in the epoch (:class:`ResumableLoader` counts global batches).
     """
     saved = checkpoint.get(DATA_PARALLEL_KEY, (checkpoint.get("hp_lightning") or {}).get("world_size"))
     loops = (checkpoint.get("loops") or {}).get("fit_loop") or {}

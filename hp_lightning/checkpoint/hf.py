@@ -13,6 +13,7 @@ and even then only an earlier export of ours is replaced (:func:`_read_export_re
 
 from __future__ import annotations
 
+import contextlib
 import filecmp
 import json
 import math
@@ -59,13 +60,11 @@ HF_SINGLE_FILE = "model.safetensors"
 SUFFIX = ".safetensors"
 #: Files copied from ``config=`` next to the weights (the ones ``from_pretrained`` reads besides them).
 CONFIG_FILES = ("config.json", "generation_config.json")
-#: What an export of ours records in its directory: a token and the files it wrote (the only ones an
-#: ``overwrite=True`` export may later replace).
+#: What an export of ours records in its directory: a token and the files it wrote (the only ones it may replace).
 EXPORT_RECORD = ".hp_lightning_export.json"
 #: DCP's writer leaves each rank's part here before consolidating (its fixed sub-directory name).
 _PARTS_DIR = "sharded"
-#: The output-embedding keys Hugging Face drops when ``tie_word_embeddings`` ties them to the input
-#: embedding (``_tied_weights_keys`` of the causal-LM heads).
+#: The output-embedding keys Hugging Face drops when ``tie_word_embeddings`` ties them to the input embedding.
 TIED_OUTPUT_KEYS = ("lm_head.weight",)
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
@@ -484,12 +483,8 @@ def _file_ties(names: FileNames, ties: list[list[str]]) -> list[list[str]]:
 
 def _tied_copies(entries: Mapping[str, _Entry], ties: list[list[str]], prefix: str) -> list[tuple[str, ...]]:
     """The tied groups (file keys) of which the files hold more than one copy: only one can be loaded into the shared parameter."""
-    copies = []
-    for group in ties:
-        held = tuple(n[len(prefix):] for n in group if n.startswith(prefix) and n[len(prefix):] in entries)
-        if len(held) > 1:
-            copies.append(held)
-    return copies
+    held = [tuple(n[len(prefix):] for n in group if n.startswith(prefix) and n[len(prefix):] in entries) for group in ties]
+    return [copies for copies in held if len(copies) > 1]
 
 
 #: Elements compared at a time when two tied copies are checked against each other (two such blocks in memory).
@@ -989,13 +984,11 @@ def _averages_in(src: Path, checkpoint: Optional[Mapping[str, Any]], *, trust_pi
     from hp_lightning.core.ema import AVERAGE, CHECKPOINT_KEY, FORMAT, averaged_weights_in
 
     found: Optional[dict[str, torch.Tensor]] = None
-    if checkpoint is not None:
-        try:
-            found = averaged_weights_in(checkpoint)
-        except KeyError:
-            found = None
-    else:
+    if checkpoint is None:
         found = _read_sharded_average(src, (OPTIMIZER_ENTRY, CHECKPOINT_KEY, "state"), AVERAGE, trust_pickle=trust_pickle)
+    else:
+        with contextlib.suppress(KeyError):
+            found = averaged_weights_in(checkpoint)
     if not found:
         raise ValueError(
             f"export-hf --ema: {str(src)!r} holds no ShardedEMA average (looked for optimizer 0's {CHECKPOINT_KEY!r} "

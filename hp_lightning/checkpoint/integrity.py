@@ -50,8 +50,7 @@ from hp_lightning.core import devices
 
 #: Read size when checking or hashing files (one buffer, reused).
 READ_SIZE = 8 << 20
-#: Records at least this long are vouched for by the CRC-32 torch stored for them; shorter ones are
-#: read back at save (reading a few kilobytes costs less than a seek through the archive).
+#: Records at least this long are vouched for by the CRC-32 torch stored for them; shorter ones are read back at save.
 TORCH_CRC_MIN = 64 << 10
 
 try:  # ISA-L's CRC-32 (the ``fast-crc`` extra): the same checksum as zlib's, about 3x as fast (11 vs 3.7 GB/s here)

@@ -408,9 +408,7 @@ def exchange(a: Path, b: Path) -> bool:
 
 def previous_path(path: Path, token: str) -> Path:
     """Where the previous checkpoint waits while its replacement is renamed in; keeps the ``.ckpt`` suffix."""
-    if path.suffix:
-        return path.with_name(f"{path.stem}{PREVIOUS_MARKER}{token}{path.suffix}")
-    return path.with_name(f"{path.name}{PREVIOUS_MARKER}{token}")
+    return path.with_name(f"{path.stem}{PREVIOUS_MARKER}{token}{path.suffix}")
 
 
 def publish(staging: Path, path: Path) -> None:

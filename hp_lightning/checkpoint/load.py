@@ -28,13 +28,7 @@ from torch.distributed.checkpoint.state_dict import (
 from hp_lightning.checkpoint import hf, layout
 from hp_lightning.checkpoint.collective import on_every_rank, on_rank0, rank, warn_rank0, world_size
 from hp_lightning.checkpoint.integrity import CorruptCheckpointError, ReadCheck, corruption_message, regular_file_size, share_by_size, verify_records
-from hp_lightning.checkpoint.layout import (
-    FSDP_MODEL_KEY,
-    FULL_INFO_KEY,
-    MODEL_KEY,
-    OPTIMIZER_KEY,
-    CheckpointKind,
-)
+from hp_lightning.checkpoint.layout import FSDP_MODEL_KEY, FULL_INFO_KEY, MODEL_KEY, OPTIMIZER_KEY, CheckpointKind
 from hp_lightning.checkpoint.read import dcp_index, dcp_load, directory_message, read_dcp_metadata, read_full_file, read_meta, read_sharded
 from hp_lightning.checkpoint.save import save_checkpoint
 from hp_lightning.core.state_dict import (

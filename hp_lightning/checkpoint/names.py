@@ -1,18 +1,9 @@
 """A module's own parameter names and the names a Hugging Face file gives the same tensors.
 
-Two wrappers rename a Hugging Face model's parameters without changing its weights:
-
-* ``torch.compile(model)`` returns a wrapper whose names carry ``_orig_mod.``
-  (``net._orig_mod.model.embed_tokens.weight``); torch's state-dict API already drops it;
-* peft (``get_peft_model``) nests the model as ``base_model.model`` and moves each adapted
-  layer's own weight to ``base_layer`` (``net.base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight``),
-  next to the adapter's new parameters (``...q_proj.lora_A.default.weight``), which no base
-  checkpoint holds.
-
-:class:`FileNames` maps every parameter and buffer name of a module to its name in the model's
-own files (``net.model.layers.0.self_attn.q_proj.weight``), or to None for an adapter's. It reads
-the module's structure (peft's ``PeftModel`` and ``BaseTunerLayer`` classes, when peft is
-imported), never guesses from the strings alone.
+``torch.compile`` adds ``_orig_mod.`` to every name; peft nests the model as ``base_model.model`` and
+moves each adapted layer's weight to ``base_layer``, next to the adapter's own parameters (which no
+base checkpoint holds). :class:`FileNames` maps each name to the model's own files' name, or None for
+an adapter's, from the module's structure (peft's classes), never guessed from the strings.
 """
 
 from __future__ import annotations

@@ -40,15 +40,7 @@ from hp_lightning.checkpoint.integrity import (
     verify_records,
     verify_zip,
 )
-from hp_lightning.checkpoint.layout import (
-    DCP_METADATA_FILE,
-    FSDP_MODEL_KEY,
-    FULL_INFO_KEY,
-    META_FILE,
-    MODEL_KEY,
-    OPTIMIZER_KEY,
-    CheckpointKind,
-)
+from hp_lightning.checkpoint.layout import DCP_METADATA_FILE, FSDP_MODEL_KEY, FULL_INFO_KEY, META_FILE, MODEL_KEY, OPTIMIZER_KEY, CheckpointKind
 from hp_lightning.checkpoint.unpickle import index_allowlist, load_entry, resolve_weights_only, torch_load, unpickle_index
 from hp_lightning.core import devices
 from hp_lightning.core.state_dict import Shape
@@ -366,7 +358,6 @@ def read_sharded(path: Path, *, weights_only: bool = False, verify_files: bool =
     model_key = MODEL_KEY if MODEL_KEY in roots else FSDP_MODEL_KEY
     if model_key not in roots:
         raise ValueError(f"{str(path)!r} holds no model state (no {MODEL_KEY!r} or {FSDP_MODEL_KEY!r} entries; found {sorted(map(str, roots))}).")
-    # Every entry is rebuilt whole from the index: no model needed, no process group.
     state = read_dcp(path, {model_key} if weights_only else None, trust_pickle=trust_pickle)
     checkpoint[MODEL_KEY] = state.pop(model_key)
     optimizers = sorted((k for k in state if str(k).startswith("optimizer_")), key=lambda k: int(str(k).split("_")[1]))

@@ -31,15 +31,7 @@ from hp_lightning._version import __version__
 from hp_lightning.checkpoint import layout
 from hp_lightning.checkpoint.collective import agree, on_rank0, rank, world_size
 from hp_lightning.checkpoint.integrity import file_record, shard_record
-from hp_lightning.checkpoint.layout import (
-    DCP_METADATA_FILE,
-    FORMAT_VERSION,
-    FULL_INFO_KEY,
-    MANIFEST_FILE,
-    META_FILE,
-    MODEL_KEY,
-    OPTIMIZER_KEY,
-)
+from hp_lightning.checkpoint.layout import DCP_METADATA_FILE, FORMAT_VERSION, FULL_INFO_KEY, MANIFEST_FILE, META_FILE, MODEL_KEY, OPTIMIZER_KEY
 from hp_lightning.core import devices
 
 

@@ -25,14 +25,7 @@ from typing import IO, Any, Optional
 import torch
 
 from hp_lightning.checkpoint import opcodes
-from hp_lightning.checkpoint.integrity import (
-    LEGACY_TORCH_HEAD,
-    OPT_IN,
-    CorruptCheckpointError,
-    UnsafeCheckpointError,
-    check_archive,
-    open_regular,
-)
+from hp_lightning.checkpoint.integrity import LEGACY_TORCH_HEAD, OPT_IN, CorruptCheckpointError, UnsafeCheckpointError, check_archive, open_regular
 from hp_lightning.core import devices
 
 
@@ -155,9 +148,8 @@ def load_entry(value: io.BytesIO, source: Path, fqn: str, *, safe: bool) -> Any:
 # ---------------------------------------------------------------- DCP's index
 
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
-#: DCP's metadata classes: an index makes each with ``NEWOBJ`` and fills its fields with ``BUILD``. Two are
-#: private to torch (``_StorageInfo``, and ``_MEM_FORMAT_ENCODING`` below): DCP writes their names into every
-#: index, so the allowlist must spell them; :func:`_index_allowlist` resolves each and fails loudly without one.
+#: DCP's metadata classes (``NEWOBJ``, then ``BUILD`` of their fields). Two are private to torch (``_StorageInfo``,
+#: ``_MEM_FORMAT_ENCODING``) but in every index: :func:`_index_allowlist` resolves each and fails loudly without one.
 INDEX_CLASSES: tuple[tuple[str, str], ...] = (
     *((_DCP_METADATA, name) for name in (
         "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
