@@ -134,16 +134,13 @@ def _from_transport_optimizer(opt: torch.optim.Optimizer, state: dict[str, Any])
         param = params[index]
         restored = {}
         for key, value in entries.items():
-            if _is_local(value):
-                local = value[_LOCAL]
-                if not isinstance(param, DTensor):
-                    restored[key] = local.clone()
-                    continue
+            if not _is_local(value):
+                restored[key] = value.clone() if isinstance(value, torch.Tensor) else value
+            elif isinstance(param, DTensor):
                 restored[key] = DTensor.from_local(
-                    local.clone(), param.device_mesh, param.placements, run_check=False, shape=param.size(),
-                    stride=param.stride(),
+                    value[_LOCAL].clone(), param.device_mesh, param.placements, run_check=False, shape=param.size(), stride=param.stride()
                 )
             else:
-                restored[key] = value.clone() if isinstance(value, torch.Tensor) else value
+                restored[key] = value[_LOCAL].clone()
         out_state[index] = restored
     return {"state": out_state, "param_groups": state["param_groups"]}
