@@ -1,19 +1,9 @@
 """hp_lightning: HyperParallel-style FSDP/HSDP (``fully_shard``) for the Lightning Trainer.
 
-Importing this package registers the strategy names ``"hsdp"``, ``"hp_fsdp"`` and
-``"hsdp_cpu_offload"`` in Lightning's ``StrategyRegistry`` and in Fabric's ``STRATEGY_REGISTRY``
-(:class:`HSDPFabricStrategy`, also ``FabricHSDPStrategy`` and ``hp_lightning.fabric.HSDPStrategy``), and the
-accelerator ``"npu"`` (Ascend, through ``torch_npu``, which is not imported here) in its
-``AcceleratorRegistry``. It patches nothing: :func:`enable_npu_auto_selection` (an explicit call)
-makes ``accelerator="auto"`` choose NPUs where Lightning would fall back to the CPU.
-
-Layout (``docs/architecture.md``): :mod:`hp_lightning.core` (options, mesh, units, materialization),
-:mod:`hp_lightning.parallel` (TP, EP, PP), :mod:`hp_lightning.fully_shard` (the seed's API) and
-:mod:`hp_lightning.recipe` (the sharding recipe) are the engine, with no Lightning;
-:mod:`hp_lightning.checkpoint` and :mod:`hp_lightning.ft` build on it; :mod:`hp_lightning.frontends`
-is what both front ends share, and :mod:`hp_lightning.strategies` (Trainer) and
-:mod:`hp_lightning.fabric` (Fabric) keep only their own hooks; :mod:`hp_lightning.callbacks` set
-per-step policy through the strategies' public methods.
+Importing this package registers the strategy names (``"hsdp"``, ``"hp_fsdp"``, ...) in Lightning's
+and Fabric's registries and the accelerator ``"npu"`` (``torch_npu`` is not imported here). It
+patches nothing: :func:`enable_npu_auto_selection` (an explicit call) makes ``accelerator="auto"``
+choose NPUs where Lightning would fall back to the CPU. Layout: ``docs/architecture.md``.
 """
 
 from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REGISTRY
@@ -77,8 +67,7 @@ __all__ = [
 
 
 def __getattr__(name: str) -> object:
-    # ``hp_lightning.plan`` (the planner, docs/planning.md) is imported on first use: training
-    # processes never pay for it.
+    # ``hp_lightning.plan`` (the planner) is imported on first use: training processes never pay for it.
     if name == "plan":
         from hp_lightning.planner import plan
 

@@ -1,19 +1,11 @@
 """Every private Lightning name hp_lightning's front ends use, re-exported from one place.
 
-Lightning's public API has no equivalent for these (each entry says what needs it). When a
-Lightning upgrade moves one, this file is the only place to change. Two guards, as for torch
-(:mod:`hp_lightning.core._torch_private`):
-
-* :func:`missing_private_names` resolves every name attribute by attribute, and
-  :func:`hooks_not_called` checks, in a real ``fit``, that Lightning still calls each method
-  hp_lightning replaces or calls in its place (``tests/unit/test_private_apis.py`` runs both);
-* on a Lightning outside :data:`TESTED_LIGHTNING`, ``import hp_lightning`` still works, and the
-  first use of a feature that needs a missing name raises
-  :class:`~hp_lightning.core._torch_private.MissingPrivateNameError` naming the name, the feature,
-  the releases it was verified on (:data:`VERIFIED_LIGHTNING`) and the tested range.
-
-A method hp_lightning wraps passes on whatever arguments Lightning's own caller gives (``resume_start``
-gained ``weights_only`` in 2.6), so a release that adds one needs no change here.
+Lightning's public API has no equivalent for these (each entry says what needs it). Guards, as for
+torch (:mod:`hp_lightning.core._torch_private`): :func:`missing_private_names` and
+:func:`hooks_not_called` (run by ``tests/unit/test_private_apis.py``); on an untested Lightning,
+``import hp_lightning`` still works and the first use of a feature that needs a missing name raises
+:class:`~hp_lightning.core._torch_private.MissingPrivateNameError` naming it, the feature and the
+verified releases. A wrapped method passes on whatever arguments Lightning's caller gives.
 """
 
 from __future__ import annotations
@@ -25,9 +17,8 @@ from typing import Any
 
 from hp_lightning.core._torch_private import MissingPrivateNameError, PrivateName, entry_for, missing_error, placeholder_class, resolve, tested_range
 
-#: The Lightning releases hp_lightning is tested on, oldest first: the oldest it supports (the compat
-#: slice runs on it beside torch 2.14, Makefile: ``LIGHTNING_OLDEST``) and the newest (the whole suite,
-#: Makefile: ``LIGHTNING_PIN``, and the compat slice beside torch 2.15).
+#: The Lightning releases hp_lightning is tested on: the oldest it supports (Makefile: ``LIGHTNING_OLDEST``,
+#: the compat slice) and the newest (``LIGHTNING_PIN``, the whole suite).
 VERIFIED_LIGHTNING: tuple[str, ...] = ("2.6.0", "2.6.6")
 #: The Lightning releases hp_lightning supports: the range its verified releases span (``pyproject.toml`` pins the same).
 TESTED_LIGHTNING = tested_range(VERIFIED_LIGHTNING)
@@ -161,11 +152,9 @@ def _counting(owner: Any, method: str, counts: dict[str, int], key: str, *, on_c
 def hooks_not_called(make_trainer: Callable[[], Any], fit: Callable[[Any], None]) -> list[str]:
     """The patched Lightning methods Lightning did not call while building a Trainer and fitting it.
 
-    Counts every call of :data:`PATCHED_CLASS_HOOKS` while ``make_trainer()`` runs (so build it with
-    ``accelerator="auto"``) and of :data:`PATCHED_HOOKS` on that trainer's objects while
-    ``fit(trainer)`` runs (so fit with more than one rank and gradient accumulation: Lightning
-    broadcasts its SIGTERM flag only then). Meant for a plain Lightning strategy, whose loop is
-    Lightning's own; nothing is left changed afterwards.
+    Build with ``accelerator="auto"`` (:data:`PATCHED_CLASS_HOOKS`) and fit a plain Lightning
+    strategy with more than one rank and gradient accumulation (:data:`PATCHED_HOOKS`: Lightning
+    broadcasts its SIGTERM flag only then). Nothing is left changed afterwards.
 
     Raises:
         MissingPrivateNameError: a hook is missing altogether.
@@ -203,10 +192,8 @@ def should_accumulate(trainer: Any) -> bool:
 def before_resume(trainer: Any, check: Any) -> None:
     """Call ``check(checkpoint_path)`` on every rank just before Lightning reads a checkpoint.
 
-    Lightning resolves ``fit(ckpt_path=...)`` per rank and calls the strategy's
-    ``load_checkpoint`` only on ranks that have a path, so no strategy hook sees the path on
-    every rank; ``resume_start`` is where each rank gets it (``None`` included). This wraps that
-    method of this trainer's connector only (idempotent; nothing global changes).
+    ``load_checkpoint`` runs only on ranks that have a path; ``resume_start`` sees it (``None``
+    included) on every rank. Wraps that method of this trainer's connector only (idempotent).
     """
     connector = trainer._checkpoint_connector
     if not hasattr(type(connector), "resume_start"):  # the version check, at the call
@@ -224,11 +211,8 @@ def before_resume(trainer: Any, check: Any) -> None:
 def replace_sigterm_broadcast(trainer: Any, replacement: Any) -> None:
     """Call ``replacement()`` where this trainer's training epoch loop broadcasts its SIGTERM flag.
 
-    Before every training batch (``_TrainingEpochLoop.advance``), Lightning broadcasts from rank 0
-    whether its SIGTERM handler fired and reads the flag back (``.item()``): a collective over the
-    whole world and a host-device synchronization on every micro-batch. hp_lightning agrees on
-    preemption once per optimizer step instead, on a host group; this replaces the method on this
-    trainer's loop instance only (nothing global changes; calling it again replaces it again).
+    That broadcast is a world collective and a host-device sync on every micro-batch; hp_lightning
+    agrees once per optimizer step instead. Replaces the method on this loop instance only.
     """
     loop = trainer.fit_loop.epoch_loop
     if not hasattr(type(loop), "_broadcast_sigterm_tensor"):  # the version check, at the call
@@ -237,10 +221,9 @@ def replace_sigterm_broadcast(trainer: Any, replacement: Any) -> None:
 
 
 def slurm_save_and_requeue(trainer: Any, signum: int) -> None:
-    """Lightning's own SLURM auto-requeue: save the ``hpc_ckpt_N.ckpt`` checkpoint, requeue the job.
+    """Lightning's own SLURM auto-requeue (``hpc_ckpt`` save, requeue), called at a batch every rank reaches.
 
-    Lightning runs it inside its signal handler, where the save (a collective for a sharded
-    model) can hang; hp_lightning calls it at a batch every rank reaches together instead.
+    Lightning runs it inside its signal handler, where the save (a collective) can hang.
     """
     connector = trainer._signal_connector
     if not hasattr(type(connector), "_slurm_sigusr_handler_fn"):  # the version check, at the call

@@ -1,14 +1,9 @@
 """``Trainer(accelerator="auto")`` on Ascend machines: the one step a registered accelerator cannot take.
 
 Lightning 2.6 resolves ``"auto"`` in ``_AcceleratorConnector._choose_auto_accelerator``, a fixed
-chain (TPU, MPS, CUDA, else CPU) that never consults the ``AcceleratorRegistry``. Registering
-``"npu"`` therefore makes ``accelerator="npu"`` work but leaves ``"auto"`` on the CPU of an NPU
-machine. :func:`install_auto_selection` wraps that one static method: Lightning's answer is kept,
-except that where it would fall back to the CPU and NPUs are present, the answer is ``"npu"``.
-
-Off Ascend machines the wrapper returns exactly what Lightning chose: it asks for NPUs only after
-Lightning picked the CPU, and without ``torch_npu`` installed that question is a path lookup that
-imports nothing.
+chain (TPU, MPS, CUDA, else CPU) that never consults the ``AcceleratorRegistry``.
+:func:`install_auto_selection` wraps that static method: where Lightning would fall back to the CPU
+and NPUs are present, the answer is ``"npu"`` (asked only then; without ``torch_npu`` a path lookup).
 """
 
 from __future__ import annotations
@@ -38,11 +33,9 @@ def auto_selection_installed() -> bool:
 
 
 def install_auto_selection() -> bool:
-    """Make ``Trainer(accelerator="auto")`` pick NPUs where Lightning would pick the CPU.
+    """Make ``Trainer(accelerator="auto")`` pick NPUs where Lightning would pick the CPU (idempotent).
 
-    Idempotent. Returns True when this call installed the wrapper; False when it was already in
-    place or when this Lightning version no longer has the hook (a warning then says so and
-    ``accelerator="npu"`` remains the way to select NPUs).
+    True when this call installed the wrapper; False when it was in place or the hook is missing (said in a warning).
     """
     if auto_selection_installed():
         return False

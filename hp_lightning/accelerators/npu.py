@@ -1,13 +1,9 @@
 """Ascend NPUs for the Lightning Trainer: ``Trainer(accelerator="npu", devices=8, strategy="hsdp")``.
 
-Lightning 2.6 ships no NPU accelerator. :class:`NPUAccelerator` fills the gap through
-``torch_npu`` (Huawei's Ascend extension for PyTorch), whose ``torch.npu`` module mirrors
-``torch.cuda``: every device call goes through :mod:`hp_lightning.core.devices`, so the only
-NPU-specific facts here are the name and the device parsing.
-
-Registration (:func:`register_npu_accelerator`) never imports ``torch_npu``; the package is
-imported when an ``NPUAccelerator`` is created, which is also where a missing install is reported
-with the command that fixes it.
+Lightning 2.6 ships no NPU accelerator. ``torch_npu``'s ``torch.npu`` mirrors ``torch.cuda``, so
+every device call goes through :mod:`hp_lightning.core.devices`; only the name and the device
+parsing are NPU-specific. ``torch_npu`` is imported when an ``NPUAccelerator`` is created (where a
+missing install is reported with its fix), never at registration.
 """
 
 from __future__ import annotations
@@ -34,14 +30,10 @@ NAME = devices.NPU
 
 
 class NPUAccelerator(Accelerator):
-    """Accelerator for Huawei Ascend NPUs, through ``torch_npu``.
-
-    Collectives run on HCCL (``hp_lightning.core.devices.default_backend("npu")``); which NPUs a process
-    sees is set by ``ASCEND_RT_VISIBLE_DEVICES``.
+    """Accelerator for Huawei Ascend NPUs, through ``torch_npu`` (collectives on HCCL).
 
     Raises:
-        ModuleNotFoundError: when ``torch_npu`` is not installed (the message gives
-            ``pip install 'hp-lightning[npu]'``).
+        ModuleNotFoundError: when ``torch_npu`` is not installed (the message gives the install command).
         ImportError: when ``torch_npu`` is installed but fails to import (CANN not set up).
     """
 
@@ -59,11 +51,7 @@ class NPUAccelerator(Accelerator):
 
     @override
     def setup_device(self, device: torch.device) -> None:
-        """Make ``device`` this process's current NPU.
-
-        Raises:
-            ValueError: when ``device`` is not an NPU.
-        """
+        """Make ``device`` this process's current NPU (ValueError for another device type)."""
         if device.type != NAME:
             raise ValueError(
                 f"NPUAccelerator.setup_device expects an NPU device such as torch.device({NAME!r}, 0); got "
@@ -75,7 +63,7 @@ class NPUAccelerator(Accelerator):
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         visible = devices.VISIBLE_DEVICES_ENV[NAME]
-        _log.info(f"LOCAL_RANK: {trainer.local_rank} - {visible}: {_visible_devices_value(visible)}")
+        _log.info(f"LOCAL_RANK: {trainer.local_rank} - {visible}: {os.environ.get(visible, 'all')}")
         devices.empty_cache(trainer.strategy.root_device)
 
     @override
@@ -93,7 +81,8 @@ class NPUAccelerator(Accelerator):
     @override
     def parse_devices(devices_flag: Union[int, str, list[int], tuple[int, ...]]) -> list[int]:
         """``Trainer(devices=...)`` → NPU indices: ints (count), -1 (all), lists, strings ``"2"``, ``"0,3"``."""
-        return parse_npu_devices(devices_flag, available=devices.device_count(NAME), elastic=_launched_one_per_process())
+        elastic = dist.is_available() and dist.is_torchelastic_launched()  # torchrun may give each process one device
+        return parse_npu_devices(devices_flag, available=devices.device_count(NAME), elastic=elastic)
 
     @staticmethod
     @override
@@ -121,20 +110,12 @@ class NPUAccelerator(Accelerator):
         accelerator_registry.register(cls.name(), cls, description="Huawei Ascend NPU (torch_npu)")
 
 
-def parse_npu_devices(
-    devices_flag: Any, available: int, *, elastic: bool = False
-) -> list[int]:
+def parse_npu_devices(devices_flag: Any, available: int, *, elastic: bool = False) -> list[int]:
     """Turn a ``Trainer(devices=...)`` value into NPU indices, checked against ``available`` NPUs.
 
-    Accepted, as for CUDA in Lightning: an int N > 0 (the first N NPUs), -1 (all), a list or tuple
-    of indices, a string holding either (``"4"``, ``"-1"``) or comma-separated indices (``"0,3"``,
-    ``"1,"``), and ``"auto"`` (all).
-
-    Args:
-        devices_flag: the ``devices`` value.
-        available: how many NPUs this process sees.
-        elastic: launched by torchrun with one visible NPU per process; the indices are then
-            other processes' and are not checked against ``available``.
+    Accepted, as for CUDA in Lightning: an int N > 0, -1 (all), a list or tuple of indices, a string
+    holding either (``"4"``, ``"0,3"``, ``"1,"``), and ``"auto"``. ``elastic``: torchrun with one
+    visible NPU per process (the indices are other processes' and are not checked).
 
     Raises:
         TypeError: for values of any other type (bools and floats included).
@@ -204,13 +185,7 @@ def _indices_from_string(text: str, available: int) -> list[int]:
     return _requested_indices(parsed, available)
 
 
-def _launched_one_per_process() -> bool:
-    """True under torchrun (torchelastic), where each process may be given a single visible device."""
-    return dist.is_available() and dist.is_torchelastic_launched()
 
-
-def _visible_devices_value(variable: str) -> str:
-    return os.environ.get(variable, "all")
 
 
 def _as_npu_device(device: Union[torch.device, str, int]) -> torch.device:
@@ -225,9 +200,8 @@ def _as_npu_device(device: Union[torch.device, str, int]) -> torch.device:
 def register_npu_accelerator(registry: AcceleratorRegistryType = AcceleratorRegistry) -> bool:
     """Register :class:`NPUAccelerator` as ``"npu"`` in Lightning's registry; True if this call added it.
 
-    Registers whether or not ``torch_npu`` is installed, and imports nothing: without the package,
-    ``Trainer(accelerator="npu")`` then fails in ``NPUAccelerator()`` with the install command
-    instead of Lightning's generic "invalid accelerator name".
+    Registers without ``torch_npu`` too, so ``Trainer(accelerator="npu")`` then fails with the install
+    command instead of Lightning's generic "invalid accelerator name".
     """
     if NAME in registry:
         return False

@@ -1,8 +1,4 @@
-"""What every hp_lightning callback shares: the strategy check, the root, the window position.
-
-Facts about units come from :mod:`hp_lightning.core.introspection`; callbacks act only through
-the strategy's public methods.
-"""
+"""What every hp_lightning callback shares: the strategy check, the root, the window position."""
 
 from __future__ import annotations
 
@@ -18,11 +14,7 @@ if TYPE_CHECKING:
 
 
 def require_hsdp_strategy(trainer: pl.Trainer, callback: object) -> HSDPStrategy:
-    """The trainer's :class:`HSDPStrategy`, or a ``TypeError`` naming the callback and the fix.
-
-    Called from each callback's ``setup()``, which Lightning runs on every rank before any
-    per-step hook, so a wrong strategy is refused before the first collective.
-    """
+    """The trainer's :class:`HSDPStrategy`, or a ``TypeError`` naming the callback and the fix (from ``setup()``, before any collective)."""
     strategy = trainer.strategy
     if not isinstance(strategy, HSDPStrategy):
         name = type(callback).__name__
@@ -54,10 +46,8 @@ def all_units(strategy: HSDPStrategy) -> list[HSDPModule]:
 def in_accumulation_window(trainer: pl.Trainer) -> bool:
     """True while the current training batch is a non-final micro-batch of its window.
 
-    This is the very decision Lightning takes before running the batch (and the reason it enters
-    ``strategy.block_backward_sync()``): it follows ``accumulate_grad_batches``, a
-    ``GradientAccumulationScheduler`` changing it per epoch, and the short window at an epoch's
-    end. Valid from ``on_train_batch_start`` to ``on_train_batch_end``.
+    Lightning's own decision (schedulers and short epoch-end windows included), valid from
+    ``on_train_batch_start`` to ``on_train_batch_end``.
     """
     if not trainer.lightning_module.automatic_optimization:
         return False

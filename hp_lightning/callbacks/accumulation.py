@@ -1,18 +1,14 @@
 """How an accumulation window communicates: ``"skip"``, ``"every"`` or ``"defer_all_reduce"``.
 
-With ``accumulate_grad_batches=k`` Lightning runs k-1 micro-batches inside
-``strategy.block_backward_sync()`` and the k-th normally. :class:`HSDPStrategy` owns that
-mechanism (:mod:`hp_lightning.core.accumulation` says what each mode costs); its
-``accumulation_mode`` argument sets the mode for the whole run, and
-:class:`GradientAccumulationSync` is the policy that switches it through
-``strategy.set_accumulation_mode()``.
+:class:`HSDPStrategy` owns the mechanism (its ``accumulation_mode`` option; what each mode costs:
+:mod:`hp_lightning.core.accumulation`); :class:`GradientAccumulationSync` switches it per run.
 """
 
 from __future__ import annotations
 
 from collections.abc import Generator
 from contextlib import contextmanager, nullcontext
-from typing import TYPE_CHECKING, Any, Literal, Optional
+from typing import TYPE_CHECKING, Literal, Optional
 
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import ParallelStrategy
@@ -21,7 +17,7 @@ from typing_extensions import override
 
 from hp_lightning.callbacks._common import require_hsdp_strategy, root_module
 from hp_lightning.callbacks.resharding import ReshardSchedule
-from hp_lightning.core.accumulation import check_mode as _check_mode
+from hp_lightning.core.accumulation import check_mode
 from hp_lightning.strategies.hsdp import HSDPStrategy
 
 if TYPE_CHECKING:
@@ -30,28 +26,16 @@ if TYPE_CHECKING:
 AccumulationMode = Literal["skip", "every", "defer_all_reduce"]
 
 
-def check_mode(mode: Any, owner: str = "GradientAccumulationSync(mode=...)") -> str:
-    """Validate an accumulation mode string (case-insensitive)."""
-    return _check_mode(mode, owner)
-
-
 class GradientAccumulationSync(Callback):
-    """Choose how gradients are communicated inside an accumulation window.
+    """Choose what the k-1 non-final micro-batches of an accumulation window communicate (k is Lightning's).
 
-    The window size is Lightning's: ``Trainer(accumulate_grad_batches=k)`` or a
-    ``GradientAccumulationScheduler`` changing k at epoch boundaries; this callback only says what
-    the k-1 non-final micro-batches communicate. For manual optimization use
-    :func:`micro_batch_sync`, which honours the same mode.
+    For manual optimization use :func:`micro_batch_sync`, which honours the same mode.
 
     Args:
-        mode: ``"skip"`` (default): no gradient collective until the last micro-batch; least
-            communication, but every unit's full-size gradient stays resident between
-            micro-batches. ``"every"``: reduce-scatter and all-reduce every micro-batch; only
-            1/S-size gradient shards are kept (least memory, k times the traffic).
-            ``"defer_all_reduce"`` (HSDP): reduce-scatter inside the shard group every
-            micro-batch, all-reduce across replicate groups once, on the last; the memory of
-            ``"every"`` with the cross-node traffic of ``"skip"``. On a 1-D (FSDP) mesh there is
-            no all-reduce to defer and it behaves as ``"every"`` (a warning says so).
+        mode: ``"skip"`` (default; least traffic, full-size gradients resident between
+            micro-batches), ``"every"`` (least memory, k times the traffic) or ``"defer_all_reduce"``
+            (HSDP: the all-reduce once per window; on a 1-D mesh as ``"every"``, with a warning).
+            What each costs: :mod:`hp_lightning.core.accumulation`.
 
     Raises:
         TypeError / ValueError: for a mode that is not one of the three strings (at construction);
@@ -59,7 +43,7 @@ class GradientAccumulationSync(Callback):
     """
 
     def __init__(self, mode: AccumulationMode = "skip") -> None:
-        self.mode: str = check_mode(mode)
+        self.mode: str = check_mode(mode, "GradientAccumulationSync(mode=...)")
         self._previous_mode: Optional[str] = None
         #: ``accumulate_grad_batches`` seen at the start of each training epoch (epoch -> k).
         self.window_sizes: dict[int, int] = {}
@@ -79,9 +63,8 @@ class GradientAccumulationSync(Callback):
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # A GradientAccumulationScheduler sets k in its own on_train_epoch_start; Lightning then
-        # decides per batch which micro-batches are blocked. Re-assert the mode in case another
-        # component changed it, and record the window for inspection.
+        # A GradientAccumulationScheduler sets k in its own on_train_epoch_start: re-assert the mode in
+        # case another component changed it, and record the window for inspection.
         strategy = require_hsdp_strategy(trainer, self)
         strategy.set_accumulation_mode(self.mode)
         self.window_sizes[trainer.current_epoch] = trainer.accumulate_grad_batches
@@ -101,13 +84,9 @@ class GradientAccumulationSync(Callback):
 def micro_batch_sync(trainer: pl.Trainer, *, last_micro_batch: bool) -> Generator[None, None, None]:
     """Wrap ``manual_backward`` of one micro-batch in manual optimization.
 
-    Non-final micro-batches run inside the strategy's ``block_backward_sync()``, so they
-    communicate as ``strategy.accumulation_mode`` says (set by :class:`GradientAccumulationSync`);
-    the last one runs normally. When a :class:`~hp_lightning.callbacks.ReshardSchedule` with
-    ``keep_unsharded_between_micro_batches=True`` is among the callbacks, non-final micro-batches
-    also keep their parameters gathered for the next one. On other parallel strategies (DDP, ...)
-    it enters their ``block_backward_sync()`` (DDP's ``no_sync``), so the same training_step runs
-    everywhere::
+    Non-final micro-batches run inside the strategy's ``block_backward_sync()`` (on HSDP per
+    ``accumulation_mode``, keeping parameters gathered under a ``ReshardSchedule`` with
+    ``keep_unsharded_between_micro_batches=True``; on DDP its ``no_sync``)::
 
         def training_step(self, batch, batch_idx):
             last = (batch_idx + 1) % self.k == 0
@@ -118,10 +97,6 @@ def micro_batch_sync(trainer: pl.Trainer, *, last_micro_batch: bool) -> Generato
                 opt = self.optimizers()
                 opt.step()
                 opt.zero_grad()
-
-    Args:
-        trainer: the running trainer (``self.trainer`` in a LightningModule).
-        last_micro_batch: True for the micro-batch after which the optimizer steps.
 
     Raises:
         TypeError: when ``last_micro_batch`` is not a bool.

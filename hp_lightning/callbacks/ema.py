@@ -1,23 +1,16 @@
 """An exponential moving average (EMA) of the weights, kept on the shards: no gather, no collective per step.
 
-Lightning's own weight averaging refuses sharded models, and gathering every parameter to
-update an average would undo the sharding. :class:`ShardedEMA` keeps the average as DTensors with
-the parameters' own placements (:class:`~hp_lightning.core.ema.AveragedWeights`): each rank holds
-its shards' average, and folds its shards in after each optimizer step with one fused local op.
+Lightning's own weight averaging refuses sharded models, and gathering would undo the sharding:
+the average is kept as DTensors with the parameters' placements
+(:class:`~hp_lightning.core.ema.AveragedWeights`), each rank folding its shards in after each
+optimizer step with one fused local op (``torch._foreach_lerp_``; no collective, no host read).
 
-* **Memory**: one local shard per parameter in ``dtype`` (fp32 by default), so
-  ``4 x parameters / shard size`` bytes per rank in fp32; while the average is swapped in for
-  evaluation, one more copy of the local shards in the parameters' dtype.
-* **Cost per optimizer step**: one ``torch._foreach_lerp_`` over the local shards (with ``dtype``
-  other than the weights': a ``_foreach_mul_`` and a ``_foreach_add_``): no collective, no read
-  of a tensor into Python. Nothing runs on non-final micro-batches.
-* **Checkpoints**: a sharded save writes the average's shards next to the optimizer's state (each
-  rank its own; a resume reshards them to its mesh); a full save writes it whole, in the
-  callback's state. Weights-only saves hold no average.
-* **Evaluation and export**: the average is swapped into the model for validation, test and
-  predict (``swap_in``) and the weights back afterwards; ``strategy.save_hf(path, ema=True)``
-  writes it as a Hugging Face directory, and offline ``python -m hp_lightning.checkpoint export-hf
-  CKPT OUT --ema`` does from a checkpoint that holds it (sharded or full).
+* **Memory**: one local shard per parameter in ``dtype`` (fp32 by default); one more copy in the
+  parameters' dtype while the average is swapped in.
+* **Checkpoints**: a sharded save writes the average's shards beside the optimizer's state (a
+  resume reshards them); a full save writes it whole in the callback's state.
+* **Export**: ``strategy.save_hf(path, ema=True)``, or offline ``python -m hp_lightning.checkpoint
+  export-hf CKPT OUT --ema``.
 
 With Fabric the same object drives a loop::
 
@@ -32,8 +25,8 @@ With Fabric the same object drives a loop::
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
@@ -87,21 +80,17 @@ def _check_count(value: Any, name: str, least: int) -> int:
 class ShardedEMA(Callback):
     """Keep an exponential moving average of the weights on the shards; evaluate, save and export it.
 
-    After optimizer step ``s`` (``s >= start_step``, every ``every_n_steps``-th step counted from
-    ``start_step``): ``average = d x average + (1 - d) x weights``, with ``d = decay`` or, with
-    ``warmup``, ``min(decay, (1 + n) / (10 + n))`` after ``n`` updates (early averages follow the
-    weights closely; the classic warm-up). The average starts as a copy of the weights when
-    training starts (``start_step=0``) or at step ``start_step``; before that there is no average:
-    evaluation runs on the weights and ``save_hf(..., ema=True)`` is refused.
+    After optimizer step ``s`` (from ``start_step``, every ``every_n_steps``-th):
+    ``average = d x average + (1 - d) x weights``. The average starts as a copy of the weights at
+    ``start_step``; before that evaluation runs on the weights and ``save_hf(..., ema=True)`` is refused.
 
     Args:
-        decay: the weight of the old average per update, in [0, 1); or a callable
-            ``decay(updates) -> float`` (in YAML: its import path). 0.999 averages over about
-            the last 1000 updates. With ``every_n_steps=N`` each update covers N steps: use
-            ``decay ** N`` for the same horizon.
+        decay: ``d`` in [0, 1), or a callable ``decay(updates) -> float`` (in YAML: its import
+            path). 0.999 averages over about 1000 updates; with ``every_n_steps=N`` use ``decay ** N``
+            for the same horizon.
         warmup: cap the decay at ``(1 + n) / (10 + n)`` after ``n`` updates.
-        every_n_steps: update on every N-th optimizer step only (N times less averaging work).
-        start_step: the optimizer step at which the average starts (a copy of the weights then).
+        every_n_steps: update on every N-th optimizer step only.
+        start_step: the optimizer step at which the average starts.
         dtype: the average's dtype (``"fp32"`` default; None: each parameter's own). fp32 over
             bf16 weights keeps the small per-step changes from rounding away.
         swap_in: the stages that run on the average: any of ``"validate"`` (also the sanity
@@ -147,20 +136,13 @@ class ShardedEMA(Callback):
 
     @property
     def averages(self) -> AveragedWeights:
-        """The average (an optimizer-shaped holder: pass it to ``fabric.save`` / ``fabric.load`` as a state entry).
-
-        Raises:
-            RuntimeError: before :meth:`attach` (Fabric) or the start of ``fit`` (Trainer).
-        """
+        """The average (pass it to ``fabric.save`` / ``fabric.load`` as a state entry); RuntimeError before there is one."""
         if self._averages is None:
             raise RuntimeError("ShardedEMA has no average yet: it is created at the start of fit (Trainer) or by ema.attach(model) (Fabric).")
         return self._averages
 
     def attach(self, module: nn.Module) -> AveragedWeights:
-        """Follow ``module``'s trainable parameters (sharded: call after ``fabric.setup``); returns the average.
-
-        With ``start_step=0`` the average starts now, as a copy of the weights.
-        """
+        """Follow ``module``'s trainable parameters (call after ``fabric.setup``); returns the average (started if ``start_step=0``)."""
         inner = getattr(module, "module", None)
         if hasattr(module, "_forward_module") and isinstance(inner, nn.Module):
             module = inner  # Fabric's wrapper: follow the model inside it
@@ -180,7 +162,7 @@ class ShardedEMA(Callback):
     def swapped(self) -> AbstractContextManager:
         """The average in the model inside the block, the weights back after it; the weights alone before the average starts."""
         averages = self.averages
-        return averages.swapped() if averages.valid else _nothing()
+        return averages.swapped() if averages.valid else nullcontext()
 
     def _decay_now(self, updates: int) -> float:
         decay = self.decay(updates) if callable(self.decay) else self.decay
@@ -299,12 +281,7 @@ class ShardedEMA(Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        """The counters (the average itself is added by :meth:`on_save_checkpoint`, which knows the format).
-
-        Raises:
-            TypeError: outside a Trainer (Fabric): pass ``ema.averages`` to ``fabric.save`` instead,
-                which saves the average sharded like optimizer state.
-        """
+        """The counters (the average itself is added by :meth:`on_save_checkpoint`); TypeError outside a Trainer."""
         if not self._trainer_mode:
             raise TypeError(
                 "ShardedEMA.state_dict() is the Trainer's callback state; with Fabric save the average itself: "
@@ -339,11 +316,7 @@ class ShardedEMA(Callback):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore the average saved with the checkpoint this ``fit`` resumes (any mesh: each rank reads its shards).
-
-        Raises:
-            ValueError: the checkpoint's average does not fit this model.
-        """
+        """Restore the average saved with the checkpoint this ``fit`` resumes (any mesh); ValueError when it does not fit."""
         if not state_dict or state_dict.get("format") != FORMAT:
             return
         averages = self.averages
@@ -381,8 +354,3 @@ class ShardedEMA(Callback):
         dcp_load({"optimizer_0": {CHECKPOINT_KEY: {"state": request}}}, path, weights_only=None,
                  no_dist=not dist.is_initialized(), allow_partial_load=True, check=check)
         return None
-
-
-@contextmanager
-def _nothing() -> Iterator[None]:
-    yield

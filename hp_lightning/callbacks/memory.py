@@ -1,16 +1,9 @@
 """Gradient bytes a rank holds between backward passes, measured on the live tensors
 (:func:`hp_lightning.core.introspection.live_gradient_bytes`).
 
-Device allocator statistics mix gradients with activations and parameters, and do not exist on
-CPU. This counts the gradient storage itself, wherever FSDP keeps it after a backward:
-
-* sharded gradients (``param.grad``, a DTensor: its local shard),
-* unsharded gradients a unit accumulates while gradient sync is off (``"skip"`` mode: the
-  full-size gradient of every parameter),
-* HSDP partial reductions waiting for their all-reduce (``"defer_all_reduce"``),
-* plain gradients of replicate / ignored parameters.
-
-Each storage is counted once, by its full size (views into one flat buffer share it).
+Allocator statistics mix gradients with activations and parameters (and do not exist on CPU);
+this counts the gradient storage wherever FSDP keeps it: sharded, unsharded under ``"skip"``,
+partial reductions under ``"defer_all_reduce"``, and plain gradients, each storage once.
 """
 
 from __future__ import annotations
@@ -28,11 +21,7 @@ if TYPE_CHECKING:
 
 
 class GradientMemoryMonitor(Callback):
-    """Record the gradient bytes each rank holds at the end of every backward.
-
-    The figure that differs between accumulation modes: what stays resident from one
-    micro-batch to the next. (Inside a backward every mode also briefly holds one unit's
-    full-size gradient before reducing it.)
+    """Record the gradient bytes each rank holds at the end of every backward (what differs between accumulation modes).
 
     Attributes:
         per_backward: bytes after each backward of the current ``fit``, in order.

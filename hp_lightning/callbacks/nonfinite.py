@@ -1,15 +1,9 @@
 """Stop training at the first NaN/inf gradient, naming the step, the sharding unit and the parameter.
 
-A NaN in one rank's gradient shard spreads into that shard of the weights at the optimizer
-step, then into every rank at the next all-gather. With hybrid sharding it also reaches the
-other replicas at the next all-reduce. Training goes on, and the loss turns NaN steps later, far
-from the cause. :class:`NonFiniteGradients` looks at the reduced gradients after backward and
-before the optimizer step (and before clipping). If any rank holds a non-finite value, every
-rank stops at that same step, and the weights stay as they were.
-
-Cost per optimizer step: one max-norm over each rank's local gradient shards (no
-communication), plus one all-reduce of a single number so that every rank takes the same
-decision. The names are gathered only when something was found.
+A NaN in one rank's gradient shard reaches every rank's weights within a step or two, and the
+loss turns NaN far from the cause. The reduced gradients are checked before the optimizer step
+(and clipping); every rank stops at that step with the weights untouched. Cost per step: one
+local max-norm and an all-reduce of one number; names are gathered only when something was found.
 """
 
 from __future__ import annotations
@@ -42,13 +36,10 @@ class NonFiniteGradients(Callback):
 
     Args:
         action: ``"raise"`` (default) raises :class:`NonFiniteGradientError` on every rank
-            before the optimizer step: the run ends with a non-zero exit code and the error,
-            and the weights and the last checkpoint are untouched. ``"stop"`` drops the
-            gradients (so the optimizer leaves the weights alone), logs the same message as a
-            warning and asks the Trainer to stop after this batch. The run then ends normally,
-            with exit code 0, and a final checkpoint holds weights without the NaN.
-        max_names: how many offending parameters the message lists (the first in model order
-            is always named).
+            before the optimizer step (a non-zero exit). ``"stop"`` drops the gradients, warns
+            with the same message and stops the Trainer after this batch (exit code 0; a final
+            checkpoint holds weights without the NaN).
+        max_names: how many offending parameters the message lists.
 
     Raises:
         ValueError / TypeError: for an unknown ``action`` or a ``max_names`` below 1.

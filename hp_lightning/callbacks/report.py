@@ -1,16 +1,8 @@
 """What the strategy actually did to the model: a per-unit table, checked once the model is sharded.
 
-One row per sharding unit: parameter tensors and elements it owns, bytes each rank holds
-(this rank, and the smallest and largest over all ranks: uneven dim-0 splits show up here),
-placements, compute and reduce dtypes, offload, whether it reshards after forward, and which units
-it prefetches. Warnings point at two silent costs:
-
-* a unit mixing frozen and trainable parameters: the frozen ones are all-gathered with the
-  trainable ones in every forward and backward, and the unit's memory cannot be tuned apart (not
-  given where the trainable ones are a small share, at most 10 %: frozen-base fine-tuning such as
-  LoRA, whose base weights are needed in that forward and backward anyway and get no gradient);
-* a mesh that shards nothing (shard axis of size 1): every rank holds the whole model, DDP's
-  memory with FSDP's overhead.
+One row per sharding unit (parameters, bytes per rank with min/max over ranks, placements, dtypes,
+offload, resharding, prefetch); warnings for units mixing frozen and trainable parameters and for
+meshes that shard nothing (:class:`~hp_lightning.core.introspection.ShardingSummary`).
 """
 
 from __future__ import annotations
@@ -38,15 +30,12 @@ def sharding_summary(strategy: HSDPStrategy) -> ShardingSummary:
 
 
 class ShardingReport(Callback):
-    """Report how the model was sharded, once per setup, before the first step.
-
-    Builds a :class:`ShardingSummary` (one small all-reduce for the min/max bytes over ranks),
-    logs its table on rank 0 and emits its warnings.
+    """Report how the model was sharded, once per setup, before the first step (one small all-reduce).
 
     Args:
         log_table: log the table on rank 0 (``lightning.pytorch`` logger, INFO).
         path: also write the table to this text file (rank 0); None: don't.
-        warn: emit the warnings (mixed frozen/trainable units, meshes that shard nothing).
+        warn: emit the summary's warnings.
 
     Attributes:
         summary: the last report (every rank has its own, with its own ``local_bytes``).

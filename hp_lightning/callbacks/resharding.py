@@ -1,17 +1,7 @@
 """When sharding units free their gathered parameters: per phase, and inside accumulation windows.
 
-Every all-gather a unit skips is one its full-size parameters stay resident for. Two knobs:
-
-* ``reshard_after_forward`` per phase. True frees each unit right after its forward (it is
-  gathered again for backward: two all-gathers per unit and micro-batch). False keeps it for
-  backward (one all-gather). In evaluation there is no backward: False keeps the whole model
-  gathered across batches, so evaluation gathers each unit once instead of once per batch.
-* keeping parameters gathered *between* micro-batches of one accumulation window
-  (``set_reshard_after_backward(False)`` on non-final micro-batches): parameters do not change
-  until the optimizer step, so the next micro-batch can reuse them.
-
-The root unit (embeddings, head, norms) is left as the strategy set it: it never reshards after
-forward, since backward needs it at once.
+Every all-gather a unit skips is one its full-size parameters stay resident for. The root unit is
+left as the strategy set it (it never reshards after forward: backward needs it at once).
 """
 
 from __future__ import annotations
@@ -45,20 +35,14 @@ class ReshardSchedule(Callback):
 
     Args:
         train: reshard each unit after its forward in training. True: least memory, two
-            all-gathers per unit and micro-batch. False: one all-gather, the unit stays gathered
-            from its forward to its backward. None (default): the strategy's
-            ``reshard_after_forward``.
-        validate: the same for validation (also the sanity check). False keeps every unit
-            gathered for the whole validation run (one all-gather per unit instead of one per
-            batch, the full model resident); units are resharded when validation ends. None:
-            as ``train``.
-        test: the same for ``trainer.test``. None: as ``train``.
-        predict: the same for ``trainer.predict``. None: as ``train``.
-        keep_unsharded_between_micro_batches: with gradient accumulation, non-final
-            micro-batches keep their parameters gathered after backward, so the next micro-batch
-            skips the all-gathers it would otherwise repeat; the last micro-batch reshards before
-            the optimizer step. Costs the full model resident for the window. Combined with
-            ``train=False`` each unit is gathered once per window.
+            all-gathers per unit and micro-batch. False: one all-gather. None (default): the
+            strategy's ``reshard_after_forward``.
+        validate / test / predict: the same per stage (validate includes the sanity check); None:
+            as ``train``. False keeps every unit gathered for the whole run (one all-gather per
+            unit instead of one per batch, the full model resident), resharded when it ends.
+        keep_unsharded_between_micro_batches: non-final micro-batches keep their parameters
+            gathered after backward for the next one (the full model resident for the window);
+            with ``train=False`` each unit is gathered once per window.
 
     Raises:
         TypeError: for non-bool arguments (at construction); in ``setup()`` when the trainer's

@@ -30,13 +30,10 @@ class GradientScaling(Callback):
     Args:
         factor: a number (fixed for the run), a callable ``factor(trainer, pl_module, batch)``
             returning a number or None (called at the start of every training batch; in YAML an
-            import path such as ``mypackage.scaling.inverse_tokens``), or None (no scaling, which
-            also overrides the strategy's ``gradient_scaling_factor``). The value must be the same
-            on every rank (derive it from global quantities): it multiplies each rank's copy of
-            the reduced gradient. Within an accumulation window, ``"skip"`` and
-            ``"defer_all_reduce"`` reduce the window's summed gradients on its last micro-batch,
-            so the factor in force then scales the whole window; ``"every"`` scales each
-            micro-batch by its own factor. A factor fixed per window behaves the same in all three.
+            import path), or None (no scaling, overriding the strategy's
+            ``gradient_scaling_factor``). It must be the same on every rank. Under ``"skip"`` and
+            ``"defer_all_reduce"`` the factor in force at a window's last micro-batch scales the
+            whole window; ``"every"`` scales each micro-batch by its own.
         reduce_op: ``"avg"`` (mean over data-parallel ranks) or ``"sum"``; None keeps the
             strategy's ``reduce_op``. With ``"sum"`` the factor alone sets the normalization.
 

@@ -1,15 +1,10 @@
 """Throughput: samples/s, tokens/s, TFLOP/s, MFU and peak memory, measured and logged every N steps.
 
-Lightning's ``ThroughputMonitor`` needs the FLOPs of a batch supplied by hand; here they are
-measured once, on the real step (forward, backward, every micro-batch of the window), with
-torch's ``FlopCounterMode``, which counts what this rank computes: under FSDP the gathered
-(whole) parameters on this rank's batch, under TP this rank's slices. Collectives and the
-optimizer step are not FLOPs it counts.
-
-Between logging steps nothing is read from a tensor: samples and tokens are counted from batch
-shapes (Python ints), and the clock is read only on logging steps, after a device synchronize on
-accelerators (so the step's queued kernels are included). The step whose FLOPs are measured is
-left out of the timing (counting slows it).
+Lightning's ``ThroughputMonitor`` needs the FLOPs of a batch supplied by hand; here torch's
+``FlopCounterMode`` measures them once, on the real step (every micro-batch of the window), as
+this rank computes them (FSDP: whole gathered parameters; TP: this rank's slices). Between logging
+steps nothing is read from a tensor; the clock is read only on logging steps, after a device
+synchronize. The measured step is left out of the timing (counting slows it).
 """
 
 from __future__ import annotations
@@ -81,17 +76,14 @@ def _peak_memory_bytes(device: torch.device) -> int:
 class Throughput(Callback):
     """Log ``throughput/*`` every ``log_every_n_steps`` optimizer steps through the Trainer's loggers.
 
-    Per rank: ``samples_per_sec``, ``tokens_per_sec``, ``tflops_per_sec``, ``mfu`` (with a known
-    or given peak), ``peak_memory_gib``; for the job: ``job_samples_per_sec`` and
-    ``job_tokens_per_sec`` (per rank x data-parallel ranks: TP peers and pipeline stages share
-    their samples). ``flops_per_step`` is logged once, when measured.
+    Per rank: ``samples_per_sec``, ``tokens_per_sec``, ``tflops_per_sec``, ``mfu``,
+    ``peak_memory_gib``; for the job: ``job_samples_per_sec`` and ``job_tokens_per_sec`` (per rank x
+    data-parallel ranks). ``flops_per_step`` is logged once, when measured.
 
     Args:
-        log_every_n_steps: optimizer steps between logs (the clock is read only then).
-        peak_flops: this device's peak FLOP/s for MFU; None: :data:`KNOWN_PEAK_FLOPS` (no MFU on
-            the CPU or an unlisted device; said once).
-        measure_flops_at_step: the optimizer step whose FLOPs ``FlopCounterMode`` counts (0-based;
-            the default skips the first, which pays lazy initialization and compilation). None: no FLOPs.
+        peak_flops: this device's peak FLOP/s for MFU; None: :data:`KNOWN_PEAK_FLOPS` (else no MFU, said once).
+        measure_flops_at_step: the optimizer step whose FLOPs are counted (0-based; the default skips
+            the first, which pays lazy initialization and compilation). None: no FLOPs.
         samples_per_batch / tokens_per_batch: count a batch's samples / tokens; default: the first
             tensor's leading dim / the first integer tensor's elements (token ids).
 

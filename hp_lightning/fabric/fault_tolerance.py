@@ -17,15 +17,8 @@ def start_fault_tolerance(
 ) -> FaultTolerantHSDP:
     """torchft's quorum and commit over ``module`` and its one optimizer; a step begins at the first forward with gradients.
 
-    Args:
-        config: the resolved ``fault_tolerance`` option.
-        module: the sharded model.
-        optimizers: the optimizers of this ``fabric.setup`` call (exactly one).
-        models: how many models the strategy has set up (exactly one).
-        running: the engine an earlier setup started (None: none may have).
-
     Raises:
-        ValueError: for more than one model or optimizer, or a second setup.
+        ValueError: for more than one model (``models``) or optimizer, or a second setup (``running``).
     """
     if running is not None or len(optimizers) != 1 or models != 1:
         raise ValueError(

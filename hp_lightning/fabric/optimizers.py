@@ -1,10 +1,7 @@
 """Optimizers created before ``fabric.setup`` sharded the model: pointed at the sharded parameters, or refused.
 
 Sharding replaces every parameter (FSDP2 registers new DTensor parameters), so an optimizer
-created before setup would update tensors the model no longer uses. :func:`rebind_optimizer`
-swaps each of its parameters for the sharded one of the same name (``fabric.setup(model,
-optimizer)``); :class:`ReplacedParameters` remembers what sharding replaced, so
-``fabric.setup_optimizers`` can refuse an optimizer that still holds one.
+created before setup would update tensors the model no longer uses.
 """
 
 from __future__ import annotations
@@ -34,12 +31,7 @@ class ReplacedParameters:
         return [p for p in params if (ref := self._replaced.get(id(p))) is not None and ref() is p]
 
     def refuse_stale(self, optimizer: Optimizer, *, models_set_up: bool) -> None:
-        """Refuse ``optimizer`` (``fabric.setup_optimizers``) unless a model is set up and it holds none of the replaced parameters.
-
-        Raises:
-            ValueError: when no model was set up yet, or the optimizer holds parameters that
-                sharding replaced (it was created before ``fabric.setup_module(model)``).
-        """
+        """Refuse ``optimizer`` (ValueError) unless a model is set up and it holds none of the replaced parameters."""
         stale = self.stale(optimizer)
         if models_set_up and not stale:
             return
@@ -56,12 +48,7 @@ class ReplacedParameters:
 
 
 def rebind_optimizer(optimizer: Optimizer, before: Mapping[int, tuple[str, Tensor]], after: Mapping[str, Tensor], index: int) -> None:
-    """Swap each of ``optimizer``'s pre-sharding parameters for the sharded one of the same name.
-
-    Args:
-        before: ``id(param) -> (name, param)`` of the model before sharding.
-        after: ``name -> param`` after sharding.
-        index: the optimizer's position in ``fabric.setup``'s arguments (for the message).
+    """Swap each of ``optimizer``'s pre-sharding parameters (``before``: id -> (name, param)) for ``after[name]``.
 
     Raises:
         ValueError: for a parameter that is not the model's, or an optimizer that already holds

@@ -1,9 +1,4 @@
-"""What the Fabric strategy refuses, with the fix, as functions its hooks call.
-
-* :func:`refuse_trainer_options`: options only the Trainer's loop can honour, and ``CheckpointIO``
-  plugins (never called: checkpoints are written by :mod:`hp_lightning.checkpoint`), in ``Fabric(...)``;
-* a module wrapped in FSDP1 is refused by both front ends (:func:`hp_lightning.frontends.base.refuse_fsdp1`).
-"""
+"""What the Fabric strategy refuses in ``Fabric(...)``, with the fix: Trainer-only options and ``CheckpointIO`` plugins."""
 
 from __future__ import annotations
 
@@ -20,12 +15,7 @@ NO_CHECKPOINT_IO = (
 
 
 def refuse_trainer_options(options: HSDPOptions, checkpoint_io: Any) -> None:
-    """Raise for ``pipeline_parallel_size`` above 1, ``save_on_preemption=True`` or a ``checkpoint_io`` plugin.
-
-    Raises:
-        ValueError: for the two options (the Trainer runs the schedule and saves at a window's end).
-        TypeError: for ``checkpoint_io``.
-    """
+    """ValueError for ``pipeline_parallel_size`` above 1 or ``save_on_preemption=True``; TypeError for a ``checkpoint_io`` plugin."""
     if options.pipeline_parallel_size > 1:
         raise ValueError(
             f"HSDPStrategy(pipeline_parallel_size={options.pipeline_parallel_size}) is a Trainer option so far: "

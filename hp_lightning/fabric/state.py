@@ -1,10 +1,7 @@
 """Fabric's ``state`` dicts and the two checkpoint layouts, so either front end (and Lightning's own Fabric) reads the other's.
 
-A full (single-file) save is in Lightning Fabric's own layout: the ``state`` keys as given, the
-model and optimizers as full state dicts (what Lightning's ``fabric.load`` and its consolidated
-files hold), plus ``"pytorch-lightning_version"`` and the record below. A sharded save,
-``fabric.save(path, {"model": model, "optimizer": optimizer, "step": 3})``, writes what
-``Trainer.save_checkpoint`` writes, through the same :mod:`hp_lightning.checkpoint` functions:
+A full (single-file) save is in Lightning Fabric's own layout (the ``state`` keys as given, full
+state dicts). A sharded save writes what ``Trainer.save_checkpoint`` writes:
 
 =====================================  =====================================================
 Fabric ``state`` entry                 checkpoint entry (the Trainer's names)
@@ -16,12 +13,10 @@ anything else                          stored under its own key (``state_dict()`
                                        that have one, the value itself otherwise)
 =====================================  =====================================================
 
-plus ``"pytorch-lightning_version"`` (the Trainer's loader requires it) and a record of the
-``state`` keys (:data:`RECORD_KEY`, with the layout), so a load with several optimizers matches
-them by name and the Trainer reads a Fabric-layout file in its own layout
-(:func:`hp_lightning.checkpoint.layout.in_trainer_layout`). A Trainer checkpoint read by Fabric
-has no record, and its optimizers and schedulers are matched in order (``configure_optimizers``'
-order); a Lightning Fabric file without a record is read by the keys the load passes.
+Both carry ``"pytorch-lightning_version"`` and a record of the ``state`` keys (:data:`RECORD_KEY`),
+so a load with several optimizers matches them by name and the Trainer reads a Fabric-layout file
+(:func:`hp_lightning.checkpoint.layout.in_trainer_layout`). Without a record (a Trainer checkpoint)
+optimizers and schedulers are matched in order.
 """
 
 from __future__ import annotations
@@ -72,11 +67,7 @@ class StateParts:
 
 
 def split_state(state: Mapping[str, Any], call: str) -> StateParts:
-    """Sort ``state`` into the sharded model, optimizers, schedulers and everything else.
-
-    Args:
-        state: what the user passed to ``fabric.save`` / ``fabric.load`` (Fabric wrappers removed).
-        call: ``"fabric.save"`` or ``"fabric.load"``, for the error messages.
+    """Sort ``state`` into the sharded model, optimizers, schedulers and everything else (``call``: for the messages).
 
     Raises:
         TypeError: when ``state`` is not a dict with string keys.
@@ -117,14 +108,7 @@ def split_state(state: Mapping[str, Any], call: str) -> StateParts:
 
 
 def to_checkpoint(parts: StateParts, *, full: bool) -> dict[str, Any]:
-    """The checkpoint dict for ``parts`` (a collective: every rank calls it).
-
-    ``full=True``: Lightning Fabric's own single-file layout, the ``state`` keys as given (what
-    Lightning's ``fabric.load`` reads); the model and optimizer states are gathered to rank 0 one
-    tensor at a time (empty on the other ranks, which write nothing). ``full=False``: the
-    Trainer's layout (DCP keys ``state_dict`` / ``optimizer_*``, which both front ends resume).
-    Both carry the record of the keys, so either front end maps one to the other.
-    """
+    """The checkpoint dict for ``parts`` (a collective), in Fabric's full layout or the Trainer's sharded one."""
     model = parts.model
     record = {
         "model": parts.model_key,
@@ -158,8 +142,7 @@ def to_checkpoint(parts: StateParts, *, full: bool) -> dict[str, Any]:
 def read_record(path: Path, weights_only: Optional[bool]) -> Optional[dict[str, Any]]:
     """The ``state`` keys a Fabric save recorded at ``path`` (None for a Trainer checkpoint or an unreadable one).
 
-    Reads only the small ``meta.pt`` of a sharded checkpoint; a single file is memory-mapped, so
-    its tensors are not read. Any error is left to the load itself to report.
+    Reads only ``meta.pt`` of a directory; a single file is memory-mapped. Errors are left to the load.
     """
     try:
         if path.is_dir():
@@ -174,10 +157,7 @@ def read_record(path: Path, weights_only: Optional[bool]) -> Optional[dict[str, 
 
 
 def in_stored_order(entries: list[tuple[str, Any]], stored: Optional[list[str]], kind: str, source: str) -> list[tuple[str, Any]]:
-    """``entries`` (``state`` key, object) in the order the checkpoint stored them.
-
-    By the recorded keys when the checkpoint has them and there is more than one entry; in
-    ``state`` order otherwise (Trainer checkpoints: ``configure_optimizers``' order).
+    """``entries`` (``state`` key, object) in the order the checkpoint recorded them, else in ``state`` order.
 
     Raises:
         ValueError: when a Fabric checkpoint recorded other keys for several entries of ``kind``.
@@ -199,8 +179,7 @@ def restore_rest(
 ) -> dict[str, Any]:
     """Restore schedulers and plain entries of ``state`` from ``rest`` (what the load returned); return the remainder.
 
-    Objects with ``load_state_dict`` are restored in place; other entries are replaced in
-    ``state``. The remainder holds what ``state`` did not ask for, without the layout's own keys.
+    Objects with ``load_state_dict`` are restored in place; other entries are replaced in ``state``.
 
     Raises:
         KeyError: with ``strict``, for a requested entry or scheduler the checkpoint does not hold.

@@ -1,10 +1,8 @@
 """HSDPFabricStrategy: Fabric's hooks over :class:`~hp_lightning.frontends.base.StrategyBase`.
 
-What both front ends share (options, launch, process group, mesh, collectives, accumulation,
-timeouts, checkpoint writes) is in the core; this module keeps what only Fabric calls:
-``init_module``, ``setup`` (with optimizers created before it), ``no_backward_sync``,
-``backward``, clipping, ``save`` / ``load`` of a Fabric ``state`` dict, and the exit without a
-teardown hook. ``hp_lightning.fabric.HSDPStrategy`` is the same class under its old name.
+Only what Fabric calls: ``init_module``, ``setup`` (with optimizers created before it),
+``no_backward_sync``, ``backward``, clipping, ``save`` / ``load`` of a Fabric ``state`` dict, and
+the exit without a teardown hook. ``HSDPStrategy`` is the same class under its old name.
 """
 
 from __future__ import annotations
@@ -49,16 +47,11 @@ __all__ = ["HSDPFabricStrategy", "HSDPStrategy"]
 class HSDPFabricStrategy(FabricConstructor, ParallelStrategy):
     """FSDP / HSDP training with PyTorch FSDP2 under Lightning Fabric.
 
-    ``Fabric(strategy="hsdp")`` shards every model passed to ``fabric.setup`` with the same plan
-    as ``Trainer(strategy="hsdp")``: each repeated block becomes a sharding unit, the rest
-    (embeddings, heads, norms) belongs to the root unit. Gradients are reduce-scattered inside
-    shard groups of consecutive ranks and all-reduced across replicate groups; under
-    ``fabric.no_backward_sync(model)`` the non-final micro-batches communicate what
-    ``accumulation_mode`` says (nothing, by default). Checkpoints use the Trainer's layout, so
-    either front end resumes the other's.
-
-    The keyword arguments are the Trainer strategy's (:class:`~hp_lightning.core.options.HSDPOptions`),
-    with the same meaning and validation.
+    ``Fabric(strategy="hsdp")`` shards every model passed to ``fabric.setup`` with the same plan,
+    options (:class:`~hp_lightning.core.options.HSDPOptions`) and checkpoint layout as
+    ``Trainer(strategy="hsdp")``, so either front end resumes the other's checkpoints. Under
+    ``fabric.no_backward_sync(model)`` non-final micro-batches communicate what
+    ``accumulation_mode`` says (nothing, by default).
 
     Raises:
         TypeError / ValueError: for any option of the wrong type or value, in ``Fabric(...)``;
@@ -84,11 +77,9 @@ class HSDPFabricStrategy(FabricConstructor, ParallelStrategy):
     def fault_tolerance(self) -> Optional[FaultTolerantHSDP]:
         """With the ``fault_tolerance`` option, once model and optimizer are set up: torchft's quorum and commit.
 
-        A step begins by itself at the model's first forward with gradients after the last
-        ``optimizer.step()``; call ``fabric.strategy.fault_tolerance.begin_step()`` yourself
-        before reading the step's data to get its :class:`~hp_lightning.ft.Participation`, and read
-        by it with :class:`~hp_lightning.ft.ParticipantBatches` (the data position then heals too).
-        ``optimizer.step()`` returns whether the step was committed (applied).
+        A step begins at the model's first forward with gradients, or call ``begin_step()`` yourself
+        before reading the step's data (its :class:`~hp_lightning.ft.Participation` selects the
+        share of :class:`~hp_lightning.ft.ParticipantBatches`). ``optimizer.step()`` returns whether it committed.
         """
         return self._fault_tolerance
 
@@ -122,8 +113,7 @@ class HSDPFabricStrategy(FabricConstructor, ParallelStrategy):
     @precision.setter
     @override
     def precision(self, precision: Optional[Precision]) -> None:
-        # Fabric's connector hands us the plugin for Fabric(precision=...) inside Fabric(...):
-        # converting here refuses unsupported precisions before any process starts.
+        # Set inside Fabric(...): converting here refuses unsupported precisions before any process starts.
         self._precision = None if precision is None else precision_from_fabric(precision)
 
     @property
@@ -155,11 +145,9 @@ class HSDPFabricStrategy(FabricConstructor, ParallelStrategy):
     def module_init_context(self, empty_init: Optional[bool] = None) -> AbstractContextManager:
         """Where ``fabric.init_module(empty_init=...)`` creates the model's tensors.
 
-        On the meta device, with construction recorded, unless ``empty_init=False`` or
-        ``meta_init=False`` (None follows the option), as the Trainer strategy does: nothing is
-        allocated until ``fabric.setup`` has sharded the model, then each rank allocates and
-        initializes only its shards. Real tensors (``empty_init=False``) suit loading weights
-        before setup, at the cost of every rank holding the whole model until it is sharded.
+        On the meta device unless ``empty_init=False`` or ``meta_init=False`` (None follows the
+        option): each rank then allocates only its shards at ``fabric.setup``. Real tensors suit
+        loading weights before setup, at the cost of every rank holding the whole model until then.
         """
         stack = ExitStack()
         stack.enter_context(self._init_context(empty_init, self._init_device()))
@@ -168,14 +156,10 @@ class HSDPFabricStrategy(FabricConstructor, ParallelStrategy):
 
     @override
     def setup_module(self, module: nn.Module) -> nn.Module:
-        """Shard ``module`` in place with :meth:`sharding_plan` and initialize what is on the meta device.
+        """Shard ``module`` in place (after the ``parallelize_fn`` option) and initialize what is on the meta device.
 
-        Units the user sharded already (``hp_lightning.fully_shard`` or torch's ``fully_shard``)
-        are kept. Sharding replaces the module's parameters with sharded ones: create optimizers
-        afterwards, or pass them to ``fabric.setup(model, optimizer)``, which rebinds them.
-
-        With the ``parallelize_fn`` option, ``parallelize_fn(module, device_mesh)`` runs first (as
-        in Lightning's ``ModelParallelStrategy``) and its result is what gets sharded and returned.
+        Sharding replaces the parameters: create optimizers afterwards, or pass them to
+        ``fabric.setup(model, optimizer)``, which rebinds them.
 
         Raises:
             TypeError: for a module wrapped in FSDP1 (``FullyShardedDataParallel``), or a
@@ -194,10 +178,7 @@ class HSDPFabricStrategy(FabricConstructor, ParallelStrategy):
     def setup_module_and_optimizers(  # type: ignore[override]  # Fabric's base still names torch's deprecated _LRScheduler
         self, module: nn.Module, optimizers: list[Optimizer], scheduler: Optional[LRScheduler] = None
     ) -> tuple[nn.Module, list[Optimizer], Optional[LRScheduler]]:
-        """Shard ``module``, then point ``optimizers`` at the sharded parameters (``fabric.setup(model, optimizer)``).
-
-        Each optimizer parameter is swapped for the sharded one of the same name; hyperparameters
-        and param groups are kept (:func:`~hp_lightning.fabric.optimizers.rebind_optimizer`).
+        """Shard ``module``, then point ``optimizers`` at the sharded parameters of the same names (``fabric.setup``).
 
         Raises:
             ValueError: when an optimizer holds a parameter that is not the model's, or already
@@ -213,20 +194,14 @@ class HSDPFabricStrategy(FabricConstructor, ParallelStrategy):
 
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
-        """Check that ``optimizer`` (``fabric.setup_optimizers``) holds the sharded parameters.
-
-        Raises:
-            ValueError: when no model was set up yet, or the optimizer holds parameters that
-                sharding replaced (it was created before ``fabric.setup_module(model)``).
-        """
+        """Check that ``optimizer`` (``fabric.setup_optimizers``) holds the sharded parameters (ValueError otherwise)."""
         self._replaced.refuse_stale(optimizer, models_set_up=bool(self._models))
         self._start_fault_tolerance(self._models[-1], [optimizer])
         return optimizer
 
     @override
     def module_to_device(self, module: nn.Module) -> None:
-        # Before setup the model stays where it is (meta or host): sharding places the shards and
-        # allocates only them. Afterwards only unsharded state (buffers, whole parameters) moves.
+        # Before setup the model stays where it is (sharding allocates only the shards); afterwards only unsharded state moves.
         if prepared(module) is not None:
             move_unsharded_states(module, self.root_device)
 
@@ -236,11 +211,8 @@ class HSDPFabricStrategy(FabricConstructor, ParallelStrategy):
     def backward(self, tensor: Tensor, module: Optional[nn.Module], *args: Any, **kwargs: Any) -> None:
         """``fabric.backward(loss)``: first compare across ranks which parameters this backward reaches.
 
-        Ranks whose backward would reach different parameters (rank-dependent control flow)
-        would issue different gradient collectives and hang or mix gradients; they raise together
-        instead, naming the parameters (:mod:`hp_lightning.fully_shard.divergence`: one small
-        all-reduce on a host-side group per backward that issues gradient collectives; inside
-        ``fabric.no_backward_sync`` under ``"skip"`` only a local record). Call
+        Ranks reaching different parameters would issue different gradient collectives and hang;
+        they raise together instead (:mod:`hp_lightning.fully_shard.divergence`). Call
         ``fabric.backward(loss)``, not ``loss.backward()``.
 
         Raises:
@@ -259,11 +231,7 @@ class HSDPFabricStrategy(FabricConstructor, ParallelStrategy):
         norm_type: Union[float, int] = 2.0,
         error_if_nonfinite: bool = True,
     ) -> Tensor:
-        """Scale the optimizer's gradients so their global norm (over every shard) is at most ``max_norm``.
-
-        Returns:
-            The global norm before clipping, the same on every rank.
-        """
+        """Scale the optimizer's gradients so their global norm (over every shard) is at most ``max_norm``; returns it before clipping."""
         self.precision.unscale_gradients(optimizer)
         return self.precision.clip_norm(optimizer, max_norm, norm_type, error_if_nonfinite)
 
@@ -284,10 +252,8 @@ class HSDPFabricStrategy(FabricConstructor, ParallelStrategy):
     ) -> None:
         """Write ``state`` in the Trainer's checkpoint layout (see :mod:`hp_lightning.fabric.state`), from every rank.
 
-        ``state_dict_type="sharded"`` writes a directory in which every rank saves its own shards
-        (fast, light on memory, loads into any mesh); ``"full"`` gathers one tensor at a time to
-        rank 0, which writes a single file (portable, loadable on one CPU process). Either way the
-        save appears whole or not at all.
+        ``state_dict_type="sharded"``: a directory of every rank's shards (loads into any mesh);
+        ``"full"``: one file written by rank 0. Either way the save appears whole or not at all.
 
         Raises:
             TypeError: for ``storage_options`` (no CheckpointIO plugin is involved).
@@ -318,20 +284,10 @@ class HSDPFabricStrategy(FabricConstructor, ParallelStrategy):
     ) -> dict[str, Any]:
         """Restore ``state`` from a checkpoint of either front end (or any format hp_lightning reads).
 
-        The model and optimizers are loaded in place, resharded to this mesh whatever the mesh of
-        the save; LR schedulers and objects with ``load_state_dict`` are restored in place, other
-        entries replaced in ``state``.
-
-        Args:
-            path: a sharded checkpoint directory or a single file (Fabric's, the Trainer's,
-                Lightning's ``.ckpt``, a bare state dict, ``.safetensors``).
-            state: ``{"model": model, "optimizer": optimizer, ...}``; a module alone
-                (``fabric.load_raw(path, model)``) loads its weights only; None returns a
-                single-file checkpoint's whole contents.
-            strict: missing or unexpected entries are errors (else they are left as they are).
-            weights_only: None (default) or True: torch's safe loading (refuses anything but
-                tensors, primitive containers and registered safe globals: UnsafeCheckpointError);
-                False: unpickle anything, only for files you trust.
+        The model and optimizers are loaded in place, resharded to this mesh; LR schedulers and
+        objects with ``load_state_dict`` are restored in place, other entries replaced in ``state``.
+        A module alone (``fabric.load_raw``) loads its weights only; ``state=None`` returns a
+        single file's whole contents. ``weights_only=False`` unpickles anything (trusted files only).
 
         Returns:
             What the checkpoint holds beyond what ``state`` asked for.
@@ -398,11 +354,7 @@ class _NoGradientSync(BackwardSyncControl):
 
     @override
     def no_backward_sync(self, module: nn.Module, enabled: bool) -> AbstractContextManager:
-        """What a non-final micro-batch communicates, per the strategy's :attr:`accumulation_mode` (when ``enabled``).
-
-        Raises:
-            TypeError: for a module this strategy has not sharded.
-        """
+        """What a non-final micro-batch communicates, per the strategy's :attr:`accumulation_mode`; TypeError for an unsharded module."""
         if not enabled:
             return nullcontext()
         if not isinstance(module, HSDPModule):

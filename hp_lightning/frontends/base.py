@@ -1,23 +1,10 @@
 """StrategyBase: everything the Trainer and Fabric strategies do the same way, once.
 
-Both front ends are ``class HSDPStrategy(StrategyBase, <Lightning's ParallelStrategy>)``. The base
-gives them:
-
-* what their constructors do (:meth:`StrategyBase._init_base`). The constructors themselves are
-  in :mod:`hp_lightning.frontends.constructors` (Lightning's own arguments, then every field of
-  :class:`~hp_lightning.core.options.HSDPOptions` as a keyword-only argument: ``**options:
-  Unpack[OptionInputs]`` for type checkers, the fields' names, types, defaults and documentation
-  at run time for LightningCLI/jsonargparse and ``inspect.signature``), so each option is written
-  once, in :mod:`hp_lightning.core.options`;
-* launch and the process group, the fault watchdog, the settings every rank must agree on, the
-  mesh (its layout resolved once, before launch), the mesh properties and the collectives;
-* sharding a model (:meth:`StrategyBase._shard`) and its summary, gradient accumulation modes
-  (what a non-final micro-batch communicates), the shorter collective timeout after the first
-  step, checkpoint paths and writes (sharded, full, in the background), the watchdog's end,
-  teardown, registration and ``repr``.
-
-An adapter keeps only the hooks its front end calls differently; a hook it must provide is a
-``_``-method below that raises ``NotImplementedError``.
+Both front ends are ``class HSDPStrategy(StrategyBase, <Lightning's ParallelStrategy>)``; their
+constructors are in :mod:`hp_lightning.frontends.constructors`. The base holds launch, process
+group, watchdog, rank agreement, mesh, collectives, sharding, accumulation modes, timeouts,
+checkpoint writes and teardown. An adapter keeps only the hooks its front end calls differently;
+a hook it must provide is a ``_``-method below that raises ``NotImplementedError``.
 """
 
 from __future__ import annotations
@@ -61,11 +48,7 @@ __all__ = ["StrategyBase", "refuse_fsdp1"]
 
 
 def refuse_fsdp1(module: nn.Module) -> None:
-    """Raise for a module that contains FSDP1 (``FullyShardedDataParallel``) modules: FSDP2 cannot shard them again.
-
-    Raises:
-        TypeError: naming the module and the fix.
-    """
+    """TypeError for a module that contains FSDP1 (``FullyShardedDataParallel``) modules: FSDP2 cannot shard them again."""
     if any(isinstance(m, FullyShardedDataParallel) for m in module.modules()):
         raise TypeError(
             f"{type(module).__name__} contains FullyShardedDataParallel (FSDP1) modules; HSDPStrategy shards with "
@@ -76,16 +59,10 @@ def refuse_fsdp1(module: nn.Module) -> None:
 def _gather_root_on_submodule_entry(root: nn.Module) -> None:
     """Let a direct submodule of the sharded root run outside a step, as inside one (``pl_module.net(x)``).
 
-    Inside a step the root's own parameters (those of no sub-unit: an input projection, a head)
-    are gathered by the root's forward or the wrapped step method; a direct call into a
-    submodule from elsewhere (a callback's ``on_train_end``) would find them sharded and fail
-    with "mixed torch.Tensor and DTensor". A forward pre-hook on each direct child that uses such
-    parameters gathers them first with FSDP's public ``unshard()`` when one of them is still a
-    DTensor (FSDP2 registers the gathered tensors in place of the shards while they are
-    gathered). Inside a step that check is all it costs: one attribute read, no collective, no
-    sync. They stay gathered until the strategy reshards at the end of the stage. Meant for
-    inference (under ``torch.no_grad()``): a backward through such a call is not reduced across
-    ranks; train through the step methods.
+    Outside a step (a callback's ``on_train_end``) the root's own parameters would still be
+    sharded ("mixed torch.Tensor and DTensor"): a forward pre-hook on each direct child that uses
+    them calls ``root.unshard()`` while one is still a DTensor (inside a step: one attribute read).
+    Meant for inference: a backward through such a call is not reduced across ranks.
     """
     if not isinstance(root, FSDPModule) or getattr(root, "_hp_entry_hooks", False):
         return
@@ -116,11 +93,7 @@ _REGISTERED: tuple[tuple[str, str, dict[str, Any]], ...] = (
 
 
 class StrategyBase:
-    """The shared half of both ``HSDPStrategy`` classes (see the module docstring).
-
-    Attributes:
-        options: every option, validated at construction (before any process or group exists).
-    """
+    """The shared half of both ``HSDPStrategy`` classes; ``options``: every option, validated at construction."""
 
     options: HSDPOptions
     #: The launcher Lightning's connector gets when the processes are not created externally.
@@ -130,12 +103,7 @@ class StrategyBase:
     _mesh: Optional[ParallelMesh] = None
 
     def _init_base(self, lightning_args: dict[str, Any], options: HSDPOptions) -> None:
-        """What both constructors do (:mod:`hp_lightning.frontends.constructors` calls it).
-
-        Args:
-            lightning_args: the arguments of the ``ParallelStrategy`` the front end extends.
-            options: every option, validated (in ``Trainer(...)`` / ``Fabric(...)``, before any process or group exists).
-        """
+        """What both constructors do, with the front end's ``ParallelStrategy`` arguments and the validated options."""
         self.options = options
         self._refuse_options(options, lightning_args)
         self._process_group_backend = options.process_group_backend
@@ -250,9 +218,8 @@ class StrategyBase:
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         """Every data-parallel rank reads different data; the ranks of one TP group (or pipeline) the same.
 
-        Under ``fault_tolerance`` the replica groups split the data like plain HSDP's replicate dim:
-        group ``g``'s rank ``r`` is rank ``g x group size + r`` of every group's ranks (torchft's
-        semantics: while a group is down its share of each global batch is skipped).
+        Under ``fault_tolerance`` group ``g``'s rank ``r`` is rank ``g x group size + r`` (torchft's split:
+        while a group is down its share of each global batch is skipped).
         """
         config = self.fault_tolerance_config
         if config is not None:
@@ -311,11 +278,7 @@ class StrategyBase:
         self._hsdp_precision.device_type = self.root_device.type
 
     def _join_process_group(self) -> None:
-        """Create the default process group (a configuration error is printed once per job).
-
-        Under CPU offload whole parameters are initialized on the host and broadcast from there,
-        so accelerator ranks also get gloo (``"cpu:gloo,cuda:nccl"``).
-        """
+        """Create the default process group (with gloo beside the accelerator's under CPU offload; errors printed once per job)."""
         try:
             reset_seed()
             self._set_world_ranks()
@@ -354,10 +317,7 @@ class StrategyBase:
         )
 
     def _init_context(self, empty_init: Optional[bool], otherwise: AbstractContextManager) -> AbstractContextManager:
-        """Meta device with construction recorded (:func:`~hp_lightning.core.materialize.meta_init_context`), or ``otherwise``.
-
-        ``empty_init=True`` always builds on meta, False never, None follows ``meta_init``.
-        """
+        """Meta device with construction recorded when ``empty_init`` (None: the ``meta_init`` option) says so, else ``otherwise``."""
         on_meta = empty_init is True or (empty_init is None and self.options.meta_init)
         return meta_init_context() if on_meta else otherwise
 
@@ -368,13 +328,8 @@ class StrategyBase:
     def _apply_parallelize_fn(self, module: nn.Module, *, in_place: bool) -> nn.Module:
         """Run the ``parallelize_fn`` option on ``module`` with the whole mesh, as Lightning's ``ModelParallelStrategy`` does.
 
-        Args:
-            in_place: the front end keeps ``module`` itself (the Trainer's LightningModule), so
-                the function must return it.
-
         Raises:
-            TypeError: for FSDP1 modules in ``module`` (before the function sees them), or when
-                it returns anything but a module (or, ``in_place``, another module).
+            TypeError: for FSDP1 modules, or a result that is no module (or, ``in_place``, another module).
         """
         refuse_fsdp1(module)
         fn = self.options.parallelize_fn
@@ -397,10 +352,7 @@ class StrategyBase:
         return result
 
     def _shard(self, model: nn.Module) -> ShardedModel:
-        """Shard ``model`` in place with :meth:`sharding_plan`, initialize what is on the meta device, wire the step's checks.
-
-        Units the user sharded already (``configure_model``, ``parallelize_fn``, Fabric code) are
-        kept. Whole parameters are initialized where they train, or on the host under ``cpu_offload``.
+        """Shard ``model`` in place with :meth:`sharding_plan` (units the user sharded are kept), initialize what is on meta.
 
         Raises:
             TypeError: for FSDP1 (``FullyShardedDataParallel``) modules inside ``model``.
@@ -430,10 +382,7 @@ class StrategyBase:
         return ft is not None and not ft.writes_checkpoints
 
     def sharding_summary(self, module: Optional[nn.Module] = None) -> ShardingSummary:
-        """The per-unit table of what was sharded (a collective: every rank must call it).
-
-        Args:
-            module: a model this strategy sharded (default: the last one; the Trainer has one).
+        """The per-unit table of ``module`` (default: the last model sharded); a collective.
 
         Raises:
             RuntimeError: before the strategy has sharded a model (setup).
@@ -447,22 +396,16 @@ class StrategyBase:
         return summarize(module, units_in_order(module, sharded.units), mesh.world, [*sharded.ignored, *sharded.replicated], self.root_device, **scope)
 
     def reshard_all(self) -> None:
-        """Free every gathered unit, so ``model.parameters()`` are the sharded DTensors again.
-
-        A forward without backward (evaluation) leaves what it gathered, and the root keeps its
-        parameters after forward by design; this releases that memory.
-        """
+        """Free every gathered unit (evaluation and the root leave them gathered): the parameters are DTensors again."""
         for model in self._sharded_roots():
             for unit in model.modules():
                 if isinstance(unit, HSDPModule):
                     unit.reshard()
 
     def scope_metrics_to_data_parallel(self, module: nn.Module) -> None:
-        """Under TP/PP, torchmetrics ``Metric`` objects sync over the data-parallel group.
+        """Under TP/PP, torchmetrics ``Metric`` objects without a ``process_group`` sync over the data-parallel group.
 
-        Their default, the world group, would count each sample once per TP peer and pipeline
-        stage (sums, counts and concatenations off by TP x PP; ratios hide it). A metric given a
-        ``process_group`` of its own keeps it.
+        The world group would count each sample once per TP peer and pipeline stage.
         """
         if not self._tp_or_pp:
             return
@@ -480,12 +423,9 @@ class StrategyBase:
     def set_accumulation_mode(self, mode: str) -> str:
         """Change :attr:`accumulation_mode` from the next micro-batch on; returns the previous mode.
 
-        The API :class:`~hp_lightning.callbacks.GradientAccumulationSync` calls.
-
         Raises:
             TypeError / ValueError: for anything but one of the three mode strings; under
-                ``fault_tolerance`` for anything but ``"skip"`` (torchft's cross-group average must
-                run once per window, on the window's whole gradient).
+                ``fault_tolerance`` for anything but ``"skip"`` (torchft averages once per window).
         """
         previous = self._accumulation_mode
         checked = check_mode(mode, "HSDPStrategy.set_accumulation_mode(...)")
@@ -495,10 +435,7 @@ class StrategyBase:
         return previous
 
     def _non_final_micro_batch(self, module: nn.Module) -> AbstractContextManager:
-        """What a non-final micro-batch of ``module`` communicates: :attr:`accumulation_mode` says.
-
-        Under ``"skip"`` its backward communicates nothing, so the divergence check only records.
-        """
+        """What a non-final micro-batch of ``module`` communicates (under ``"skip"`` the divergence check only records)."""
         stack = ExitStack()
         stack.enter_context(no_gradient_sync(module, self._accumulation_mode))
         stack.enter_context(gradients_stay_local(module, self._accumulation_mode == "skip"))
@@ -541,16 +478,14 @@ class StrategyBase:
         return tensor
 
     def all_gather(self, tensor: Any, group: Optional[Any] = None, sync_grads: bool = False) -> Any:
-        """Gather from every data-parallel rank (as :meth:`all_reduce`): TP peers and pipeline
-        stages hold the same samples, and gathering over them would return each sample TP x PP times."""
+        """Gather from every data-parallel rank by default (TP peers and pipeline stages hold the same samples)."""
         return all_gather_ddp_if_available(tensor, group=self.data_parallel_group(group), sync_grads=sync_grads)
 
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
         """Every rank votes, TP peers and pipeline stages included (Lightning's ``ModelCheckpoint`` asks).
 
-        Lightning sums the votes with ``reduce``/``all_reduce`` and compares with the world size;
-        those default to the data-parallel group here under TP/PP, whose sum never reaches it, so
-        "all agree" would always be False (``ModelCheckpoint`` would stop keeping better checkpoints).
+        Lightning's own sums over :meth:`all_reduce`, the data-parallel group under TP/PP, whose sum
+        never reaches the world size it compares with.
         """
         if not dist.is_initialized():
             return decision
@@ -567,8 +502,7 @@ class StrategyBase:
     def _checkpoint_target(self, filepath: PathLike, storage_options: Optional[Any]) -> Optional[Path]:
         """Where every rank writes a save: rank 0's path; None where another replica group writes it (``fault_tolerance``).
 
-        Raises:
-            TypeError: for ``storage_options`` (no CheckpointIO plugin is involved).
+        TypeError for ``storage_options`` (no CheckpointIO plugin is involved).
         """
         if storage_options is not None:
             raise TypeError(f"HSDPStrategy.save_checkpoint does not take storage_options (no CheckpointIO plugin is used); got {storage_options!r}.")
@@ -606,10 +540,7 @@ class StrategyBase:
         return self._async_saves.in_flight
 
     def wait_for_checkpoint(self) -> None:
-        """Block until an ``async_save`` in flight is written and published (every rank calls it).
-
-        A no-op without one. Raises the save's error, if it failed, on every rank.
-        """
+        """Block until an ``async_save`` in flight is published (every rank calls it); raises the save's error on every rank."""
         self._async_saves.wait()
 
     def save_hf(
@@ -627,25 +558,10 @@ class StrategyBase:
     ) -> Path:
         """Write the sharded model as a Hugging Face directory (``from_pretrained`` loads it); call on every rank.
 
-        Every rank writes its own shards (no gather), DCP's Hugging Face writer merges them into
-        whole-tensor safetensors files with ``model.safetensors.index.json``, and ``config.json``
-        / ``generation_config.json`` are copied from ``config``; tied weights are written once. An
-        existing non-empty ``path`` is refused unless ``overwrite=True`` replaces an earlier export
-        of ours (only the files it recorded). See :func:`hp_lightning.checkpoint.hf.save_hf`.
-
-        Args:
-            path: the output directory.
-            module: the module to write; None: the LightningModule (Trainer) or the one model set up (Fabric).
-            prefix: where the Hugging Face model sits inside ``module`` (``"net."`` for ``self.net``).
-            config: the Hugging Face directory (or ``config.json``) the model was built from.
-            max_shard_size: the largest safetensors file (``"5GB"``, ``"500MB"``, bytes).
-            dtype: cast floating tensors on write (``"bf16"``); None keeps the model's dtype.
-            overwrite: replace an earlier export of ours at ``path``.
-            ema: write the averaged weights of the ``ShardedEMA`` following ``module`` instead of
-                the weights (swapped into the shards for the write, put back after).
-            peft: a model with peft (LoRA) adapters: ``"merged"`` (the adapters folded into the base
-                weights: ``from_pretrained`` loads the fine-tuned model) or ``"adapter"`` (peft's
-                adapter directory); see :func:`hp_lightning.checkpoint.hf.save_hf`.
+        Each rank writes its own shards (no gather); the arguments are
+        :func:`hp_lightning.checkpoint.hf.save_hf`'s. ``module`` None: the LightningModule (Trainer) or
+        the one model set up (Fabric). ``ema=True`` writes the average of the ``ShardedEMA`` following
+        ``module`` (swapped in for the write, put back after).
 
         Raises:
             FileExistsError, ValueError: as :func:`hp_lightning.checkpoint.hf.save_hf`; ValueError

@@ -1,10 +1,7 @@
 """Precision for FSDP2, once for both front ends: the flags mapped onto FSDP2's policy, autocast, clipping.
 
-What each flag means (sharded weights, compute, gradient reduction) is the table in
-:mod:`hp_lightning.core.precision_flags`. :class:`PrecisionCore` is the behaviour; the Trainer's
-(:class:`hp_lightning.strategies.precision.HSDPPrecision`) and Fabric's
-(:class:`hp_lightning.fabric.precision.HSDPPrecision`) plugins combine it with their Lightning
-base class and say which of Lightning's plugins they replace.
+What each flag means is the table in :mod:`hp_lightning.core.precision_flags`; the Trainer's and
+Fabric's plugins combine :class:`PrecisionCore` with their Lightning base class.
 """
 
 from __future__ import annotations
@@ -24,9 +21,6 @@ from hp_lightning.core.precision_flags import SUPPORTED_PRECISION, default_dtype
 
 class PrecisionCore:
     """Dtype policy for sharding, autocast for bf16-mixed, casting, and clipping over every shard.
-
-    The strategy turns the flag into FSDP2's ``MixedPrecisionPolicy`` when it shards (see
-    :attr:`derived_param_dtype`); this plugin handles what happens around the model's ``forward``.
 
     Args:
         precision: one of ``"32-true"``, ``"bf16-mixed"``, ``"bf16-true"`` (or ``"32"``, ``32``, ``"bf16"``).
@@ -54,8 +48,7 @@ class PrecisionCore:
         """Turn the plugin the front end's connector chose from ``precision=...`` into this one.
 
         Raises:
-            ValueError: for precision settings FSDP2 sharding cannot honour here (fp16, fp64,
-                transformer-engine, bitsandbytes, or any other custom plugin).
+            ValueError: for what FSDP2 sharding cannot honour (fp16, fp64, any custom plugin).
         """
         if isinstance(plugin, cls):
             return plugin
@@ -104,8 +97,7 @@ class PrecisionCore:
     ) -> Tensor:
         """Scale the optimizer's gradients so their global norm (every shard, every stage) is at most ``max_norm``.
 
-        Returns:
-            The global norm before clipping, the same on every rank.
+        Returns the norm before clipping, the same on every rank.
         """
         params = self.main_params(optimizer)  # type: ignore[attr-defined]
         return clip_grad_norm_(

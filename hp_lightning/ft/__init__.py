@@ -6,10 +6,8 @@ The engine (no Lightning): :class:`FaultTolerance` (the option), :class:`FaultTo
 ``python -m hp_lightning.ft lighthouse`` command, and :func:`init_process_group` (a replica group's
 process group, fresh per ``torchrun --max-restarts`` attempt). torchft itself is imported only when used.
 
-This package is the public import path of each name above. :class:`FaultTolerance` and its checks are
-defined in :mod:`hp_lightning.core.fault_tolerance`, beside the other options, because validating
-``HSDPStrategy(fault_tolerance=...)`` must not import this package (torchft hooks, checkpoint healing);
-code inside hp_lightning imports them from there.
+:class:`FaultTolerance` and its checks live in :mod:`hp_lightning.core.fault_tolerance`: validating
+the option must not import this package.
 """
 
 from hp_lightning.core.fault_tolerance import LIGHTHOUSE_ENV, FaultTolerance, check_lighthouse_reachable, require_torchft

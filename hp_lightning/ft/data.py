@@ -1,12 +1,9 @@
 """Each step's global batch, split by the groups that take part in that step.
 
-torchft's own ``DistributedSampler`` shards the data by a fixed replica-group id, so while a group
-is down its share of every batch is skipped. Here the split follows the quorum instead: global
-batch ``b`` (``b`` = committed steps, the same on every participant and healed with the state) is
-always the same samples, cut into ``count`` participant shares and each share into the group's
-ranks. With every group present that is exactly plain HSDP's split (replicate index = participant
-rank); with fewer, the survivors read the missing shares too, so every global batch is trained on
-whole and the averaged gradient is that of the whole batch.
+torchft's own ``DistributedSampler`` splits by a fixed replica-group id, skipping a down group's
+share. Here global batch ``b`` (committed steps, healed with the state) is always the same samples,
+cut into one share per participant and rank: with fewer groups the survivors read the missing
+shares too, so every global batch is trained on whole.
 """
 
 from __future__ import annotations
@@ -28,12 +25,9 @@ class ParticipantBatches:
     """Indices of this rank's share of global batch ``step``.
 
     Args:
-        dataset_size: samples in the dataset.
         global_batch_size: samples per optimizer step over all participants; must divide by
-            ``count x group_world_size`` for every participant count the run may see, so every
-            rank's share has the same size and averaging is exact.
+            ``count x group_world_size`` for every participant count the run may see.
         shuffle: a fresh permutation per epoch (seeded by ``seed + epoch``, the same everywhere).
-        seed: the permutation seed.
 
     Raises:
         ValueError: for sizes that cannot form one global batch.
@@ -69,12 +63,7 @@ class ParticipantBatches:
         return order[start : start + self.global_batch_size].tolist()
 
     def indices(self, step: int, *, participant_rank: int, participants: int, group_rank: int, group_world_size: int) -> list[int]:
-        """This rank's contiguous share of global batch ``step``.
-
-        Raises:
-            ValueError: when the batch does not split evenly over ``participants x group_world_size``
-                ranks, or the ranks are out of range (e.g. a group not in the quorum).
-        """
+        """This rank's contiguous share of global batch ``step``; ValueError for an uneven split or ranks out of range."""
         ranks = participants * group_world_size
         if participants < 1 or not 0 <= participant_rank < participants or not 0 <= group_rank < group_world_size:
             raise ValueError(
@@ -96,18 +85,10 @@ class ParticipantBatches:
 class PositionedLoader(ResumableLoader):
     """A training loader that knows which batch of the epoch each step holds, and can move there.
 
-    Lightning's loader fetches a batch before the step's quorum is known (and prefetches the
-    next), so a group that heals at that quorum holds batch 0 while the quorum is at batch ``k``.
-    This wrapper records the in-epoch position of every batch it hands out; the fault-tolerance
-    glue compares the position of the batch in hand with the quorum's data position, and on a
-    mismatch (only right after a heal) re-reads batch ``k`` directly from the dataset
-    (:meth:`batch_at`) and moves the iteration on to continue after it (:meth:`jump`): nothing
-    before ``k`` is loaded. A checkpoint records the position as :class:`ResumableLoader` does,
-    so a full restart resumes mid-epoch too.
-
-    Args:
-        loader: a ``DataLoader`` over a map-style dataset with a batch sampler (``batch_size``
-            set), the same batches in the same order for the same sampler epoch.
+    Lightning's loader fetches a batch before the quorum is known, so a group that heals there
+    holds batch 0 while the quorum is at batch ``k``: the glue then re-reads batch ``k`` from the
+    dataset (:meth:`batch_at`) and continues after it (:meth:`jump`), loading nothing before ``k``.
+    ``loader``: a ``DataLoader`` over a map-style dataset with ``batch_size`` set.
 
     Raises:
         TypeError: for an iterable-style dataset or a loader without automatic batching.
@@ -184,29 +165,20 @@ class PositionedLoader(ResumableLoader):
     def take(self) -> tuple[int, int]:
         """``(generation, position)`` of the oldest batch handed out and not yet taken (the one a step holds now).
 
-        ``position`` is the batch's index in its epoch; ``generation`` counts the iterations and
-        jumps so far, so a caller can tell which sampler epoch the batch was read under.
+        ``generation`` counts iterations and jumps, telling which sampler epoch the batch was read under.
         """
         if not self._handed:
             raise RuntimeError("PositionedLoader.take(): no batch handed out since the last take (one take per batch).")
         return self._handed.popleft()
 
     def batch_at(self, position: int) -> Any:
-        """Batch ``position`` of the current sampler epoch, read from the dataset in this process.
-
-        Raises:
-            IndexError: ``position`` is past the epoch's end.
-        """
+        """Batch ``position`` of the current sampler epoch, read from the dataset in this process (IndexError past the end)."""
         if not 0 <= position < len(self.loader):
             raise IndexError(f"PositionedLoader.batch_at({position}): the epoch has {len(self.loader)} batches.")
         indices = next(itertools.islice(iter(self.loader.batch_sampler), position, None))
         return self.loader.collate_fn([self.loader.dataset[i] for i in indices])
 
     def jump(self, position: int) -> int:
-        """Continue the iteration at batch ``position`` (the batches already handed out still come first).
-
-        Returns:
-            The generation the batches from ``position`` on will carry.
-        """
+        """Continue the iteration at batch ``position`` (after those handed out); returns the generation they will carry."""
         self._jump_to = position
         return self._generation + 1

@@ -1,11 +1,10 @@
 """Fault-tolerant HSDP: FSDP2 inside each replica group, torchft's Manager across groups.
 
-HSDP's replicate dimension is also its unit of failure. Here each replica group is its own job
-(own launcher, own rendezvous, own default process group) and shards the model with FSDP2 over
-its own ranks only; nothing in a group's mesh spans groups. The replicate all-reduce is torchft's:
-FSDP2 calls :meth:`torchft.Manager.allreduce` on every unit's reduce-scattered gradient (its
-``set_all_reduce_hook``), over a process group torchft rebuilds at each new quorum, so a dead group
-costs one uncommitted step instead of a hung job.
+Each replica group is its own job (launcher, rendezvous, default process group) and shards the
+model over its own ranks only. The replicate all-reduce is torchft's: FSDP2's
+``set_all_reduce_hook`` calls :meth:`torchft.Manager.allreduce` on every unit's reduce-scattered
+gradient, over a process group torchft rebuilds at each quorum, so a dead group costs one
+uncommitted step instead of a hung job.
 
 One optimizer step is::
 
@@ -67,12 +66,7 @@ def _units(model: nn.Module) -> list[FSDPModule]:
 
 
 def _check_sharding(model: nn.Module, group_world_size: int) -> None:
-    """Refuse layouts whose gradients this wiring would reduce wrongly.
-
-    Raises:
-        ValueError: no FSDP2 unit, a unit on a mesh that is not the group's 1-D shard mesh, or
-            hp_lightning ``replicate_params`` (their all-reduce does not go through torchft yet).
-    """
+    """ValueError for layouts this wiring would reduce wrongly: no FSDP2 unit, another mesh than the group's, ``replicate_params``."""
     units = _units(model)
     if not units:
         raise ValueError(
@@ -108,11 +102,9 @@ def _reach_lighthouse(config: FaultTolerance, address: str, group_rank: int) -> 
     """Return once the lighthouse at ``address`` answers; tell a restarting lighthouse from a wrong address.
 
     An address that never answered in this torchrun run is a configuration error: after
-    ``connect_timeout`` the job ends instead of restarting (every attempt would fail alike). One
-    that answered an earlier attempt of the run (noted in the agents' store, which outlives the
-    attempts) is most likely a lighthouse restarting itself: the group waits for it up to
-    ``join_timeout``, then fails naming the address, and the job ends (waiting again in another
-    attempt would only multiply the wait).
+    ``connect_timeout`` the job ends without a restart. One that answered an earlier attempt
+    (noted in the agents' store) is likely restarting: the group waits up to ``join_timeout``,
+    then the job ends (another attempt would only multiply the wait).
 
     Raises:
         ConnectionError: the lighthouse did not answer in time.
@@ -149,22 +141,16 @@ class FaultTolerantHSDP:
     """Wires one replica group's sharded model and optimizers to torchft's Manager.
 
     Build it on every rank of the group, after the group's process group exists (it reads the
-    group's rendezvous store from ``MASTER_ADDR`` / ``MASTER_PORT``, as torchrun and Lightning set
-    them) and after the optimizers are built on the sharded parameters.
+    rendezvous store from ``MASTER_ADDR`` / ``MASTER_PORT``) and the optimizers are built on the
+    sharded parameters (a 1-D mesh over this group's ranks).
 
     Args:
-        config: the fault-tolerance option.
-        model: the module sharded with FSDP2 over this group's ranks (a 1-D mesh).
-        optimizers: an optimizer or a list of them, on the sharded parameters.
         extra: named stateful objects healed with the weights (LR schedulers, loop progress, ...).
-        device_type: ``"cpu"`` (gloo across groups) or ``"cuda"`` (NCCL); None: the
-            parameters' device.
-        group_watchdog: run hp_lightning's :class:`~hp_lightning.core.watchdog.FaultWatchdog` over
-            the group's ranks, so that one dead rank ends its whole group within seconds. Without
-            it a lingering rank keeps its group's manager heartbeating, and the lighthouse, which
-            never lets a minority of live groups form a quorum, holds the survivors until their
-            quorum timeout. False only when something else does this (the Trainer/Fabric
-            strategies run the same watchdog when their ``fault_watchdog`` option is on).
+        device_type: ``"cpu"`` (gloo across groups) or ``"cuda"`` (NCCL); None: the parameters'.
+        group_watchdog: run a :class:`~hp_lightning.core.watchdog.FaultWatchdog` over the group's
+            ranks, so one dead rank ends its whole group within seconds (a lingering rank would keep
+            the group heartbeating and the survivors waiting for their quorum timeout). False only
+            when something else does this (the strategies' ``fault_watchdog`` option).
 
     Raises:
         ValueError / TypeError: for a layout torchft's replicate all-reduce cannot serve.
@@ -277,11 +263,7 @@ class FaultTolerantHSDP:
 
     @property
     def writes_checkpoints(self) -> bool:
-        """Whether this group saves checkpoints: the first participant of the current quorum (group 0 before any).
-
-        Every participant holds the same state, so one writer suffices; the others skip the save
-        (and removals), so groups sharing a folder never write the same files.
-        """
+        """Whether this group saves (and removes) checkpoints: the first participant of the quorum (group 0 before any)."""
         if self.participation is None:
             return self.config.replica_group == 0
         return self.participation.rank == 0
@@ -292,10 +274,7 @@ class FaultTolerantHSDP:
         return self.manager.current_step()
 
     def restore_step(self, step: int) -> None:
-        """Continue torchft's step count at ``step`` (a resume from a checkpoint taken at that step).
-
-        Call before the first :meth:`begin_step`. Groups that restart together from one
-        checkpoint then agree on the step (and a fresh group heals from them).
+        """Continue torchft's step count at ``step`` (a resume from a checkpoint); call before the first :meth:`begin_step`.
 
         Raises:
             RuntimeError: after the first step.
@@ -308,10 +287,7 @@ class FaultTolerantHSDP:
         self.manager.load_state_dict({"step": step, "batches_committed": self.manager.batches_committed()})
 
     def begin_step(self) -> Participation:
-        """Join this step's quorum (healing from a live group if behind) and clear the gradients.
-
-        Call before forward. Returns where this group stands, from which its data share follows.
-        """
+        """Before forward: join this step's quorum (healing from a live group if behind), clear the gradients."""
         heals = self.state.heals
         self.manager.start_quorum()
         for opt in self.optimizers:
@@ -327,11 +303,7 @@ class FaultTolerantHSDP:
     def commit(self) -> bool:
         """Vote on this step after backward; step the optimizers only if every participant's rank agrees.
 
-        Returns:
-            Whether the step was applied. False: gradients are dropped, nothing moved.
-
-        Raises:
-            RuntimeError: without :meth:`begin_step` first.
+        Returns whether it was applied (False: gradients dropped); RuntimeError without :meth:`begin_step` first.
         """
         if not self._in_step:
             raise RuntimeError("FaultTolerantHSDP.commit() needs begin_step() first, once per optimizer step.")

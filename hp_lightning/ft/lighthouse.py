@@ -1,13 +1,9 @@
 """Run torchft's lighthouse: the one small server every replica group asks for a quorum.
 
-It holds no training state, only who is alive (heartbeats) and each step's quorum, so it is cheap
-to run beside the job (a login node, the first node). It binds to loopback by default: a run
-across machines must bind an address the other nodes reach (``--bind 0.0.0.0:29510``) on a
-network it trusts; the protocol has no authentication.
-
-``python -m hp_lightning.ft lighthouse`` is torchft's own ``torchft_lighthouse`` command (the
-process becomes it: serving, logging and stopping on SIGINT/SIGTERM are torchft's), with two
-defaults of ours: the loopback bind and one replica group for a quorum.
+It holds no training state (only heartbeats and quorums), so it runs cheaply beside the job. It
+binds to loopback by default: across machines bind an address the nodes reach on a trusted network
+(the protocol has no authentication). ``python -m hp_lightning.ft lighthouse`` becomes torchft's
+``torchft_lighthouse`` with two defaults of ours: the loopback bind and one replica group for a quorum.
 """
 
 from __future__ import annotations
@@ -63,15 +59,10 @@ def start_lighthouse(
 
 
 def reachable_address(bind: str, served: str) -> str:
-    """The address groups should use: the bound host with the port actually served.
+    """The address groups should use: the bound host with the port ``served`` (``LighthouseServer.address()``).
 
-    torchft's ``LighthouseServer.address()`` names the machine's host name, which is not where a
-    loopback-bound lighthouse (the default) is reachable. A specific bound host is the address;
-    only a wildcard bind (``0.0.0.0``, ``::``) is reachable by the host name torchft reports.
-
-    Args:
-        bind: the ``host:port`` the server was asked to bind (port 0: any free one).
-        served: what ``LighthouseServer.address()`` returns (``http://<hostname>:<port>``).
+    torchft reports the machine's host name, where a loopback-bound lighthouse is not reachable;
+    only a wildcard bind (``0.0.0.0``, ``::``) is reachable by it.
     """
     host = bind.rpartition(":")[0].strip("[]")
     port = served.rpartition(":")[2]

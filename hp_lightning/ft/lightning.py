@@ -1,35 +1,18 @@
 """Lightning glue for fault tolerance: a Callback the Trainer front end adds when the option is set.
 
-Kept out of the engine (this is the only module of ``hp_lightning.ft`` that imports Lightning).
-Each replica group is one Lightning job whose strategy shards over the group's ranks only; this
-callback then wires the sharded module and its optimizer to torchft (:class:`FaultTolerantHSDP`)
-and keeps Lightning's own bookkeeping in step with the commit decision:
+The only module of ``hp_lightning.ft`` that imports Lightning. Per optimizer step (accumulation
+window): the first micro-batch joins the quorum (a returning group heals here) and snapshots the LR
+schedulers; the non-final ones communicate nothing (``accumulation_mode="skip"``, required); the
+optimizer's ``step(closure)`` runs Lightning's closure, votes, and steps only a committed step,
+taking back the step Lightning is counting otherwise, so ``trainer.global_step`` is torchft's step
+in every later hook. After an uncommitted step the schedulers go back to the snapshot at
+``on_train_batch_end``, and what Lightning does after that hook (plateau schedulers, the loggers'
+step) is taken back at the next hook; the window's batches are not trained again (torchft's semantics).
 
-- the first micro-batch of each optimizer step (each accumulation window): join the quorum (a
-  returning group heals here), snapshot the LR schedulers;
-- the non-final micro-batches of a window communicate nothing (``accumulation_mode="skip"``,
-  required): their gradients stay local;
-- the optimizer's ``step(closure)`` (the window's last micro-batch) runs Lightning's closure
-  (forward, backward: the reduce-scatter in the group, then the cross-group average in FSDP2's
-  all-reduce hook, once per window), then votes and steps the real optimizer only if committed;
-  after a vote that did not commit it takes back the optimizer step Lightning is counting, before
-  Lightning completes it, so ``trainer.global_step`` equals torchft's step in every later hook;
-- ``on_train_batch_end`` of the window's last micro-batch: after an uncommitted step, the
-  schedulers go back to the snapshot (Lightning steps them after the optimizer step, where no hook
-  runs in between). The uncommitted window's batches are not trained again (torchft's
-  semantics), said in one info line;
-- what Lightning does after ``on_train_batch_end`` (it steps ``ReduceLROnPlateau`` schedulers, once
-  the step's metrics are logged, and counts the step for the loggers) is taken back at the next
-  point a hook runs: the next step's start, the epoch's end or the end of training, whichever
-  comes first.
-
-Healed with the weights: optimizer state, LR schedulers, ``trainer.global_step`` and the loggers'
-step. Requirements,
-checked at fit start (refused with a message otherwise): automatic optimization, one optimizer and,
-with ``accumulate_grad_batches > 1``, the strategy's ``accumulation_mode="skip"``. Data:
-Lightning's loader prefetches a batch before the quorum is known, so the Trainer path splits data
-by the *fixed* replica group (:func:`replica_group_sampler`, torchft's semantics: a dead group's
-share is skipped while it is down), not by participants as :class:`ParticipantBatches` does.
+Healed with the weights: optimizer state, LR schedulers, loop counters, callbacks' state and the
+data position. Required (checked at fit start): automatic optimization and one optimizer. Data is
+split by the *fixed* replica group (:func:`replica_group_sampler`: Lightning's loader prefetches
+before the quorum is known), not by participants as :class:`ParticipantBatches` does.
 """
 
 from __future__ import annotations
@@ -51,11 +34,7 @@ __all__ = ["CommittingOptimizer", "FaultToleranceCallback", "replica_group_sampl
 
 
 class CommittingOptimizer(torch.optim.Optimizer):
-    """An optimizer whose ``step(closure)`` runs the closure, then steps only a committed step.
-
-    Everything else (``param_groups``, ``state``, state dicts) is the wrapped optimizer's, so LR
-    schedulers built on the wrapped optimizer keep working.
-    """
+    """An optimizer whose ``step(closure)`` runs the closure, then steps only a committed step (the rest is the wrapped one's)."""
 
     def __init__(
         self, optimizer: torch.optim.Optimizer, ft: FaultTolerantHSDP, on_uncommitted: Callable[[], None] | None = None
@@ -142,11 +121,7 @@ _LOGGER_STEP_KEY = "_batches_that_stepped"
 
 
 def _logger_step(trainer: Trainer) -> int:
-    """The step Lightning gives loggers: optimizer steps counted by the training epoch loop.
-
-    Read and written through the loop's own checkpoint hooks (``on_save_checkpoint`` /
-    ``on_load_checkpoint``), which carry exactly this counter, rather than its private attribute.
-    """
+    """The step Lightning gives loggers, through the loop's own checkpoint hooks rather than its private attribute."""
     return int(trainer.fit_loop.epoch_loop.on_save_checkpoint().get(_LOGGER_STEP_KEY, 0))
 
 
@@ -155,13 +130,10 @@ def _set_logger_step(trainer: Trainer, step: int) -> None:
 
 
 class _AfterBatchEnd:
-    """What Lightning changes after ``on_train_batch_end``, as it was when an uncommitted step began.
+    """What Lightning changes after ``on_train_batch_end`` with no hook between (per-step ``ReduceLROnPlateau``
+    schedulers, scheduler progress, the loggers' step), as it was when an uncommitted step began.
 
-    After ``on_train_batch_end`` Lightning logs the step's metrics, then steps the per-step
-    ``ReduceLROnPlateau`` schedulers (they read those metrics) and counts the step for the loggers,
-    with no hook in between. Restoring this snapshot at the next hook takes an uncommitted step back
-    there too, so plateau schedulers and the logged step follow committed steps only. (The
-    uncommitted step's own metrics were logged under the step number the next step also uses.)
+    Restored at the next hook, so these follow committed steps only.
     """
 
     def __init__(self, trainer: Trainer) -> None:
@@ -185,10 +157,8 @@ class _AfterBatchEnd:
 def _uncount_step(trainer: Trainer) -> None:
     """Take back the optimizer step Lightning is counting, from inside ``optimizer.step`` (an uncommitted step).
 
-    Lightning counts a step as *ready* before the optimizer step and *completed* right after it
-    returns (``trainer.global_step`` is the completed total). Taking both back here, before the
-    return, leaves the counters where they were once Lightning adds its completion: every hook
-    after it (``on_train_batch_end`` of every callback included) reads torchft's step.
+    Lightning counts *ready* before the step and *completed* after it returns; taking both back
+    here leaves ``trainer.global_step`` at torchft's step in every later hook.
     """
     progress = _optimizer_step_progress(trainer)
     for tracker in (progress.total, progress.current):
@@ -273,12 +243,8 @@ class _DataPosition:
 class FaultToleranceCallback(Callback):
     """Joins torchft's quorum every step and keeps the Trainer's counters and data with the commit.
 
-    Added by :class:`~hp_lightning.HSDPStrategy` when its ``fault_tolerance`` option is set (the way
-    to use it); the strategy calls :meth:`before_batch` from ``batch_to_device``, so a returning
-    group heals before any hook sees the batch, and its data moves to the quorum's position.
-
-    Args:
-        config: the fault-tolerance option (or a dict of its fields).
+    Added by :class:`~hp_lightning.HSDPStrategy` for its ``fault_tolerance`` option (a FaultTolerance
+    or a dict of its fields), which calls :meth:`before_batch` from ``batch_to_device``.
     """
 
     def __init__(self, config: FaultTolerance | dict[str, Any]) -> None:
@@ -333,11 +299,7 @@ class FaultToleranceCallback(Callback):
     def before_batch(self, trainer: Trainer, batch: Any) -> Any:
         """Return the batch the quorum's data position names; at a window's first micro-batch join the quorum first.
 
-        Called once per training batch (micro-batch) before it moves to the device. The quorum (and
-        with it a returning group's heal) runs once per optimizer step, at the first micro-batch of
-        its accumulation window; the data position advances every micro-batch. Normally the batch in
-        hand is that batch; right after a heal it is re-read from the dataset (and the loader
-        continues after it).
+        Normally that is the batch in hand; right after a heal it is re-read from the dataset.
         """
         assert self.ft is not None
         held = self._held_position(trainer)
@@ -382,8 +344,7 @@ class FaultToleranceCallback(Callback):
         return trainer.lightning_module.on_before_batch_transfer(batch, 0)
 
     def _begin_window(self, trainer: Trainer) -> None:
-        """Join the quorum for the step whose window starts now (a returning group heals here); snapshot what an
-        uncommitted step takes back."""
+        """Join the quorum for the step whose window starts now; snapshot what an uncommitted step takes back."""
         assert self.ft is not None
         self._take_back_after_batch_end(trainer)  # before the quorum: a heal then overrides it
         self.micro_batch = 0
@@ -459,12 +420,9 @@ class FaultToleranceCallback(Callback):
 def replica_group_sampler(
     dataset: Any, config: FaultTolerance, *, group_rank: int, group_world_size: int, shuffle: bool = True, seed: int = 0
 ) -> Any:
-    """torchft's ``DistributedSampler``: this rank's shard among all groups' ranks (fixed by group).
+    """torchft's ``DistributedSampler``: this rank's shard among all groups' ranks (fixed by group, plain HSDP's split).
 
-    Global rank ``replica_group x group_world_size + group_rank`` of ``num_replica_groups x
-    group_world_size``: with every group up, exactly plain HSDP's split. Use it with
-    ``Trainer(use_distributed_sampler=False)``; Lightning's own sampler would give every group the
-    same samples.
+    Use it with ``Trainer(use_distributed_sampler=False)``; Lightning's would give every group the same samples.
     """
     from torchft.data import DistributedSampler
 

@@ -45,16 +45,7 @@ def _is_local(value: Any) -> bool:
 
 
 class TrainingState:
-    """Model shards, optimizer shards and any number of extra stateful objects, as one state dict.
-
-    ``extra`` is the extensible part: LR schedulers, the loop's progress, callbacks' state and the
-    data position each register under a name (``add``), and heal together with the weights.
-
-    Args:
-        model: the module sharded inside this group (FSDP2 units on the group's own mesh).
-        optimizers: its optimizers, built on the sharded parameters.
-        extra: named objects with ``state_dict`` / ``load_state_dict``.
-    """
+    """Model shards, optimizer shards and named ``extra`` stateful objects (schedulers, loop progress), as one state dict."""
 
     def __init__(
         self, model: nn.Module, optimizers: list[torch.optim.Optimizer], extra: Mapping[str, Stateful] | None = None
@@ -76,11 +67,7 @@ class TrainingState:
             )
 
     def add(self, name: str, obj: Stateful) -> None:
-        """Heal ``obj`` (e.g. an LR scheduler) with the rest of the state, under ``name``.
-
-        Raises:
-            ValueError: ``name`` is taken.
-        """
+        """Heal ``obj`` (e.g. an LR scheduler) with the rest of the state, under ``name`` (ValueError if taken)."""
         if name in self.extra:
             raise ValueError(f"TrainingState already holds {name!r}; choose another name.")
         self._check_stateful(name, obj)
@@ -102,12 +89,7 @@ class TrainingState:
 
     @torch.no_grad()
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Copy a peer rank's state into this rank's, in place.
-
-        Raises:
-            ValueError: the peer's layout differs (names, shapes or counts): the groups do not
-                shard the same model the same way, and healing would train a wrong model.
-        """
+        """Copy a peer rank's state into this rank's, in place; ValueError when the layouts differ (names, shapes, counts)."""
         params = dict(self.model.named_parameters())
         given = state["model"]["params"]
         if set(given) != set(params):
@@ -152,16 +134,13 @@ def _from_transport_optimizer(opt: torch.optim.Optimizer, state: dict[str, Any])
         param = params[index]
         restored = {}
         for key, value in entries.items():
-            if _is_local(value):
-                local = value[_LOCAL]
-                if not isinstance(param, DTensor):
-                    restored[key] = local.clone()
-                    continue
+            if not _is_local(value):
+                restored[key] = value.clone() if isinstance(value, torch.Tensor) else value
+            elif isinstance(param, DTensor):
                 restored[key] = DTensor.from_local(
-                    local.clone(), param.device_mesh, param.placements, run_check=False, shape=param.size(),
-                    stride=param.stride(),
+                    value[_LOCAL].clone(), param.device_mesh, param.placements, run_check=False, shape=param.size(), stride=param.stride()
                 )
             else:
-                restored[key] = value.clone() if isinstance(value, torch.Tensor) else value
+                restored[key] = value[_LOCAL].clone()
         out_state[index] = restored
     return {"state": out_state, "param_groups": state["param_groups"]}

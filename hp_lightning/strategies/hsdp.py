@@ -1,11 +1,8 @@
 """HSDPStrategy: the Trainer's hooks over :class:`~hp_lightning.frontends.base.StrategyBase`.
 
-What both front ends share (options, launch, process group, mesh, collectives, accumulation,
-timeouts, checkpoint writes) is in the core; this module keeps what only the Trainer calls:
-``setup`` with its optimizers and callbacks, the step methods (run by
-:mod:`hp_lightning.strategies.pipeline_steps`, directly or through a pipeline schedule), the loop
-boundaries, preemption, data loaders, and the Trainer's checkpoint hooks. Helpers that are not
-hooks are functions of :mod:`~hp_lightning.strategies.preemption` and :mod:`~hp_lightning.strategies.trainer_loop`.
+Only what the Trainer calls: ``setup`` with its optimizers and callbacks, the step methods (run by
+:mod:`hp_lightning.strategies.pipeline_steps`), the loop boundaries, preemption, data loaders and
+the checkpoint hooks.
 """
 
 from __future__ import annotations
@@ -60,11 +57,7 @@ class HSDPStrategy(TrainerConstructor, ParallelStrategy):
     ``Trainer(strategy="hsdp")`` shards every LightningModule: each repeated block becomes a
     sharding unit, the rest (embeddings, heads, norms) belongs to the root unit. Gradients are
     reduce-scattered inside shard groups of consecutive ranks and all-reduced across replicate
-    groups; with gradient accumulation nothing is communicated until the last micro-batch.
-
-    The keyword arguments are :class:`~hp_lightning.core.options.HSDPOptions` (documented there,
-    in ``docs/configuration.md`` and in ``--help``), shared with the Fabric strategy
-    (:class:`hp_lightning.fabric.HSDPFabricStrategy`).
+    groups. The keyword arguments are :class:`~hp_lightning.core.options.HSDPOptions`.
     """
 
     strategy_name = "hsdp"
@@ -112,8 +105,7 @@ class HSDPStrategy(TrainerConstructor, ParallelStrategy):
     @precision_plugin.setter
     @override
     def precision_plugin(self, precision_plugin: Optional[Precision]) -> None:
-        # Lightning's connector hands us the plugin for Trainer(precision=...) inside Trainer(...):
-        # converting here refuses unsupported precisions before any process starts.
+        # Set inside Trainer(...): converting here refuses unsupported precisions before any process starts.
         self._precision_plugin = None if precision_plugin is None else precision_from_lightning(precision_plugin)
 
     @property
@@ -157,8 +149,7 @@ class HSDPStrategy(TrainerConstructor, ParallelStrategy):
             add_preemption_stop(trainer, self._preemption, self._agreement, self.cluster_environment, save=self.options.save_on_preemption)
             config = self.fault_tolerance_config
             self._fault_tolerance = add_fault_tolerance(trainer, config) if config is not None else None
-            # Lightning's per-batch SIGTERM broadcast (a world collective and a device read each
-            # micro-batch) gives way to the once-per-step agreement PreemptionStop acts on.
+            # Lightning's per-batch SIGTERM broadcast gives way to the once-per-step agreement PreemptionStop acts on.
             replace_sigterm_broadcast(trainer, lambda: fold_lightning_sigterm(trainer, self._preemption))
         self.setup_precision_plugin()
         self._report_sharding(lambda: self.sharding_summary().table())
@@ -200,10 +191,8 @@ class HSDPStrategy(TrainerConstructor, ParallelStrategy):
     def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
         """Where ``configure_model`` and ``trainer.init_module(empty_init=...)`` create tensors.
 
-        On the meta device, with construction recorded, unless ``empty_init=False`` or
-        ``meta_init=False`` (None follows the option). Whatever is built on meta is initialized at
-        setup, after sharding, by replaying its construction and its modules' rules, so no
-        combination trains on uninitialized memory; loaded weights then overwrite it.
+        On the meta device unless ``empty_init=False`` or ``meta_init=False`` (None follows the
+        option); what is built on meta is initialized after sharding by replaying its construction.
         """
         with self._init_context(empty_init, nullcontext()), self.precision_plugin.tensor_init_context():
             yield
@@ -338,12 +327,9 @@ class HSDPStrategy(TrainerConstructor, ParallelStrategy):
     def process_dataloader(self, dataloader: object) -> object:
         """With ``resumable_dataloaders=True``, a plain sized training ``DataLoader`` resumes mid-epoch.
 
-        Lightning restarts a plain ``DataLoader`` at the start of its epoch on resume (and says so
-        when the checkpoint was taken mid-epoch); the opt-in wrapper
-        (:class:`~hp_lightning.checkpoint.ResumableLoader`, said once in the log) records the
-        batches served and skips them at the sampler on resume (nothing is reloaded). A loader
-        with its own state (torchdata's ``StatefulDataLoader``, recommended: Lightning checkpoints
-        it natively) is never wrapped. Evaluation loaders always start from their beginning.
+        Lightning restarts it at the start of its epoch; :class:`~hp_lightning.checkpoint.ResumableLoader`
+        skips the batches served at the sampler. A stateful loader (torchdata's ``StatefulDataLoader``)
+        is never wrapped; evaluation loaders always start from their beginning.
         """
         training = self._training()
         if training and self._fault_tolerance is not None:

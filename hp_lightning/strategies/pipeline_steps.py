@@ -1,12 +1,9 @@
 """How the Trainer strategy's step methods run: directly, or through a pipeline schedule (``pp > 1``).
 
-The strategy chooses one of these once, at construction, from ``pipeline_parallel_size``, and
-delegates its step methods, ``backward``, gradient-sync blocking and state dicts to it:
-:class:`DirectSteps` is Lightning's own behaviour; :class:`PipelineSteps` cuts the model to this
-rank's stage before sharding, runs torch's schedule inside ``training_step`` (forward and
-backward of every micro-batch, :class:`~hp_lightning.parallel.pipeline.PipelineRunner`), and
-gathers every stage's state for a full checkpoint. Pipeline behaviour grows here, not in the
-strategy.
+The strategy delegates its step methods, ``backward``, gradient-sync blocking and state dicts to
+one of these, chosen at construction: :class:`DirectSteps` is Lightning's own behaviour;
+:class:`PipelineSteps` cuts the model to this rank's stage before sharding, runs torch's schedule
+inside ``training_step``, and gathers every stage's state for a full checkpoint.
 """
 
 from __future__ import annotations
@@ -171,10 +168,8 @@ class PipelineSteps(DirectSteps):
     def _several_stages(self, module: LightningModule, per_stage: list[list[str]], stages: list[int]) -> list[torch.nn.Module]:
         """One module per stage of this rank, sharing the LightningModule's units (each becomes its own FSDP root).
 
-        The LightningModule keeps every unit of the rank (the optimizer and the checkpoint see
-        them under their own names); each view holds one stage's. What no recipe unit owns (the
-        embedding, the head) cannot go to the LightningModule's root, which spans the stages: it
-        is sharded here, before the recipe, as one unit per stage.
+        What no recipe unit owns (the embedding, the head) cannot go to the LightningModule's root,
+        which spans the stages: it is sharded here, before the recipe, as one unit per stage.
         """
         strategy = self.strategy
         plan = strategy.sharding_plan()

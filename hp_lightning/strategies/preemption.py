@@ -1,17 +1,13 @@
 """How the Trainer stops on preemption: every rank at the same batch, after an optional checkpoint.
 
-:class:`HSDPStrategy` replaces Lightning's SIGTERM handler (which starts a collective inside the
-handler and can hang the job) with :class:`~hp_lightning.core.preemption.PreemptionWatch`,
-replaces Lightning's per-batch SIGTERM broadcast on the trainer's loop (a world collective and a
-device read per micro-batch), and adds :class:`PreemptionStop` to the trainer's callbacks. Once
-per optimizer step the ranks agree whether any of them was signalled, in the step's one control
-collective (:class:`~hp_lightning.core.agreement.StepAgreement`, host-side, shared with the
-divergence check before the window's communicating backward). After the optimizer step (the last
-micro-batch of the window) :class:`PreemptionStop` acts on that agreed signal: every rank saves
-``last.ckpt`` (with ``save_on_preemption=True``) and raises
-:class:`~hp_lightning.core.preemption.Preempted` together. Under ``SLURMEnvironment(auto_requeue=True)``
-SLURM's requeue signal (``SIGUSR1`` by default) takes the same path and then runs Lightning's own
-requeue (the ``hpc_ckpt`` save and ``scontrol requeue``) at that batch.
+Lightning's SIGTERM handler (a collective inside the handler: it can hang) and its per-batch
+SIGTERM broadcast give way to :class:`~hp_lightning.core.preemption.PreemptionWatch`, which only
+records the signal; the ranks agree on it once per optimizer step in the step's one host-side
+collective (:class:`~hp_lightning.core.agreement.StepAgreement`). At the window's end
+:class:`PreemptionStop` saves ``last.ckpt`` (``save_on_preemption=True``) and every rank raises
+:class:`~hp_lightning.core.preemption.Preempted` together. Under
+``SLURMEnvironment(auto_requeue=True)`` SLURM's requeue signal takes the same path, then runs
+Lightning's own requeue at that batch.
 """
 
 from __future__ import annotations
@@ -68,11 +64,7 @@ def add_preemption_stop(trainer: pl.Trainer, watch: PreemptionWatch, agreement: 
 
 
 def fold_lightning_sigterm(trainer: pl.Trainer, watch: PreemptionWatch) -> None:
-    """Before each training batch, where Lightning broadcast its SIGTERM flag: no collective.
-
-    A SIGTERM that Lightning's own handler caught (before ours took over at ``on_train_start``)
-    is handed to the step's agreement, so every rank acts on it at the same batch.
-    """
+    """In place of Lightning's per-batch SIGTERM broadcast: a SIGTERM its handler caught goes to the step's agreement."""
     if trainer.received_sigterm and not watch.received:
         watch.received = signal.SIGTERM
 
@@ -88,13 +80,7 @@ def install_eval_preemption(trainer: Optional[pl.Trainer], watch: PreemptionWatc
 
 
 class PreemptionStop(Callback):
-    """Added by :class:`~hp_lightning.HSDPStrategy` (not meant to be added by hand).
-
-    Args:
-        agreement: the strategy's step agreement (it reads the strategy's signal record).
-        save: save ``last.ckpt`` before stopping.
-        requeue_signal: SLURM's requeue signal under auto-requeue (None: none).
-    """
+    """Stops every rank at the agreed preemption; added by :class:`~hp_lightning.HSDPStrategy` (not by hand)."""
 
     def __init__(self, agreement: StepAgreement, save: bool, requeue_signal: Optional[int] = None) -> None:
         self.agreement = agreement

@@ -1,10 +1,4 @@
-"""What the Trainer strategy adds to the fit loop, as functions its hooks call (they are not hooks themselves).
-
-* :func:`add_fault_tolerance`: the ``fault_tolerance`` option's
-  :class:`~hp_lightning.ft.lightning.FaultToleranceCallback`, added to the trainer at setup;
-* :func:`mid_window_save_warning`: what a save inside a gradient-accumulation window leaves out;
-* :func:`resumable_training_loader`: the ``resumable_dataloaders`` wrapper of a plain training loader.
-"""
+"""What the Trainer strategy adds to the fit loop, as functions its hooks call (they are not hooks themselves)."""
 
 from __future__ import annotations
 
@@ -25,11 +19,7 @@ if TYPE_CHECKING:
 
 
 def add_fault_tolerance(trainer: pl.Trainer, config: FaultTolerance) -> FaultToleranceCallback:
-    """Add the callback that runs torchft's quorum and commit to ``trainer``; returns it.
-
-    Raises:
-        ValueError: when the trainer has a ``FaultToleranceCallback`` already (the option is the way to turn it on).
-    """
+    """Add the callback that runs torchft's quorum and commit to ``trainer`` (ValueError if it has one already); returns it."""
     callbacks = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning's connector, not declared on Trainer
     if any(isinstance(cb, FaultToleranceCallback) for cb in callbacks):
         raise ValueError(
@@ -42,11 +32,7 @@ def add_fault_tolerance(trainer: pl.Trainer, config: FaultTolerance) -> FaultTol
 
 
 def mid_window_save_warning(trainer: Optional[pl.Trainer], module: Optional[pl.LightningModule]) -> Optional[str]:
-    """Why a checkpoint saved now differs from the uninterrupted run (None: it does not).
-
-    A save inside an accumulation window does not hold the window's gradients so far, so a resume
-    from it continues with the next batch and steps without them.
-    """
+    """Why a checkpoint saved now (inside an accumulation window) differs from the uninterrupted run (None: it does not)."""
     if trainer is None or module is None or trainer.state.fn != TrainerFn.FITTING or trainer.sanity_checking:
         return None
     if not module.automatic_optimization or trainer.accumulate_grad_batches == 1 or not should_accumulate(trainer):
@@ -61,11 +47,7 @@ def mid_window_save_warning(trainer: Optional[pl.Trainer], module: Optional[pl.L
 
 
 def resumable_training_loader(dataloader: object) -> object:
-    """A plain sized ``DataLoader`` wrapped in :class:`~hp_lightning.checkpoint.ResumableLoader` (said once in the log).
-
-    Anything else is returned as it is: a loader with its own state (torchdata's
-    ``StatefulDataLoader``) is checkpointed by Lightning itself.
-    """
+    """A plain sized ``DataLoader`` wrapped in :class:`~hp_lightning.checkpoint.ResumableLoader`; anything else as it is."""
     if not isinstance(dataloader, DataLoader) or not has_len(dataloader) or isinstance(dataloader, Stateful):
         return dataloader
     rank_zero_info(
