@@ -139,7 +139,8 @@ def _route_stage_input(decoder: nn.Module, args: tuple[Any, ...], kwargs: dict[s
     """Forward pre-hook of a decoder without its embeddings: the stage's input is hidden states, given as ``inputs_embeds``."""
     if decoder._modules.get("embed_tokens") is not None:
         return args, kwargs
-    hidden, args = args[0] if args else kwargs.get("input_ids"), args[1:]
+    hidden = args[0] if args else kwargs.get("input_ids")
+    args = args[1:]
     if hidden is None:
         return args, kwargs  # already given as inputs_embeds
     return args, {**kwargs, "input_ids": None, "inputs_embeds": hidden}

@@ -138,7 +138,8 @@ class PipelineRunner:
     def _run(self, run: Callable[..., Any], inputs: torch.Tensor, target: Any, losses: list[torch.Tensor]) -> Any:
         """One schedule call with each stage's part: the input on the first, target and losses on the last."""
         args = (inputs,) if self.is_first else ()
-        return run(*args, **({"target": target, "losses": losses} if self.is_last else {}))
+        kwargs = {"target": target, "losses": losses} if self.is_last else {}
+        return run(*args, **kwargs)
 
     def step(self, inputs: torch.Tensor, target: Any, *, accumulate: int = 1) -> torch.Tensor:
         """Forward and backward of one batch, split into micro-batches; the batch's mean loss on every stage.

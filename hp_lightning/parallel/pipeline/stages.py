@@ -27,6 +27,7 @@ class StageCut:
         split_points: the resolved split points (``"auto"`` turned into module names).
         plan: every stage's units and parameter bytes (the same on every rank).
         stages: this rank's stages, increasing.
+        num_stages: stages in the whole pipeline.
     """
 
     split_points: list[str]
