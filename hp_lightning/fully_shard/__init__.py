@@ -1,22 +1,7 @@
 """The seed's ``fully_shard`` API (HyperParallel) on PyTorch FSDP2."""
 
-from hp_lightning.fully_shard.api import (
-    REDUCE_OPS,
-    ArgumentTypeError,
-    HSDPModule,
-    adopt_sharded,
-    fully_shard,
-    hsdp_modules,
-    to_model_placements,
-    validate_scaling_factor,
-)
-from hp_lightning.fully_shard.policies import (
-    CPUOffloadPolicy,
-    MixedPrecisionPolicy,
-    OffloadPolicy,
-    build_mp_policy,
-    parse_dtype,
-)
+from hp_lightning.fully_shard.api import REDUCE_OPS, ArgumentTypeError, HSDPModule, adopt_sharded, fully_shard, hsdp_modules, to_model_placements, validate_scaling_factor
+from hp_lightning.fully_shard.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, build_mp_policy, parse_dtype
 from hp_lightning.fully_shard.state_dict import get_model_state_dict, set_model_state_dict
 
 __all__ = [

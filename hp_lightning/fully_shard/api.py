@@ -101,9 +101,7 @@ class HSDPModule(_ShardedModule):
     _hp_extra_divisor: int
 
     def _hp_units(self, recurse: bool) -> list[HSDPModule]:
-        if not recurse:
-            return [self]
-        return [m for m in self.modules() if isinstance(m, HSDPModule)]
+        return hsdp_modules(self) if recurse else [self]
 
     def _apply(self, fn: Any, recurse: bool = True) -> Any:
         # ``to_empty()`` / ``.to()`` may put new objects in the places of replicate params, which
@@ -117,11 +115,7 @@ class HSDPModule(_ShardedModule):
 
     @property
     def device_mesh(self) -> DeviceMesh:
-        """The data-parallel mesh this unit shards over (1-D FSDP or 2-D HSDP).
-
-        A module whose own class defines ``device_mesh`` (a LightningModule) keeps its own; the
-        unit's mesh is then :attr:`sharding_mesh`.
-        """
+        """The data-parallel mesh this unit shards over (a LightningModule keeps its own ``device_mesh``: see :attr:`sharding_mesh`)."""
         return self._hp_mesh
 
     @property
@@ -146,11 +140,8 @@ class HSDPModule(_ShardedModule):
         """HSDP: run (True) or defer (False) the all-reduce across replicate groups.
 
         With False, gradients are still reduce-scattered inside each shard group every backward,
-        and the cross-group all-reduce waits for a backward with True: the middle road between
-        syncing every micro-batch and syncing only the last. On a 1-D (FSDP) mesh there is no
-        such all-reduce, so both values are accepted as no-ops, as in HyperParallel and torch:
-        gradients are still reduced every backward. To skip reduction on FSDP, use
-        ``set_requires_gradient_sync(False)``.
+        and the cross-group all-reduce waits for a backward with True. On a 1-D (FSDP) mesh both
+        values are no-ops, as in HyperParallel and torch; use ``set_requires_gradient_sync(False)``.
         """
         _require_bool(requires_all_reduce, "set_requires_all_reduce")
         _require_bool(recurse, "set_requires_all_reduce(recurse=...)")
@@ -232,11 +223,10 @@ class HSDPModule(_ShardedModule):
     def _hp_shard_group_is_one_rank(self, divisor: float) -> bool:
         """Whether this unit shards over one rank (single device, HSDP ``(R, 1)``, experts with ``ep`` = shard size).
 
-        There FSDP2 (torch 2.13) runs no reduce-scatter: it copies the gradient divided by the
-        divide factor, and with sum-only reduction forced it divides by the factor again. Without
-        forcing, that copy is the only division and the replicate all-reduce is a plain sum (any
-        backend). For reduce dtypes other than float32/bfloat16 torch divides twice either way,
-        so that combination is refused rather than trained with a squared divisor.
+        There FSDP2 (torch 2.13) runs no reduce-scatter but copies the gradient divided by the
+        factor, and divides again when sum-only reduction is forced, so it is not forced. For reduce
+        dtypes other than float32/bfloat16 torch divides twice either way: refused, not trained
+        with a squared divisor.
 
         Raises:
             ValueError: for a one-rank unit reducing in another dtype with a divisor other than 1.
@@ -260,16 +250,10 @@ class HSDPModule(_ShardedModule):
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
         """Load a state dict whose sharded entries may be DTensors, full tensors or this rank's shards.
 
-        HyperParallel's ``load_state_dict`` takes all three; FSDP2 only DTensors. Full tensors (the
-        parameter's global shape: what ``torch.save(model.state_dict())`` of an unsharded model
-        holds, given to every rank) keep this rank's slice; plain tensors of the local shard's
-        shape are this rank's shard. FSDP2 re-registers the parameters either way.
-
-        ``assign=True`` makes the loaded values the parameters themselves (what a module still on
-        the meta device needs), but never the caller's storage: HyperParallel copies into its
-        shards whatever ``assign`` says, so training the module never changes ``state_dict``.
-        Where torch's plain ``assign=True`` would alias an entry (a DTensor, a local shard, an
-        unsharded tensor), it is copied first: one copy per such tensor, as ``assign=False`` makes.
+        HyperParallel's ``load_state_dict`` takes all three; FSDP2 only DTensors (conversion:
+        :func:`to_model_placements`). ``assign=True`` makes the loaded values the parameters (what a
+        meta-device module needs) but never aliases the caller's storage, as HyperParallel's copy
+        into its shards does: an entry torch would alias is copied first.
 
         Raises:
             ValueError: an entry whose shape is neither the parameter's global nor its local shape.
@@ -283,10 +267,6 @@ class HSDPModule(_ShardedModule):
         """All-gather this unit's parameters now; with ``async_op=True`` return a handle to wait on."""
         _require_bool(async_op, "unshard(async_op=...)")
         return super().unshard(async_op=async_op)
-
-    def reshard(self) -> None:
-        """Free this unit's gathered parameters, keeping only the local shards."""
-        super().reshard()
 
 
 def _storage_of(value: Any) -> torch.UntypedStorage | None:
@@ -309,12 +289,7 @@ _HP_CLASSES: dict[type, type] = {}
 
 
 def _kept_attributes(cls: type) -> dict[str, Any]:
-    """What the module's own class defines that :class:`HSDPModule` must not shadow.
-
-    A LightningModule's ``device_mesh`` is the strategy's whole mesh (Lightning's contract, the same
-    object in ``configure_model`` and every later hook); HSDPModule's is the unit's data-parallel
-    mesh. The module's own wins; the unit's stays reachable as :attr:`HSDPModule.sharding_mesh`.
-    """
+    """What the module's own class defines that :class:`HSDPModule` must not shadow (a LightningModule's ``device_mesh``)."""
     for base in cls.__mro__:
         if base is not HSDPModule and "device_mesh" in base.__dict__:
             return {"device_mesh": base.__dict__["device_mesh"]}
@@ -353,12 +328,10 @@ def _default_mesh(device_type: str | None = None) -> DeviceMesh:
 
 
 def _host_offload_for(mesh: DeviceMesh, offload_policy: OffloadPolicy) -> OffloadPolicy:
-    """``offload_policy`` with pinning dropped where no accelerator would read the pinned memory.
+    """``offload_policy`` with pinning dropped on a CPU mesh (same numbers).
 
-    Pinned (page-locked) host memory only speeds up host<->accelerator copies, and pinning needs an
-    accelerator runtime: on a CPU mesh (a CPU-only machine, say) torch would raise "Cannot access
-    accelerator device when none is available". There the shards already live on the host, so the
-    same policy without pinning keeps exactly the same numbers.
+    Pinning needs an accelerator runtime (torch would raise "Cannot access accelerator device when
+    none is available") and only speeds up host<->accelerator copies.
     """
     if isinstance(offload_policy, CPUOffloadPolicy) and offload_policy.pin_memory and not is_accelerator(mesh.device_type):
         return dataclasses.replace(offload_policy, pin_memory=False)
@@ -416,27 +389,24 @@ def fully_shard(
     """Shard ``module`` in place with FSDP (1-D mesh) or HSDP (2-D ``(replicate, shard)`` mesh).
 
     Call it bottom-up: on each sharding unit (a transformer block, say), then on the root. Each
-    call groups the parameters not yet owned by an inner unit into one all-gather and one
-    reduce-scatter. A list of modules forms one unit.
+    call groups the parameters not yet owned by an inner unit (of ``module``, or of a list of
+    modules forming one unit) into one all-gather and one reduce-scatter.
 
     Args:
-        module: the module, or a list of modules forming one unit.
         mesh: 1-D → FSDP; 2-D ``(replicate, shard)`` → HSDP; None → 1-D over the world.
         reshard_after_forward: free gathered parameters after forward (True) or keep them for
             backward (False: one all-gather fewer per unit, the unit's full size held longer).
         shard_placement_fn: ``param -> Shard(dim) | None``; None → dim 0.
         mp_policy: compute (``param_dtype``) and gradient-reduction (``reduce_dtype``) dtypes.
         offload_policy: ``CPUOffloadPolicy()`` keeps shards, gradients and optimizer state on
-            the host; ``OffloadPolicy()`` or None keeps them on the device. On a CPU mesh the
-            host memory is not pinned (pinning needs an accelerator and buys nothing there).
+            the host (not pinned on a CPU mesh); ``OffloadPolicy()`` or None on the device.
         ignored_params: left alone: not sharded, gradients not synchronized (each rank keeps its own).
         replicate_params: kept whole on every rank, gradients all-reduced over the whole
             data-parallel domain, honouring every control below.
         comm_fusion: reduce the unit's replicate-parameter gradients in one bucketed all-reduce
             instead of one per parameter.
-        device: the device (type) to shard onto, as in HyperParallel: with ``mesh=None`` the
-            default mesh is built on it; with a mesh it must match the mesh's device type.
-            None: the mesh's device (the accelerator when there is one).
+        device: the device (type) to shard onto, as in HyperParallel: builds the default mesh, or
+            must match the given mesh's. None: the mesh's device (the accelerator when there is one).
 
     Returns:
         The same module (or list), extended with :class:`HSDPModule`'s runtime controls.
@@ -465,8 +435,7 @@ def fully_shard(
         raise ArgumentTypeError(
             f"fully_shard(mp_policy=...) expects hp_lightning.MixedPrecisionPolicy; got {type(mp_policy).__name__}."
         )
-    if offload_policy is None:
-        offload_policy = OffloadPolicy()
+    offload_policy = OffloadPolicy() if offload_policy is None else offload_policy
     if not isinstance(offload_policy, OffloadPolicy):
         raise ArgumentTypeError(
             f"fully_shard(offload_policy=...) expects OffloadPolicy() or CPUOffloadPolicy(); got "
@@ -548,9 +517,8 @@ def _attach_controls(module: nn.Module, mesh: DeviceMesh, replicated: Replicated
 def adopt_sharded(module: nn.Module) -> HSDPModule:
     """Give a module sharded by torch's own ``fully_shard`` the runtime controls of :class:`HSDPModule`.
 
-    Its sharding (mesh, reshard, precision, offload) is left exactly as the user chose; reduce op
-    and scaling start at their defaults ("avg", none). Modules sharded by :func:`fully_shard` are
-    returned as they are.
+    Its sharding is left as the user chose; reduce op and scaling start at their defaults ("avg",
+    none). Modules sharded by :func:`fully_shard` are returned as they are.
 
     Raises:
         TypeError: when ``module`` is not sharded at all.

@@ -1,36 +1,17 @@
 """Rank-divergent graphs named before they reach a collective.
 
-FSDP reduce-scatters, per unit, the gradients of the parameters that received one; replicate
-parameters are all-reduced one by one as their gradients arrive. When rank-dependent control flow
-gives a unit (or a parameter, or a replicate parameter) a gradient on some ranks and not on others,
-the ranks issue different collectives: gloo aborts with ``Received data size doesn't match
-expected size`` (naming nothing the user wrote), NCCL hangs until the timeout, and collectives of
-equal size silently mix gradients of different parameters.
+When rank-dependent control flow gives a unit (or a replicate parameter) a gradient on some ranks
+and not on others, the ranks issue different collectives: gloo aborts with ``Received data size
+doesn't match expected size``, NCCL hangs until the timeout, equal sizes silently mix gradients.
+:class:`DivergenceCheck` walks the autograd graph from the loss *before* backward; a backward that
+communicates compares what it reaches (OR-ed over the window's silent micro-batches) across ranks
+inside the step's control all-reduce (:class:`~hp_lightning.core.agreement.StepAgreement`, no
+host-device sync), and every rank raises :class:`RankDivergenceError` alike if any differs.
 
-:class:`DivergenceCheck` looks at the autograd graph *before* backward starts, from the loss:
-which parameters of each unit, and which replicate parameters, it reaches. Ranks compare that
-only where a mismatch could do harm, before a backward that issues gradient collectives:
-
-* a non-final micro-batch under ``accumulation_mode="skip"`` communicates nothing, so it cannot
-  mismatch: its reached set is OR-ed into a local record of the window (no collective);
-* the backward that communicates (the window's last one in ``"skip"``; every one in ``"every"``
-  and ``"defer_all_reduce"``) compares the window's record with every other rank, in the step's
-  one control collective (:class:`~hp_lightning.core.agreement.StepAgreement`: an all-reduce of
-  small integers on a host-side gloo group, shared with the preemption decision; no host-device
-  synchronization).
-
-If any rank differs, every rank raises :class:`RankDivergenceError` (same message everywhere,
-within the step), naming the unit and parameters, the ranks on each side and the likely cause.
-Nothing else changes in the step.
-
-Cost when nothing diverges (measured in ``docs/benchmarks.md``): a walk over the autograd graph
-per backward (Python, linear in its nodes) and two integers per checked parameter in the
-step's control all-reduce (which runs anyway for preemption). Only when ranks differ are the
-per-rank records gathered, to name them. ``HSDPStrategy(divergence_check="off")`` drops it.
-
-Where it hooks: on a Lightning root, ``training_step`` (its returned loss) and
-``manual_backward``; any front end may call :func:`check_before_backward` itself, and enters
-:func:`gradients_stay_local` around the backward passes that issue no gradient collective.
+Cost when nothing diverges (``docs/benchmarks.md``): one Python walk of the graph per backward and
+two integers per checked parameter in that all-reduce; ``divergence_check="off"`` drops it. On a
+Lightning root it hooks ``training_step`` and ``manual_backward``; other front ends call
+:func:`check_before_backward` and enter :func:`gradients_stay_local`.
 """
 
 from __future__ import annotations
@@ -126,23 +107,14 @@ class DivergenceCheck:
     """Compares, across ranks, which checked parameters the coming backward will reach.
 
     Args:
-        root: the sharded root module.
-        units: its sharding units (the root excluded or included).
+        units: the root's sharding units (the root excluded or included).
         replicated: qualified names of replicate parameters.
-        device_type: the mesh's device type (used only by the fallback agreement on a default
-            group that cannot carry host tensors).
-        agreement: the step's control collective (the front end's, on a host-side group); None:
-            one on the default group, made on first use. A front end sets :attr:`agreement`.
+        device_type: the mesh's device type (for the fallback agreement on the default group).
+        agreement: the step's control collective (the front end sets it); None: one on the default
+            group, made on first use.
     """
 
-    def __init__(
-        self,
-        root: nn.Module,
-        units: Sequence[nn.Module],
-        replicated: Iterable[str],
-        device_type: str,
-        agreement: StepAgreement | None = None,
-    ) -> None:
+    def __init__(self, root: nn.Module, units: Sequence[nn.Module], replicated: Iterable[str], device_type: str, agreement: StepAgreement | None = None) -> None:
         self.slots = _unit_slots(root, [u for u in units if u is not root], replicated)
         self.device_type = device_type
         self.agreement = agreement
@@ -186,16 +158,13 @@ class DivergenceCheck:
     def check(self, loss: Any, *, skipped_counts: bool = False) -> None:
         """Raise :class:`RankDivergenceError` on every rank if the coming backward differs across ranks.
 
-        Under :func:`gradients_stay_local` it only records what the backward reaches (no
-        collective); otherwise it compares that record (the window's OR) across ranks in the
-        step's control collective: every rank must call it at the same backward passes (the front
-        ends do).
+        Under :func:`gradients_stay_local` it only records; otherwise a collective: every rank must
+        call it at the same backward passes.
 
         Args:
             loss: the loss (a tensor, or a mapping with ``"loss"``), or None.
-            skipped_counts: a step without a loss (Lightning skips backward when ``training_step``
-                returns None) takes part in the comparison as a backward that reaches nothing, so
-                a rank skipping a step that others run is named instead of hanging them.
+            skipped_counts: a step without a loss (``training_step`` returned None) counts as a backward
+                that reaches nothing, so a rank skipping a step others run is named instead of hanging them.
         """
         outputs = [t for t in _tensors(loss) if t.requires_grad]
         if not self.enabled or not torch.is_grad_enabled() or not dist.is_initialized():
@@ -264,17 +233,12 @@ class DivergenceCheck:
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
     if isinstance(value, Mapping):
-        loss = value.get("loss")
-        return [loss] if isinstance(loss, torch.Tensor) else []
-    return []
+        value = value.get("loss")
+    return [value] if isinstance(value, torch.Tensor) else []
 
 
-def _checked_method(
-    check: DivergenceCheck, method: Callable[..., Any], loss_from_result: bool, root: nn.Module
-) -> Callable[..., Any]:
+def _checked_method(check: DivergenceCheck, method: Callable[..., Any], loss_from_result: bool, root: nn.Module) -> Callable[..., Any]:
     @functools.wraps(method)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         if not loss_from_result:
@@ -291,9 +255,7 @@ def _checked_method(
     return wrapped
 
 
-def install(
-    root: nn.Module, units: Sequence[nn.Module], replicated: Iterable[str], device_type: str
-) -> DivergenceCheck:
+def install(root: nn.Module, units: Sequence[nn.Module], replicated: Iterable[str], device_type: str) -> DivergenceCheck:
     """Check every backward of ``root``: before Lightning's (the ``training_step`` loss, ``manual_backward``).
 
     Idempotent. Other front ends call :func:`check_before_backward` with the loss instead.
@@ -333,9 +295,8 @@ def check_before_backward(root: nn.Module, loss: Any) -> None:
 def gradients_stay_local(root: nn.Module, local: bool = True) -> Generator[None, None, None]:
     """Backward passes inside issue no gradient collective: only record what they reach (when ``local``).
 
-    The front ends enter it for the non-final micro-batches of ``accumulation_mode="skip"``; the
-    record is compared at the next backward outside, the one that communicates. A no-op without a
-    check installed or with ``local=False``.
+    For the non-final micro-batches of ``accumulation_mode="skip"``: the record is compared at the
+    next backward outside. A no-op without a check installed or with ``local=False``.
     """
     check = divergence_check(root)
     if check is None or not local:

@@ -1,10 +1,4 @@
-"""Mixed-precision and offload policies, and the dtype spellings users write in YAML.
-
-The policy classes are PyTorch FSDP2's own frozen dataclasses, re-exported so that a
-HyperParallel user's ``MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)``
-keeps working. This module adds what YAML needs: dtypes as strings (``"bf16"``), and a builder
-that validates them at the boundary.
-"""
+"""Mixed-precision and offload policies (FSDP2's own, re-exported as HyperParallel spells them), and YAML's dtype strings."""
 
 from __future__ import annotations
 

@@ -1,38 +1,21 @@
 """DDP-style gradient all-reduce for ``replicate_params``.
 
-PyTorch's FSDP2 has no public way to keep some parameters of a sharding unit whole while still
-synchronizing their gradients (its ``DDPMeshInfo`` path is private and unit-wide, not
-per-parameter). hp_lightning therefore hands those parameters to FSDP2 as ``ignored_params``
-(not sharded, not reduced) and reduces their gradients itself, with public torch.distributed
-calls only:
+FSDP2 has no public way to keep some parameters of a unit whole while syncing their gradients, so
+they are handed to it as ``ignored_params`` and reduced here, with public torch.distributed calls:
 
-* a post-accumulate-grad hook per parameter notices when its gradient is final for this
-  backward; a gradient hook hands it this backward's own gradient, so what is reduced is the
-  local gradient since the last reduction, never a gradient an earlier synced micro-batch
-  already reduced (``p.grad`` carries that one: reducing it again would count it once per rank
-  under "sum" and scale it twice; the new part is added to it, as FSDP2 adds to its sharded
-  ``.grad``). The earlier reduction is kept aside (a copy, taken just before autograd adds the
-  local gradient to it) and the new reduction added to that copy: ``.grad`` then holds only
-  reduced values, the same bits on every rank. Subtracting the local part back out of ``.grad``
-  instead would leave each rank a rounding error of its own (replicas drift apart by an ulp);
-* without ``comm_fusion`` each gradient is all-reduced on its own as soon as it is ready;
-  with ``comm_fusion`` the unit's replicate gradients are flattened into one bucket and reduced
-  with a single collective once the last of them is ready;
-* the collectives run asynchronously and are waited for in an autograd-engine callback at the
-  end of backward, so they overlap the rest of the backward pass;
-* the result honours the same controls as FSDP2's own reduction: gradient sync on/off (gradient
-  accumulation), the HSDP all-reduce toggle, the reduce op (avg / sum) and the scaling factor.
+* hooks on each parameter hand over this backward's own gradient once it is final, so what is
+  reduced is the local gradient since the last reduction, never one already reduced. The earlier
+  reduction is kept aside (copied just before autograd adds to ``.grad``) and the new one added to
+  it: ``.grad`` holds only reduced values, the same bits on every rank (subtracting the local part
+  back out would leave each rank its own rounding error, and replicas would drift by an ulp);
+* each gradient is all-reduced when ready (with ``comm_fusion``, one bucket once the unit's last
+  is ready), asynchronously, waited for at the end of backward so it overlaps;
+* the result honours FSDP2's controls (gradient sync, the HSDP all-reduce toggle, reduce op,
+  scaling factor) over the whole data-parallel domain.
 
-The reduction runs over the whole data-parallel domain (both axes of an HSDP mesh): the default
-group when the mesh spans the world, else one all-reduce per mesh axis.
-
-The hooks sit on the parameter objects. ``module.to_empty()`` (after a meta-device build) and
-``.to()`` across device types put *new* ``Parameter`` objects in the module for parameters FSDP2
-does not manage, these among them; hooks on the old ones would never fire again, and the
-gradients would stay each rank's own (the replicas drifting apart by whole training steps). Given
-the unit's ``module``, the sync records where each parameter lives, and
-:meth:`ReplicatedParamSync.follow_replaced` (the unit calls it after every ``_apply``) hooks the
-parameters found there now.
+``to_empty()`` and ``.to()`` across device types replace the parameter objects the hooks sit on;
+the unit calls :meth:`ReplicatedParamSync.follow_replaced` after every ``_apply`` to hook the new
+ones (else the replicas would drift apart silently).
 """
 
 from __future__ import annotations
@@ -55,16 +38,11 @@ class ReplicatedParamSync:
     Args:
         params: the parameters kept whole on every rank.
         mesh: the unit's data-parallel mesh (1-D or 2-D).
-        bucketed: one flat all-reduce for the whole unit (``comm_fusion=True``) instead of one
-            per parameter.
-        module: the unit holding them (or the modules ``fully_shard`` made one unit of): where each
-            parameter lives is recorded, so that :meth:`follow_replaced` finds the objects that
-            replace them (None: not followed).
+        bucketed: one flat all-reduce for the whole unit (``comm_fusion=True``).
+        module: the unit (or modules) holding them, where :meth:`follow_replaced` looks (None: not followed).
     """
 
-    def __init__(
-        self, params: Sequence[nn.Parameter], mesh: DeviceMesh, *, bucketed: bool, module: nn.Module | Sequence[nn.Module] | None = None
-    ) -> None:
+    def __init__(self, params: Sequence[nn.Parameter], mesh: DeviceMesh, *, bucketed: bool, module: nn.Module | Sequence[nn.Module] | None = None) -> None:
         self.params = [p for p in params if p.requires_grad]
         self.mesh = mesh
         self.bucketed = bucketed
@@ -100,9 +78,7 @@ class ReplicatedParamSync:
     def follow_replaced(self) -> None:
         """Hook the parameters that now hold our parameters' places in their modules, where other objects do.
 
-        ``to_empty`` and ``.to()`` across device types replace a parameter FSDP2 does not manage by a
-        new object; without this its gradient would never be reduced again. Cheap (one attribute
-        read per parameter); call after anything that may replace parameters (the unit's ``_apply``).
+        Cheap (one attribute read per parameter); call after anything that may replace parameters.
         """
         for index, owner in enumerate(self._owners):
             if owner is None:
@@ -115,10 +91,6 @@ class ReplicatedParamSync:
                 table.pop(old, None)
             self.params[index] = cast(nn.Parameter, current)
             self._hook(self.params[index])
-
-    @property
-    def data_parallel_size(self) -> int:
-        return self.mesh.size()
 
     def _groups(self) -> list[dist.ProcessGroup]:
         if self.mesh.size() == dist.get_world_size():
@@ -192,7 +164,7 @@ class ReplicatedParamSync:
             self._ready = []
         multiplier = 1.0 if self.scaling_factor is None else float(self.scaling_factor)
         if self.reduce_op == "avg":
-            multiplier /= self.data_parallel_size
+            multiplier /= self.mesh.size()
         for flat, params, work in self._in_flight:
             if work is not None:
                 work.wait()

@@ -1,9 +1,7 @@
 """``get_model_state_dict`` / ``set_model_state_dict`` under the seed's names.
 
-Thin layers over ``torch.distributed.checkpoint.state_dict`` (which handles FQNs, shared
-parameters, CPU offload and broadcasting from rank 0), with what HyperParallel code expects on
-top: flags instead of an options object, and a setter that takes full tensors, this rank's
-shards or DTensors in one dict.
+Thin layers over ``torch.distributed.checkpoint.state_dict``, with flags instead of an options
+object and a setter that takes full tensors, this rank's shards or DTensors in one dict.
 """
 
 from __future__ import annotations
@@ -22,17 +20,10 @@ from hp_lightning.fully_shard.api import to_model_placements
 __all__ = ["get_model_state_dict", "set_model_state_dict"]
 
 
-def get_model_state_dict(
-    model: nn.Module,
-    *,
-    full_state_dict: bool = False,
-    cpu_offload: bool = False,
-    options: StateDictOptions | None = None,
-) -> dict[str, Any]:
+def get_model_state_dict(model: nn.Module, *, full_state_dict: bool = False, cpu_offload: bool = False, options: StateDictOptions | None = None) -> dict[str, Any]:
     """The model's state dict: DTensor shards (default), or whole tensors with ``full_state_dict``.
 
     Args:
-        model: a model sharded with ``fully_shard`` (or any module).
         full_state_dict: gather every parameter whole (a collective; every rank gets it unless
             ``cpu_offload``, in which case rank 0 holds host copies and the others empty dicts).
         cpu_offload: move the result to host memory.
@@ -47,17 +38,10 @@ def get_model_state_dict(
     return _torch_get_model_state_dict(model, options=options)
 
 
-def set_model_state_dict(
-    model: nn.Module,
-    model_state_dict: Mapping[str, Any],
-    *,
-    strict: bool = True,
-    options: StateDictOptions | None = None,
-) -> Any:
+def set_model_state_dict(model: nn.Module, model_state_dict: Mapping[str, Any], *, strict: bool = True, options: StateDictOptions | None = None) -> Any:
     """Load ``model_state_dict`` into the (sharded) model; entries may be full, local shards or DTensors.
 
-    Full tensors (every rank passes the same ones) keep this rank's slice; plain tensors of the
-    local shard's shape are taken as this rank's shard (see :func:`~.api.to_model_placements`).
+    See :func:`~.api.to_model_placements` for how plain tensors are placed.
 
     Returns:
         torch's ``_IncompatibleKeys`` (missing and unexpected keys).

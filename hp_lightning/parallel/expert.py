@@ -1,35 +1,15 @@
 """Expert parallelism: experts split over the ``ep`` mesh dim, tokens moved to them with all-to-all.
 
-The seed's ``ExpertParallel().apply(moe.experts, mesh["ep"])``. The experts module is a *grouped*
-experts module (as in torchtitan): every parameter has the experts as its leading dim
-(``[num_experts, ...]``) and its forward takes the tokens sorted by expert and the count per
-expert::
+The seed's ``ExpertParallel().apply(moe.experts, mesh["ep"])``, on a *grouped* experts module (as
+in torchtitan): every parameter has the experts as dim 0 and the forward is
+``experts(tokens_sorted_by_expert, num_tokens_per_expert)``. ``apply`` shards the parameters with
+``Shard(0)`` and wraps forward: dispatch (each token to its expert's rank, by differentiable
+all-to-all), the module's own forward on its local experts, combine (the reverse all-to-all).
+Hugging Face's ``experts(hidden_states, top_k_index, top_k_weights)`` is recognized by its argument
+names: each (token, choice) pair is dispatched, the ``k`` outputs weighted and summed after.
 
-    out = experts(tokens_sorted_by_expert, num_tokens_per_expert)   # [N, dim], [num_experts]
-
-``apply`` splits every parameter on dim 0 over the ``ep`` ranks (``Shard(0)``: rank ``j`` holds
-experts ``j*m .. j*m+m-1``) and wraps forward in three steps:
-
-1. **dispatch**: the counts are exchanged (one small all-to-all), then each token is sent to the
-   rank holding its expert (an all-to-all with uneven splits, differentiable);
-2. the module's own forward runs on the received tokens, regrouped by local expert, with its
-   local parameters (plain tensors: ``m`` experts) and the local counts;
-3. **combine**: the outputs go back to the tokens' ranks in the original order (the reverse
-   all-to-all).
-
-Hugging Face's experts modules (transformers 5: ``MixtralExperts``, ``Qwen2MoeExperts``, ...) hold
-the same 3-D ``[num_experts, ...]`` parameters (plus a parameter-free activation) but take the
-router's choice instead: ``experts(hidden_states, top_k_index, top_k_weights)`` (``[N, dim]``,
-``[N, k]``, ``[N, k]``). ``apply`` recognizes that interface by its argument names and adapts
-it: each (token, choice) pair is one token for the dispatch above, sorted by expert; the
-module's own forward runs on the received tokens with ``top_k_index`` naming its local experts
-(``num_experts`` set to the local count for the call) and weight 1; after the combine, each
-token's ``k`` outputs are weighted by ``top_k_weights`` and summed, as the module does itself.
-
-Gradients: an expert's gradient on its owner sums the contributions of every ``ep`` rank's tokens
-(the all-to-all's backward sends them there), so data-parallel averaging must divide by the
-``ep`` size too; :func:`expert_parallel_size` tells ``fully_shard`` to (experts become a sharding
-unit of their own whose divisor includes it).
+An expert's gradient sums every ``ep`` rank's tokens, so data-parallel averaging divides by the
+``ep`` size too: :func:`expert_parallel_size` tells ``fully_shard`` to.
 """
 
 from __future__ import annotations
@@ -62,7 +42,12 @@ def find_expert_modules(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if _EP_ATTR in m.__dict__]
 
 
-def _expert_count(module: nn.Module) -> int:
+def check_expert_split(module: nn.Module, ep: int) -> int:
+    """The number of experts of a grouped-experts ``module``, checked to split evenly over ``ep`` ranks.
+
+    Raises:
+        ValueError: parameters without a common experts dim, or ``ep`` not dividing the experts.
+    """
     leading = {p.shape[0] if p.dim() else 0 for p in module.parameters()}
     if len(leading) != 1 or 0 in leading:
         shapes = {n: tuple(p.shape) for n, p in module.named_parameters()}
@@ -71,16 +56,7 @@ def _expert_count(module: nn.Module) -> int:
             f"([num_experts, ...]); {type(module).__name__} has {shapes}. Stack the experts' weights (see "
             f"examples/moe.py, GroupedExperts)."
         )
-    return leading.pop()
-
-
-def check_expert_split(module: nn.Module, ep: int) -> int:
-    """The number of experts of a grouped-experts ``module``, checked to split evenly over ``ep`` ranks.
-
-    Raises:
-        ValueError: parameters without a common experts dim, or ``ep`` not dividing the experts.
-    """
-    experts = _expert_count(module)
+    experts = leading.pop()
     if experts % ep:
         raise ValueError(
             f"expert_parallel_size={ep} does not divide the {experts} experts of {type(module).__name__}: each "
@@ -97,8 +73,7 @@ class ExpertParallel:
 
         Raises:
             TypeError: not a module, or not a 1-D mesh.
-            ValueError: parameters without a common experts dim, or an ``ep`` size that does not
-                divide the number of experts.
+            ValueError: see :func:`check_expert_split`; or already expert-parallel.
         """
         if not isinstance(module, nn.Module):
             raise TypeError(f"ExpertParallel().apply expects the experts nn.Module; got {type(module).__name__}.")
@@ -147,9 +122,7 @@ def _takes_router_choice(module: nn.Module) -> bool:
     return names[:3] == ["hidden_states", "top_k_index", "top_k_weights"]
 
 
-def _routed_forward(
-    module: nn.Module, inner: Any, mesh: DeviceMesh, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor
-) -> Tensor:
+def _routed_forward(module: nn.Module, inner: Any, mesh: DeviceMesh, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
     """Hugging Face's interface on the grouped dispatch: one token per (token, choice), weighted after the combine."""
     experts = next(module.parameters()).shape[0]  # global: the parameters are DTensors over ep
     n, k = top_k_index.shape
@@ -192,15 +165,7 @@ def _run_on_local_params(module: nn.Module, inner: Any, *args: Any, **kwargs: An
         module._parameters.update(saved)
 
 
-def _expert_parallel_forward(
-    module: nn.Module,
-    inner: Any,
-    mesh: DeviceMesh,
-    tokens: Tensor,
-    counts: Tensor,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-) -> Tensor:
+def _expert_parallel_forward(module: nn.Module, inner: Any, mesh: DeviceMesh, tokens: Tensor, counts: Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tensor:
     group = mesh.get_group()
     ep = mesh.size()
     experts = counts.numel()

@@ -1,33 +1,17 @@
 """Hugging Face decoder language models under pipeline parallelism, without a stage forward of the user's.
 
-A ``*ForCausalLM`` (Llama, Qwen2, Mistral, Mixtral: ``lm_head`` around a decoder with
-``embed_tokens``, ``layers``, ``norm`` and ``rotary_emb``) runs its whole forward every call: the
-embeddings, every layer, the final norm and the head. Cut into stages
-(:func:`~hp_lightning.parallel.pipeline.split_stage`), a stage holds its layers only, and that
-forward would call the ``None`` left for another stage's piece (``'NoneType' object is not
-callable``). :func:`adapt_hf_decoder_stages` makes HF's own forward run one stage instead, so the
-LightningModule's ``forward`` (``self.net(input_ids=x).logits``) stays as it is for one process:
+A ``*ForCausalLM`` (Llama, Qwen2, Mistral, Mixtral) runs its whole forward every call, so a stage
+holding only some pieces would call the ``None`` left for another stage's.
+:func:`adapt_hf_decoder_stages` makes HF's own forward run one stage, so the LightningModule's
+``forward`` stays as it is: a stage without the embeddings takes the hidden states it receives as
+``inputs_embeds`` (a forward pre-hook on the decoder); one without the final norm or head gets a
+pass-through in their place (``nn.Identity``, :class:`StageOutput`), sound only because HF applies
+them last, in this order (:func:`find_hf_decoders` checks); rotary tables stay on every stage.
 
-* a stage without the embeddings takes the hidden states it receives as ``inputs_embeds``
-  (HF's forward then skips the embedding): a forward pre-hook on the decoder moves the stage's
-  input from ``input_ids`` to ``inputs_embeds``;
-* a stage without the final norm or the head gets a pass-through in their place (``nn.Identity``,
-  :class:`StageOutput`), so it returns the hidden states its last layer computed, as ``.logits``. This placeholder is sound only
-  because HF's forward applies them last, in this order (norm, then head), each to what came
-  before; that is the structure :func:`find_hf_decoders` checks for;
-* rotary tables (non-persistent buffers) stay on every stage, and each stage builds its own
-  position ids and causal mask from the hidden states' length, as the whole model does: only the
-  hidden states travel between stages.
-
-Limits: the input is the token ids alone (no padding ``attention_mask``, no ``position_ids``,
-no KV cache); a Mixtral's router auxiliary loss is not summed across stages.
-
-Any other Hugging Face model the split points cut (a GPT-2 ``GPT2LMHeadModel``, whose forward
-always runs ``wte`` and ``ln_f``; a ``*ForCausalLM`` whose pieces are not in forward order) would
-fail only at the first step, with ``'NoneType' object is not callable``.
-:func:`refuse_hf_models_the_adapter_cannot_run` refuses it at setup instead, from the model's
-structure and the split points alone (the same on every rank), unless the LightningModule says
-its forward is stage-aware (:data:`STAGE_FORWARD_ATTR`).
+Limits: token ids alone (no padding ``attention_mask``, ``position_ids`` or KV cache); a
+Mixtral's router auxiliary loss is not summed across stages. Any other Hugging Face model the
+split points cut is refused at setup (:func:`refuse_hf_models_the_adapter_cannot_run`) unless the
+LightningModule says its forward is stage-aware (:data:`STAGE_FORWARD_ATTR`).
 """
 
 from __future__ import annotations
@@ -40,10 +24,9 @@ from torch import nn
 #: What :func:`find_hf_decoders` requires of a ``*ForCausalLM`` (its head) and of its decoder.
 _HEAD_PIECES = ("model", "lm_head")
 _DECODER_PIECES = ("embed_tokens", "layers", "norm")
-#: The LightningModule attribute that opts out of :func:`refuse_hf_models_the_adapter_cannot_run`:
-#: ``pipeline_stage_forward = True`` says its ``forward`` runs one stage itself (skips the pieces a
-#: stage lacks, takes hidden states on a later stage), so it never calls a cut HF model's own
-#: forward. A marker, not a guess: whether a forward calls the HF model cannot be seen before it runs.
+#: ``pipeline_stage_forward = True`` on the LightningModule says its ``forward`` runs one stage itself
+#: (opting out of :func:`refuse_hf_models_the_adapter_cannot_run`): a marker, since whether a forward
+#: calls the HF model cannot be seen before it runs.
 STAGE_FORWARD_ATTR = "pipeline_stage_forward"
 #: Marks a decoder whose stage input is routed to ``inputs_embeds`` (so a second setup does not add a second hook).
 _ROUTED_ATTR = "_hp_stage_input_routed"
@@ -59,19 +42,7 @@ def find_hf_decoders(model: nn.Module) -> list[str]:
     Returns:
         The name of each, in registration order.
     """
-    found = []
-    for name, module in model.named_modules():
-        if _causal_lm_base(module) is None:
-            continue
-        children = module._modules
-        decoder = children.get("model")
-        if all(children.get(p) is not None for p in _HEAD_PIECES) and decoder is not None:
-            pieces = decoder._modules
-            order = [key for key in pieces if key in _DECODER_PIECES]
-            in_forward_order = order == list(_DECODER_PIECES) and list(children).index("model") < list(children).index("lm_head")
-            if all(pieces.get(p) is not None for p in _DECODER_PIECES) and isinstance(pieces["layers"], nn.ModuleList) and in_forward_order:
-                found.append(name)
-    return found
+    return [name for name, module in model.named_modules() if _why_not_adapted(module) is None]
 
 
 def _is_hf_model(module: nn.Module) -> bool:
@@ -79,8 +50,8 @@ def _is_hf_model(module: nn.Module) -> bool:
     return any(cls.__name__ == "PreTrainedModel" and cls.__module__.startswith("transformers.") for cls in type(module).__mro__)
 
 
-def _why_not_adapted(module: nn.Module) -> str:
-    """What :func:`find_hf_decoders` misses in an HF model: the class name, or the pieces missing / out of forward order."""
+def _why_not_adapted(module: nn.Module) -> Optional[str]:
+    """What :func:`find_hf_decoders` misses in a module: the class, or the pieces missing / out of forward order (None: nothing)."""
     bases = [c for c in type(module).__mro__ if c.__name__.endswith("ForCausalLM") and c.__module__.startswith("transformers.")]
     if not bases:
         return f"it is not a *ForCausalLM (its children: {list(module._modules)})"
@@ -98,18 +69,17 @@ def _why_not_adapted(module: nn.Module) -> str:
         return f"it lacks {', '.join(missing)}"
     order = [f"model.{key}" for key in decoder._modules if key in _DECODER_PIECES] if decoder is not None else []
     head_order = [key for key in children if key in _HEAD_PIECES]
+    if order == [f"model.{p}" for p in _DECODER_PIECES] and head_order == list(_HEAD_PIECES):
+        return None
     return f"its pieces are registered in the order {order} / {head_order}, not the forward's"
 
 
 def refuse_hf_models_the_adapter_cannot_run(model: nn.Module, split_points: list[str], where: str) -> None:
     """Refuse, at setup, a Hugging Face model the split points cut whose forward the stage adapter cannot run.
 
-    Call it before the cut, with the resolved split points: it reads only the model's structure and
-    the names, so every rank decides alike, before any stage communicates. Checked: every
-    outermost ``transformers`` model that :func:`find_hf_decoders` does not recognise and that a
-    split point falls strictly inside (one whole on a stage runs its own forward there, so it is
-    fine). Skipped when the LightningModule sets ``pipeline_stage_forward = True``
-    (:data:`STAGE_FORWARD_ATTR`).
+    Call it before the cut: it reads only structure and names, so every rank decides alike. Checked:
+    every outermost ``transformers`` model :func:`find_hf_decoders` does not recognise that a split
+    point falls strictly inside. Skipped under :data:`STAGE_FORWARD_ATTR`.
 
     Args:
         model: the LightningModule, whole (before the cut; the meta device is fine).
@@ -117,8 +87,7 @@ def refuse_hf_models_the_adapter_cannot_run(model: nn.Module, split_points: list
         where: the option's owner, for the message (``"HSDPStrategy(pipeline_parallel_size=2)"``).
 
     Raises:
-        ValueError: naming the model's class and place, the split point inside it, what the
-            adapter needs and the two fixes.
+        ValueError: naming the model's class and place, the split point inside it and the fixes.
     """
     if getattr(model, STAGE_FORWARD_ATTR, False) is True:
         return
@@ -154,15 +123,6 @@ def refuse_hf_models_the_adapter_cannot_run(model: nn.Module, split_points: list
         )
 
 
-def _causal_lm_base(module: nn.Module) -> Optional[type]:
-    """The ``transformers`` ``*ForCausalLM`` class whose forward ``module`` runs: its own class, or the one a
-    subclass of yours inherits ``forward`` from unchanged; None otherwise."""
-    for cls in type(module).__mro__:
-        if cls.__name__.endswith("ForCausalLM") and cls.__module__.startswith("transformers."):
-            return cls if getattr(type(module), "forward", None) is getattr(cls, "forward", None) else None
-    return None
-
-
 class StageOutput(nn.Module):
     """The head's place on a stage before the last: the hidden states, as a tensor of their own.
 
@@ -179,14 +139,11 @@ def _route_stage_input(decoder: nn.Module, args: tuple[Any, ...], kwargs: dict[s
     """Forward pre-hook of a decoder without its embeddings: the stage's input is hidden states, given as ``inputs_embeds``."""
     if decoder._modules.get("embed_tokens") is not None:
         return args, kwargs
-    if args:
-        hidden, args = args[0], args[1:]
-    else:
-        hidden = kwargs.get("input_ids")
+    hidden = args[0] if args else kwargs.get("input_ids")
+    args = args[1:]
     if hidden is None:
         return args, kwargs  # already given as inputs_embeds
-    kwargs = {**kwargs, "input_ids": None, "inputs_embeds": hidden}
-    return args, kwargs
+    return args, {**kwargs, "input_ids": None, "inputs_embeds": hidden}
 
 
 def adapt_hf_decoder_stages(model: nn.Module, decoders: list[str]) -> list[str]:
@@ -197,13 +154,11 @@ def adapt_hf_decoder_stages(model: nn.Module, decoders: list[str]) -> list[str]:
         decoders: what :func:`find_hf_decoders` returned before the cut.
 
     Returns:
-        What was adapted (``"<name>.model: input as inputs_embeds"``, ``"<name>.lm_head -> StageOutput"``...), for the log.
+        What was adapted (``"<name>.lm_head -> StageOutput"``...), for the log.
 
-    A stage's pieces are a contiguous run of the forward's order (:func:`find_hf_decoders` checks
-    that registration order is forward order), so a missing norm or head either ran on an earlier
-    stage (its output is this stage's input) or runs on a later one: passing through is right.
-    A decoder cut away whole (a split point at ``lm_head``) is left ``None``: that stage fails
-    loudly, naming it.
+    A stage's pieces are a contiguous run of the forward's order, so a missing norm or head ran on
+    an earlier stage or runs on a later one: passing through is right. A decoder cut away whole is
+    left ``None`` (that stage fails loudly, naming it).
     """
     done = []
     for name in decoders:

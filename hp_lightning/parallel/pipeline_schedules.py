@@ -1,20 +1,12 @@
 """torch's pipeline schedules by name, how many stages each rank holds under them, and where.
 
-Every schedule torch 2.13 ships is reachable by a YAML name. Two families:
-
-* one stage per rank (``gpipe``, ``1f1b``): the bubble is ``(P - 1) / (M + P - 1)`` of a step at
-  ``P`` ranks and ``M`` micro-batches;
-* several stages per rank (*virtual stages*, ``pipeline_stages_per_rank`` = ``V``): the model is
-  cut into ``P x V`` stages and each rank runs ``V`` of them, so the pipeline fills ``V`` times
-  faster: the bubble of ``interleaved_1f1b`` is about ``(P - 1) / (V M + P - 1)``; the
-  zero-bubble ones (``interleaved_zb``, ``zbv``, ``dualpipev``) also split each backward into
-  its input and weight parts and fill the remaining idle slots with weight gradients. Cost: ``V``
-  times more activation sends, and more micro-batches in flight (activation memory).
-
-Placement: *loop* (``interleaved_1f1b``, ``looped_bfs``, ``interleaved_zb``): rank ``r`` holds
-stages ``r, r + P, r + 2P, ...``; *V* (``zbv``, ``dualpipev``, exactly two stages per rank): rank
-``r`` holds stages ``r`` and ``2P - 1 - r``, so the first and the last stage are on rank 0 and
-the turn of the V costs no send. torch's :func:`generate_stage_to_rank_mapping` is the rule.
+One stage per rank (``gpipe``, ``1f1b``): the bubble is ``(P - 1) / (M + P - 1)`` of a step. Several
+stages per rank (``pipeline_stages_per_rank`` = ``V``): the model is cut into ``P x V`` stages and
+the pipeline fills ``V`` times faster (``interleaved_1f1b``: about ``(P - 1) / (V M + P - 1)``; the
+zero-bubble ones also split each backward into input and weight parts), at the cost of ``V`` times
+more activation sends and more micro-batches in flight. Placement follows torch's
+:func:`generate_stage_to_rank_mapping`: *loop* (rank ``r`` holds ``r, r + P, ...``) or *V*
+(``zbv``, ``dualpipev``: ``r`` and ``2P - 1 - r``, so the turn of the V costs no send).
 """
 
 from __future__ import annotations
@@ -37,18 +29,14 @@ from hp_lightning.core.checks import check_schedule as check_schedule
 
 def stages_of_rank(schedule: str, pp_rank: int, pp: int, stages_per_rank: int) -> list[int]:
     """The stage indices ``pp_rank`` holds under ``schedule``, in increasing order."""
-    style = SCHEDULE_SPECS[schedule].style
-    mapping = generate_stage_to_rank_mapping(pp, pp * stages_per_rank, style=style)
+    mapping = generate_stage_to_rank_mapping(pp, pp * stages_per_rank, style=SCHEDULE_SPECS[schedule].style)
     return sorted(stage for stage, rank in mapping.items() if rank == pp_rank)
 
 
 def rank_of_stage(schedule: str, stage: int, pp: int, stages_per_rank: int) -> int:
     """The pipeline rank that holds ``stage``."""
-    style = SCHEDULE_SPECS[schedule].style
-    return generate_stage_to_rank_mapping(pp, pp * stages_per_rank, style=style)[stage]
+    return generate_stage_to_rank_mapping(pp, pp * stages_per_rank, style=SCHEDULE_SPECS[schedule].style)[stage]
 
-
-# ------------------------------------------------------------------ several stages on one rank
 
 _CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 #: What ``nn.Module.__init__`` creates on an instance: a view gets its own copies, so hooks and
@@ -69,13 +57,10 @@ def _shallow_copy(module: nn.Module) -> nn.Module:
 def stage_view(model: nn.Module, drop: Sequence[str]) -> nn.Module:
     """A tree sharing ``model``'s modules, without the units named in ``drop`` (another stage's).
 
-    The modules on the way to a dropped unit are shallow copies (their own children dicts);
-    every unit, parameter and buffer is the same object as in ``model``. So each of a rank's
-    stages runs the LightningModule's own ``forward`` on its units only, under the original
-    names, while the LightningModule keeps all of the rank's parameters for the optimizer and the
-    checkpoint. A dropped entry of a container is deleted; any other dropped unit becomes None.
+    Only the modules on the way to a dropped unit are shallow copies: each of a rank's stages runs
+    the LightningModule's ``forward`` on its own units under the original names, while the
+    LightningModule keeps all of the rank's parameters. A dropped container entry is deleted, another unit becomes None.
     """
-
     dropped = set(drop)
     on_the_way = {""} | {name.rsplit(".", i)[0] for name in dropped for i in range(1, name.count(".") + 1)}
 
@@ -106,8 +91,7 @@ def stage_pieces(model: nn.Module, units: Sequence[str], recipe_units: Sequence[
     FSDP unit per stage instead (an embedding, a head and its norm, gathered together).
 
     Raises:
-        ValueError: a recipe unit that spans a cut (it would belong to two stages), or a module
-            with parameters of its own around recipe units (nothing could own them per stage).
+        ValueError: a recipe unit that spans a cut, or a module with parameters of its own around recipe units.
     """
     recipe = {id(m) for m in recipe_units}
     on_the_way = {name.rsplit(".", i)[0] for name in units for i in range(1, name.count(".") + 1)}
@@ -135,11 +119,7 @@ def stage_pieces(model: nn.Module, units: Sequence[str], recipe_units: Sequence[
 
 
 def keep_prefetch_inside_stages(stage_modules: Sequence[nn.Module]) -> None:
-    """Drop prefetches from one stage's units to another's (the recipe wired them in the rank's module order).
-
-    Each stage is its own FSDP root, gathered when the schedule runs it: a unit of stage 0 must
-    not all-gather a unit of stage 2 whose root is not running.
-    """
+    """Drop prefetches from one stage's units to another's: each stage is its own FSDP root, gathered when the schedule runs it."""
     stage_of = {id(m): s for s, root in enumerate(stage_modules) for m in root.modules() if isinstance(m, FSDPModule) and m is not root}
     for unit_id, stage in list(stage_of.items()):
         unit = next(m for m in stage_modules[stage].modules() if id(m) == unit_id)
@@ -154,9 +134,7 @@ def keep_prefetch_inside_stages(stage_modules: Sequence[nn.Module]) -> None:
 class _HeldEntries:
     """Mixin for a stage's ``ModuleList`` that lost entries: integer indices count the entries it holds.
 
-    ``nn.ModuleList`` looks an integer index up by its key (``self.layers[0]`` is key ``"0"``);
-    after a cut the first held entry may be ``"2"``. Iteration, ``len`` and slices already go by
-    the held entries.
+    ``nn.ModuleList`` looks an integer index up by its key, and after a cut the first held entry may be ``"2"``.
     """
 
     def __getitem__(self, index: Any) -> Any:

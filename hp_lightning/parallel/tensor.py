@@ -1,24 +1,18 @@
 """Tensor parallelism: torch's ``parallelize_module``, with plans written the way users write them.
 
-The engine is torch's (:func:`torch.distributed.tensor.parallel.parallelize_module` and its
-``ColwiseParallel`` / ``RowwiseParallel`` / ``SequenceParallel`` styles). This module adds what
-a plan in a YAML file or a Hugging Face config needs:
-
-* **style names** (Hugging Face's spelling) for the styles; :data:`TP_STYLES` lists them;
-* **globs** over module names (``"blocks.*.attn.qkv"``), each of which must match something;
-* the plan a Hugging Face model ships (``config.base_model_tp_plan``) found and prefixed with the
-  base model's path, so ``tensor_parallel_size=2`` alone is enough for a ``LlamaForCausalLM``;
-* recording for meta-device builds: parameters TP replaces are linked to their recorded
-  construction first, so setup can initialize them exactly.
-
-The trade-off TP makes: every rank of a TP group holds 1/T of each planned weight and computes
-1/T of each planned matmul, paying one all-reduce (rowwise) per pair of layers in forward and
-one in backward; the ranks of a TP group see the same batch. Keep TP inside a node.
+The engine is torch's; this module adds Hugging Face's style names (:data:`TP_STYLES`), globs over
+module names that must each match something, the plan a Hugging Face model ships
+(``config.base_model_tp_plan``, prefixed with the base model's path), and recorded construction
+kept for meta-device builds. Trade-off: each TP rank holds and computes ``1/T`` of each planned
+layer, paying one all-reduce per pair of layers in forward and one in backward, and the ranks of a
+TP group see the same batch. Keep TP inside a node.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import inspect
+import re
 from collections.abc import Mapping
 
 from torch import nn
@@ -35,10 +29,6 @@ __all__ = ["TP_STYLES", "hf_tp_plan", "parallelize_module", "resolve_tp_plan", "
 
 #: Module types torch's colwise/rowwise styles support.
 _SPLITTABLE = (nn.Linear, nn.Embedding)
-
-
-def _style(spec: StyleSpec) -> ParallelStyle:
-    return TP_STYLES[spec]() if isinstance(spec, str) else spec
 
 
 def _unsplittable_message(owner: str, name: str, module: nn.Module, spec: StyleSpec) -> str:
@@ -72,9 +62,6 @@ _HEAD_COUNT_ATTRS = ("n_heads", "num_heads", "n_head", "num_attention_heads", "n
 
 def _forward_reads(module: nn.Module, attr: str) -> bool:
     """Whether ``type(module).forward``'s source visibly reads ``self.<attr>`` (False when it cannot be read)."""
-    import inspect
-    import re
-
     try:
         source = inspect.getsource(type(module).forward)
     except (OSError, TypeError):
@@ -85,12 +72,10 @@ def _forward_reads(module: nn.Module, attr: str) -> bool:
 def check_head_split(model: nn.Module, resolved: Mapping[str, ParallelStyle], owner: str) -> None:
     """Refuse a colwise split of an attention projection whose module computes with its full head count.
 
-    Colwise TP leaves each rank ``1/T`` of the heads. A module whose ``forward`` reads its head
-    count attribute (``self.n_heads`` in T5's attention, which builds its relative-attention bias
-    for all heads) would mix shapes for ``T`` heads' worth of data: a raw broadcast error deep in
-    forward, or silently wrong numbers. Modules that infer the local head count (``view(..., -1,
-    head_dim)``, as Llama's attention does) pass. Only what can be seen is checked: the parent of
-    each colwise ``nn.Linear``, its int head-count attributes, and its ``forward``'s source.
+    Colwise TP leaves each rank ``1/T`` of the heads; a module whose ``forward`` reads its head
+    count (``self.n_heads`` in T5's attention) would fail deep in forward or compute wrong numbers,
+    while one that infers it (``view(..., -1, head_dim)``, Llama) passes. Checked: the parent of each
+    colwise ``nn.Linear``, its int head-count attributes, and its ``forward``'s source.
 
     Raises:
         ValueError: naming the module, the attribute, the projection and the fix.
@@ -119,22 +104,17 @@ def check_head_split(model: nn.Module, resolved: Mapping[str, ParallelStyle], ow
                 )
 
 
-def resolve_tp_plan(
-    model: nn.Module, plan: Mapping[str, StyleSpec], owner: str = "tp_plan", *, check_heads: bool = True
-) -> dict[str, ParallelStyle]:
+def resolve_tp_plan(model: nn.Module, plan: Mapping[str, StyleSpec], owner: str = "tp_plan", *, check_heads: bool = True) -> dict[str, ParallelStyle]:
     """Expand the globs of ``plan`` to ``{module name: style}`` (the first matching pattern wins).
 
     Args:
-        model: the model the plan's globs name modules of.
         plan: module-name glob -> style name or ParallelStyle.
         owner: the option's name, for messages.
-        check_heads: refuse colwise splits of attention modules that compute with their full head
-            count (:func:`check_head_split`). ``parallelize_module`` turns it off: its caller may
-            set the local head count after the call, as torchtitan does.
+        check_heads: refuse head splits :func:`check_head_split` refuses (``parallelize_module``'s
+            caller may set the local head count after the call instead).
 
     Raises:
-        ValueError: a pattern that matches no module, a colwise/rowwise style on a module that
-            is neither ``nn.Linear`` nor ``nn.Embedding``, or a head split its module cannot run.
+        ValueError: a pattern that matches no module, a colwise/rowwise style on neither ``nn.Linear`` nor ``nn.Embedding``, or a bad head split.
     """
     if isinstance(plan, HFTPPlan):
         _refuse_hf_styles(model, plan)
@@ -152,7 +132,7 @@ def resolve_tp_plan(
         for name in matched:
             if name in resolved:
                 continue
-            style = _style(spec)
+            style = TP_STYLES[spec]() if isinstance(spec, str) else spec
             if isinstance(style, (ColwiseParallel, RowwiseParallel)) and not isinstance(modules[name], _SPLITTABLE):
                 raise ValueError(_unsplittable_message(owner, name, modules[name], spec))
             resolved[name] = style
@@ -162,21 +142,15 @@ def resolve_tp_plan(
 
 
 class HFTPPlan(dict):
-    """A TP plan read from Hugging Face configs, which remembers where it came from (for messages).
-
-    Attributes:
-        source: e.g. ``"MixtralForCausalLM's config.base_model_tp_plan"``.
-    """
+    """A TP plan read from Hugging Face configs; ``source`` says where it came from (for messages)."""
 
     source: str = "a Hugging Face config's base_model_tp_plan"
 
 
 def _refuse_hf_styles(model: nn.Module, plan: HFTPPlan) -> None:
-    """Refuse Hugging Face's own styles (``packed_colwise``, ``moe_tp_experts``, ...) naming the plan's source.
+    """Refuse Hugging Face's own styles (``packed_colwise``, ``moe_tp_experts``, ...), which torch has no counterpart of.
 
-    Those styles split 3-D expert parameters (``[num_experts, ...]``) inside Hugging Face's own
-    TP engine; torch's ParallelStyles, which hp_lightning applies, have no counterpart. The
-    message lists the entries torch can apply, as a ``tp_plan`` to pass instead.
+    The message lists the entries torch can apply, as a ``tp_plan`` to pass instead.
 
     Raises:
         ValueError: naming the source, the entries and the plan to pass.
@@ -203,9 +177,8 @@ def _refuse_hf_styles(model: nn.Module, plan: HFTPPlan) -> None:
 def hf_tp_plan(model: nn.Module) -> dict[str, str]:
     """The TP plans Hugging Face models inside ``model`` ship (``config.base_model_tp_plan``), prefixed.
 
-    The plan's keys are relative to the base model (``model.model`` of a ``LlamaForCausalLM``);
-    embeddings and the head are left out by Hugging Face and stay replicated over TP. The result
-    is an :class:`HFTPPlan` (a dict naming its source), so that errors say where the plan came from.
+    Embeddings and the head are left out by Hugging Face and stay replicated over TP. The result is
+    an :class:`HFTPPlan`, so that errors say where the plan came from.
     """
     plan = HFTPPlan()
     sources: list[str] = []
@@ -219,8 +192,7 @@ def hf_tp_plan(model: nn.Module) -> dict[str, str]:
         if not hasattr(module, prefix):  # ``module`` is the base model itself
             base = path
         for pattern, style in base_plan.items():
-            key = f"{base}.{pattern}" if base else pattern
-            plan.setdefault(key, style)
+            plan.setdefault(f"{base}.{pattern}" if base else pattern, style)
         sources.append(f"{type(module).__name__}'s config.base_model_tp_plan" + (f" (at {path!r})" if path else ""))
     if sources:
         plan.source = ", ".join(dict.fromkeys(sources))
@@ -240,12 +212,9 @@ def parallelize_module(module: nn.Module, device_mesh: DeviceMesh, parallelize_p
     """The seed's ``parallelize_module(model, mesh["tp"], tp_plan)``: torch's, with named styles and globs.
 
     ``parallelize_plan`` is a ParallelStyle for ``module`` itself, or a mapping of module-name
-    globs to style names (:data:`TP_STYLES`) or ParallelStyles. Call it before ``fully_shard``;
-    inside ``configure_model`` (meta device) it keeps the parameters' recorded construction, so
-    the strategy initializes them after sharding as if the model had been built for real.
-    Colwise splits of attention projections are not checked against the module's head count
-    here: a module whose ``forward`` reads its head count needs it set to the local count after
-    this call (e.g. ``attn.n_heads //= tp``), as torchtitan does.
+    globs to style names (:data:`TP_STYLES`) or ParallelStyles. Call it before ``fully_shard``
+    (inside ``configure_model`` it keeps the recorded construction). Head counts are not checked:
+    set a module's to the local count after this call (``attn.n_heads //= tp``), as torchtitan does.
 
     Raises:
         TypeError / ValueError: a malformed plan, a pattern matching nothing, a style on the wrong module.

@@ -10,15 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hp_lightning.core.diagnostics import CollectiveCall
-from hp_lightning.planner.candidates import (
-    Candidate,
-    Cluster,
-    ModelFacts,
-    Search,
-    Workload,
-    enumerate_candidates,
-    model_facts,
-)
+from hp_lightning.planner.candidates import Candidate, Cluster, ModelFacts, Search, Workload, enumerate_candidates, model_facts
 from hp_lightning.planner.comms import link_of, step_calls
 from hp_lightning.planner.cost import StepTime, step_time
 from hp_lightning.planner.memory import USABLE, MemoryEstimate, estimate
@@ -30,8 +22,7 @@ from hp_lightning.planner.simulate import RankRun, simulate_rank, strategy_args_
 class ClusterTooSmall(ValueError):
     """No candidate fits the devices' memory; the message names the smallest cluster that could hold the model.
 
-    ``result`` is the plan that found nothing; ``smallest`` the plan of that smallest cluster (None
-    when the search found none), whose ``best`` is the candidate the message names.
+    ``result`` is the plan that found nothing; ``smallest`` the plan of that cluster (None: none found).
     """
 
     def __init__(self, message: str, result: PlanResult, smallest: PlanResult | None = None) -> None:
@@ -60,10 +51,7 @@ class Evaluated:
         """Global training throughput: tokens of all data-parallel ranks per modelled step second."""
         if self.time is None or not self.runs or self.time.total <= 0:
             return 0.0
-        dp = 1
-        for size in self.candidate.mesh_shape:
-            dp *= size
-        return self.runs[0].tokens * dp / self.time.total
+        return self.runs[0].tokens * math.prod(self.candidate.mesh_shape) / self.time.total
 
     @property
     def fits(self) -> bool:
@@ -93,12 +81,10 @@ class PlanResult:
         return next((e for e in self.ranked if e.fits), None)
 
     def with_cluster(self, cluster: Cluster) -> PlanResult:
-        """The same candidates ranked for ``cluster``, a machine of the same shape whose links, memory or FLOP
-        rate differ, without simulating them again (what a faster network or bigger devices would change).
+        """The same candidates ranked, without simulating them again, for a ``cluster`` of the same shape whose links, memory or FLOP rate differ.
 
         Raises:
-            ValueError: ``cluster`` has another number of nodes or devices per node; the simulated
-                collectives and shards depend on them, so call :func:`plan` for it.
+            ValueError: ``cluster`` has another number of nodes or devices per node (call :func:`plan` for it).
         """
         if (cluster.nodes, cluster.devices) != (self.cluster.nodes, self.cluster.devices):
             raise ValueError(
@@ -143,9 +129,7 @@ def _sim_key(candidate: Candidate) -> Candidate:
 
 
 def simulate_candidate(spec: ModelSpec, candidate: Candidate, cluster: Cluster, workload: Workload, facts: ModelFacts) -> list[RankRun]:
-    """The simulated ranks of one candidate: rank 0, or the first rank of every pipeline stage."""
-    if candidate.pp == 1:
-        return [simulate_rank(spec, candidate, cluster, workload, facts, 0)[0]]
+    """The simulated ranks of one candidate: the first rank of every pipeline stage (rank 0 without PP)."""
     stride = cluster.world_size // candidate.pp
     runs, meta = [], None
     for stage in range(candidate.pp):
@@ -156,9 +140,6 @@ def simulate_candidate(spec: ModelSpec, candidate: Candidate, cluster: Cluster, 
 
 def facts_of(spec: ModelSpec, cluster: Cluster, tp_plan: Mapping[str, Any] | None = None) -> ModelFacts:
     """What the search needs to know of the model (blocks, TP plan, whether it can be cut into stages), built on meta.
-
-    With :func:`~hp_lightning.planner.simulate.strategy_args_for` it gives a candidate's strategy
-    arguments without simulating it.
 
     Raises:
         ModelBuildError: the model cannot be built on the meta device, or has no token vocabulary.
@@ -204,10 +185,7 @@ def plan(
     search = search or Search()
     spec = resolve_model(model, init_args, model_class=model_class)
     facts = facts_of(spec, cluster, tp_plan)
-    if candidates is None:
-        candidates, pruned = enumerate_candidates(cluster, facts, search)
-    else:
-        pruned = []
+    candidates, pruned = enumerate_candidates(cluster, facts, search) if candidates is None else (candidates, [])
     cache: dict[Candidate, list[RankRun] | str] = {}
     keys = list(dict.fromkeys(_sim_key(c) for c in candidates))
     bar = _progress(len(keys), progress)
@@ -242,10 +220,8 @@ def _ranked(
             entry.error = runs
         else:
             entry.runs = runs
-            scored = []
-            for run in runs:
-                calls = step_calls(run, candidate, cluster)
-                scored.append((estimate(run, candidate, cluster), step_time(run, calls, candidate, cluster, workload), calls))
+            run_calls = [(run, step_calls(run, candidate, cluster)) for run in runs]
+            scored = [(estimate(run, candidate, cluster), step_time(run, calls, candidate, cluster, workload), calls) for run, calls in run_calls]
             memory, _, _ = max(scored, key=lambda s: s[0].peak)
             _, time, calls = max(scored, key=lambda s: s[1].total)
             entry.memory, entry.time, entry.calls = memory, time, calls
@@ -255,18 +231,11 @@ def _ranked(
     return PlanResult(spec, cluster, workload, facts, evaluated, pruned, list(candidates))
 
 
-def smallest_cluster_message(result: PlanResult, max_tries: int = 8) -> str:
-    """Why nothing fits, and the smallest number of such nodes that holds the model (checked by simulation)."""
-    return smallest_cluster(result, max_tries)[0]
-
-
 def smallest_cluster(result: PlanResult, max_tries: int = 8) -> tuple[str, PlanResult | None]:
-    """Why nothing fits (a message), and the plan of the smallest number of such nodes that holds the
-    model (checked by simulation; None when none was found).
+    """Why nothing fits, and the plan of the smallest number of such nodes that holds the model (None: none found).
 
     Starts from the FSDP scaling of the sharded state (``state / N + transients <= usable``) and
-    plans FSDP over that many nodes (activation checkpointing on), growing the count until a
-    simulated rank fits.
+    grows the node count until a simulated FSDP rank (activation checkpointing on) fits.
     """
     cluster = result.cluster
     capacity = USABLE * cluster.device_memory

@@ -1,11 +1,9 @@
 """The cluster, the batch, and the candidate plans a world size allows.
 
-A candidate is one ``HSDPStrategy`` configuration: the data-parallel mesh (FSDP ``[S]`` or HSDP
-``[R, S]``), tensor- and pipeline-parallel sizes, ``reshard_after_forward``, ``cpu_offload`` and
-activation checkpointing of the blocks. :func:`enumerate_candidates` lists those the world size
-allows, checked by the project's own :func:`hp_lightning.core.mesh.resolve_layout` (the rules the
-strategy applies at launch), and drops the ones the model cannot run (no TP plan, a TP size that
-does not divide its layers, more stages than blocks) with the reason kept for the report.
+A candidate is one ``HSDPStrategy`` configuration (data-parallel mesh, TP and PP sizes,
+``reshard_after_forward``, ``cpu_offload``, activation checkpointing). :func:`enumerate_candidates`
+lists those :func:`hp_lightning.core.mesh.resolve_layout` accepts and drops, with the reason, the
+ones the model cannot run.
 """
 
 from __future__ import annotations
@@ -199,12 +197,8 @@ def model_facts(module: nn.Module, tp_plan: dict[str, Any] | None, *, pipeline_o
             resolved = resolve_tp_plan(module, plan, "planner tp_plan")
         except ValueError:
             resolved = {}
-        dims: list[int] = []
-        for name in resolved:
-            layer = module.get_submodule(name)
-            weight = getattr(layer, "weight", None)
-            if weight is not None:
-                dims.extend(int(s) for s in weight.shape)
+        weights = [getattr(module.get_submodule(name), "weight", None) for name in resolved]
+        dims = [int(s) for weight in weights if weight is not None for s in weight.shape]
         heads = [getattr(getattr(m, "config", None), k, None) for m in module.modules() for k in ("num_attention_heads", "num_key_value_heads")]
         heads += [getattr(m, "n_head", None) for m in module.modules()] + [getattr(getattr(module, "hparams", {}), "get", lambda _k: None)("n_head")]
         dims += [h for h in heads if isinstance(h, int) and h > 0]
@@ -250,10 +244,7 @@ def enumerate_candidates(cluster: Cluster, facts: ModelFacts, search: Search | N
     world = cluster.world_size
     pruned: list[str] = []
     tps = [t for t in _divisors(cluster.devices) if search.tp_sizes is None or t in search.tp_sizes]
-    if search.tp_sizes:
-        for t in search.tp_sizes:
-            if t not in tps:
-                pruned.append(f"TP {t}: does not divide the {cluster.devices} devices of a node (a TP group would cross nodes)")
+    pruned += [f"TP {t}: does not divide the {cluster.devices} devices of a node (a TP group would cross nodes)" for t in search.tp_sizes or () if t not in tps]
     kept_tps = []
     for t in tps:
         if t == 1:

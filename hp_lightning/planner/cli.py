@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from hp_lightning.planner.api import plan, smallest_cluster_message
+from hp_lightning.planner.api import plan, smallest_cluster
 from hp_lightning.planner.candidates import GBIT, Cluster, Search, Workload
 from hp_lightning.planner.model import ModelBuildError
 from hp_lightning.planner.report import details, table
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         print(details(result.find(args.show), cluster))
     best = result.best
     if best is None:
-        print(f"error: {smallest_cluster_message(result)}", file=sys.stderr)
+        print(f"error: {smallest_cluster(result)[0]}", file=sys.stderr)
         return 3
     print()
     print(details(best, cluster))

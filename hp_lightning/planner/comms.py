@@ -1,21 +1,7 @@
 """Bytes per optimizer step, per collective and link class, from the simulated rank's real calls.
 
-The data plane (FSDP2's all-gathers, reduce-scatters and HSDP all-reduces, DTensor's TP
-collectives, pipeline sends and receives) is what :mod:`hp_lightning.planner.simulate` counted
-at the ``torch.distributed`` call while running the real plan; its byte counts are
-CollectiveCounter's (the gathered output, the scattered input, the reduced tensor).
-
-The front end adds a few small *control* collectives per step, which no fake step runs because
-they live in the Lightning strategy (:func:`control_calls`):
-
-* without PP: the step agreement all-reduce (int32) over the world, carrying the preemption
-  signal and two flags per parameter the divergence check compares
-  (:mod:`hp_lightning.fully_shard.divergence`; one flag only with ``divergence_check="off"``);
-* with PP: the last stage's loss broadcast over the pipeline group (fp32 scalar), the logged
-  ``train_loss`` all-reduce over the stage's data-parallel ranks (``sync_dist=True``), and the
-  step agreement (preemption signal only: the divergence check does not run under a schedule).
-
-A group is *intra-node* when all its ranks share a node (``rank // devices``), else *inter-node*.
+:func:`control_calls` adds the strategy's own small control collectives, which no fake step runs.
+A group is *intra-node* when all its ranks share a node, else *inter-node*.
 """
 
 from __future__ import annotations
@@ -31,7 +17,12 @@ from hp_lightning.planner.simulate import RankRun
 
 
 def control_calls(run: RankRun, candidate: Candidate, cluster: Cluster) -> list[CollectiveCall]:
-    """The strategy's own per-step collectives on this rank (see the module docstring; ``divergence_check`` as the run's options resolve it)."""
+    """The strategy's own per-step collectives on this rank.
+
+    Without PP the step agreement all-reduce (int32: the preemption signal and two flags per
+    parameter the divergence check compares); with PP the loss broadcast over the pipeline group,
+    the logged loss all-reduce over the stage's ranks and the step agreement (preemption only).
+    """
     world = tuple(range(cluster.world_size))
     if candidate.pp == 1:
         flags = 1 + (2 * run.divergence_slots if run.divergence_check else 0)
@@ -75,11 +66,3 @@ def traffic(calls: list[CollectiveCall], cluster: Cluster) -> list[Traffic]:
         entry[1] += call.bytes
     rows = [Traffic(kind, link, n, b) for (kind, link), (n, b) in sums.items()]
     return sorted(rows, key=lambda t: -t.bytes)
-
-
-def bytes_by_kind(calls: list[CollectiveCall]) -> dict[str, int]:
-    """Bytes per collective kind (CollectiveCounter's ``bytes(kind)``)."""
-    out: dict[str, int] = defaultdict(int)
-    for call in calls:
-        out[call.kind] += call.bytes
-    return dict(out)

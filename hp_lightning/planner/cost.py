@@ -1,20 +1,9 @@
-"""A latency-bandwidth (alpha-beta) model of one optimizer step.
+"""A latency-bandwidth (alpha-beta) model of one optimizer step: it ranks candidates; absolute times are as good as the constants.
 
-Per rank: ``compute + optimizer + communication - overlap x min(compute, communication)``, plus the
-pipeline bubble.
-
-* compute: ``6 x parameters x tokens`` FLOPs (forward 2, backward 4) of this rank's stage, divided
-  by TP; activation checkpointing adds one more forward of the blocks (``2 x block parameters x
-  tokens``); at ``Cluster.device_flops``;
-* optimizer: the step reads and writes parameters, gradients and moments once each, at
-  ``Cluster.memory_bandwidth`` (on the host under CPU offload, at ``host_bandwidth``, which also
-  carries the shards' copies to and from the device);
-* each collective over ``n`` ranks of one link class: ``alpha x steps + factor x bytes / beta`` with
-  ring factors ``(n-1)/n`` (all-gather output, reduce-scatter input), ``2(n-1)/n`` (all-reduce),
-  1 (broadcast, send); a receive is its peer's send and costs nothing more;
-* the bubble of PP: ``(stages - 1) / microbatches`` of the compute.
-
-It ranks candidates; its absolute times are as good as the cluster constants given.
+Per rank: ``compute + optimizer + communication - overlap x min(compute, communication)`` plus the
+pipeline bubble. Compute is ``6 x parameters x tokens`` FLOPs over TP (checkpointing adds a forward
+of the blocks); a collective over ``n`` ranks costs ``alpha x steps + factor x bytes / beta`` with
+ring factors ``(n-1)/n`` (all-gather, reduce-scatter), ``2(n-1)/n`` (all-reduce), 1 (broadcast, send).
 """
 
 from __future__ import annotations

@@ -1,24 +1,9 @@
-"""Per-rank memory of a candidate, from the simulated rank's tensors.
+"""Per-rank memory of a candidate, from the simulated rank's fake tensors after its step.
 
-* parameters, gradients and optimizer state: the local shards FSDP2 made (DTensor ``to_local``),
-  the sharded gradients (the sharded parameters' shape and dtype) and the optimizer's moments,
-  read from the fake tensors after the simulated step;
-* the largest gathered unit: the largest all-gather output of the step (FSDP2's flat buffer of
-  the unit's unsharded parameters in the compute dtype); with prefetch, one more unit is gathered
-  while the current one computes;
-* activations and transients: the live storage at the step's peak (:class:`~hp_lightning.planner.simulate.LiveBytes`
-  over the fake forward/backward/optimizer step, FSDP2's all-gather and reduce-scatter buffers
-  included) minus what was alive at the step's start;
-* the predicted peak: the live storage at that peak. Under CPU offload the sharded parameters,
-  gradients and optimizer state live on the host: the device peak drops by them (an estimate:
-  FSDP2 then copies each unit's shards to the device for its all-gather).
-
-The peak is the device's. CPU ranks on gloo also hold the buffers gloo stages collectives
-through (:func:`~hp_lightning.planner.simulate.gloo_staging_bytes`); that peak is
-``RankRun.gloo_peak_bytes``, the one ``--validate`` compares on this machine's CPU.
-
-A candidate *fits* when its peak is at most ``usable`` (90 %) of the device memory: the
-caching allocator's fragmentation and the runtime's own buffers take the rest.
+State is the local shards FSDP2 made; activations and transients are the live storage at the
+step's peak (:class:`~hp_lightning.planner.simulate.LiveBytes`) minus what was alive at its start.
+Under CPU offload the device peak drops by the sharded state (an estimate). CPU ranks on gloo also
+hold its staging buffers (``RankRun.gloo_peak_bytes``, what ``--validate`` compares).
 """
 
 from __future__ import annotations

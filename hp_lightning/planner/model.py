@@ -1,22 +1,10 @@
 """What the planner plans for: the user's model, built on the meta device, and one micro-batch for it.
 
-A model is named in one of three ways, the ways a user already describes it:
-
-* a class path with init args (``examples.gpt.GPTLightningModule`` + ``{"n_layer": 12}``): a
-  ``LightningModule`` (built as the Trainer builds it: ``__init__`` then ``configure_model``) or a
-  plain ``nn.Module``;
-* a LightningCLI YAML file: its ``model:`` section (``class_path``/``init_args``, or init args
-  of the CLI's fixed model class given as ``model_class``);
-* a Hugging Face config (a ``PretrainedConfig``, its dict, or a ``config.json`` path): the causal
-  LM ``AutoModelForCausalLM.from_config`` builds, without downloading weights.
-
-Everything is built under ``torch.device("meta")``: no parameter is allocated, so an 8B model
-plans on a laptop. The planner then shards it with hp_lightning's own recipe and runs one step
-on fake tensors (see :mod:`hp_lightning.planner.simulate`).
-
-Plain modules and Hugging Face models are wrapped in a small ``LightningModule``
-(:class:`CausalLMModule`), the way a user trains them under the Trainer; ``--validate`` trains
-that same wrapper, so the plan and the measurement are of one model.
+A model is a class path with init args (a ``LightningModule``, built as the Trainer builds it, or
+a plain ``nn.Module``), a LightningCLI YAML (its ``model:`` section), or a Hugging Face config
+(object, dict or ``config.json``: the causal LM ``AutoModelForCausalLM.from_config`` builds).
+Everything is built under ``torch.device("meta")``, so an 8B model plans on a laptop. Plain modules
+and Hugging Face models are wrapped in :class:`CausalLMModule`, which ``--validate`` trains too.
 """
 
 from __future__ import annotations
@@ -32,6 +20,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
+import yaml
 from torch import Tensor, nn
 from typing_extensions import override
 
@@ -128,8 +117,7 @@ class ModelSpec:
     """How to build the model: a ``LightningModule`` class path and its init args (plain models wrapped).
 
     Attributes:
-        class_path: the LightningModule class (``hp_lightning.planner.model.CausalLMModule`` for
-            Hugging Face configs and plain modules).
+        class_path: the LightningModule class (:class:`CausalLMModule` for Hugging Face configs and plain modules).
         init_args: its keyword arguments.
         label: what the user named (for reports).
         strategy_args: strategy init args found alongside (a LightningCLI YAML's ``tp_plan``, ...).
@@ -152,8 +140,7 @@ class ModelSpec:
         cls = _import(self.class_path)
         where = f"{self.label or self.class_path}"
         try:
-            with torch.device("meta"), warnings.catch_warnings():
-                warnings.simplefilter("ignore")
+            with torch.device("meta"), warnings.catch_warnings(action="ignore"):
                 module = cls(**dict(self.init_args))
                 if isinstance(module, pl.LightningModule):
                     module.configure_model()
@@ -179,9 +166,7 @@ class ModelSpec:
         """
         candidates: list[Any] = [self.init_args.get("vocab_size"), (self.init_args.get("hf_config") or {}).get("vocab_size")]
         candidates.append(getattr(getattr(module, "hparams", {}), "get", lambda _k: None)("vocab_size"))
-        for sub in module.modules():
-            config = getattr(sub, "config", None)
-            candidates.append(getattr(config, "vocab_size", None))
+        candidates += [getattr(getattr(sub, "config", None), "vocab_size", None) for sub in module.modules()]
         for value in candidates:
             if isinstance(value, int) and value > 0:
                 return value
@@ -226,8 +211,6 @@ def from_yaml(path: str | Path, model_class: str | None = None) -> ModelSpec:
     Raises:
         ModelBuildError: no ``model:`` section, or no class to build it with.
     """
-    import yaml
-
     text = Path(path).read_text()
     config = yaml.safe_load(text) or {}
     model = config.get("model")
@@ -255,8 +238,6 @@ def resolve_model(model: Any, init_args: Mapping[str, Any] | None = None, *, mod
     """Turn whatever names the model into a :class:`ModelSpec` (see the module docstring).
 
     Args:
-        model: a class path, a class, a YAML path, a ``config.json`` path, an HF config object or dict,
-            or a :class:`ModelSpec`.
         init_args: the class's arguments (class paths and classes only).
         model_class: the model class of a YAML whose ``model:`` section has no ``class_path``.
 
@@ -267,10 +248,7 @@ def resolve_model(model: Any, init_args: Mapping[str, Any] | None = None, *, mod
         return model
     if isinstance(model, type):
         return _wrap_plain(f"{model.__module__}.{model.__qualname__}", init_args or {}, label=model.__name__)
-    if hasattr(model, "model_type") and hasattr(model, "to_dict"):
-        data = hf_config_dict(model)
-        return ModelSpec("hp_lightning.planner.model.CausalLMModule", {"hf_config": data}, label=f"HF {data['model_type']} config")
-    if isinstance(model, Mapping):
+    if isinstance(model, Mapping) or (hasattr(model, "model_type") and hasattr(model, "to_dict")):
         data = hf_config_dict(model)
         return ModelSpec("hp_lightning.planner.model.CausalLMModule", {"hf_config": data}, label=f"HF {data['model_type']} config")
     if isinstance(model, (str, Path)):
@@ -288,12 +266,8 @@ def resolve_model(model: Any, init_args: Mapping[str, Any] | None = None, *, mod
 
 
 def step_loss(module: pl.LightningModule, batch: tuple[Tensor, Tensor]) -> Tensor:
-    """The loss of one micro-batch, computed as the Trainer computes it (``training_step``).
-
-    Lightning's ``self.log`` without a Trainer only warns; that warning is silenced here.
-    """
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    """The loss of one micro-batch as the Trainer computes it (``training_step``; ``self.log``'s warning without a Trainer silenced)."""
+    with warnings.catch_warnings(action="ignore"):
         out = module.training_step(batch, 0)
     loss = out["loss"] if isinstance(out, Mapping) else out
     if not isinstance(loss, Tensor):

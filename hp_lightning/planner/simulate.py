@@ -1,34 +1,24 @@
 """One simulated rank: hp_lightning's real recipe on a fake world, one step on fake tensors.
 
-For a candidate and a rank, :func:`simulate_rank` does in one process what that rank would do at
-setup and in its second optimizer step:
-
-1. joins a *fake* process group of the cluster's world size as that rank, builds the candidate's
-   :class:`~hp_lightning.core.mesh.ParallelMesh` (the strategy's own code);
-2. builds the model on the meta device, cuts its pipeline stage, and applies
-   :func:`hp_lightning.recipe.parallelize.parallelize` with the plan ``HSDPOptions`` makes of the
-   candidate's strategy arguments: the units, meshes, placements, padding and dtypes are torch
-   FSDP2's own, nothing is re-derived;
-3. allocates the local shards as *fake* tensors and runs two optimizer steps (forward, backward,
-   optimizer) of fake micro-batches, counting every collective at the ``torch.distributed`` call
-   (:class:`~hp_lightning.core.diagnostics.CollectiveCounter`) and every tensor's storage as it
-   is created and freed (:class:`LiveBytes`). The second step is the steady state reported.
-
-Pipeline stages run the micro-batches in torch's schedule order (1F1B or GPipe) through torch's
-``PipelineStage`` gradient-sync calls; the point-to-point transfers between stages, which a fake
-world cannot pair, are added from the stage's output shape.
+:func:`simulate_rank` builds the rank's mesh, model and stage with the strategy's own code on a
+*fake* process group, applies :func:`hp_lightning.recipe.parallelize.parallelize` (nothing
+re-derived), then runs two optimizer steps on *fake* tensors, counting every collective and every
+storage (:class:`LiveBytes`); the second step is reported. Pipeline transfers, which a fake world
+cannot pair, are added from the stage's output shape.
 """
 
 from __future__ import annotations
 
+import warnings
 import weakref
-from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field
+from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor
 
 from hp_lightning.core import devices
@@ -38,23 +28,15 @@ from hp_lightning.core._torch_private import (  # fake process groups and fake t
     fake_process_group,
     fake_tensor_mode,
     local_tensor,
-    managed_params,
-    reshards_after_forward,
     tree_flatten,
 )
 from hp_lightning.core.accumulation import no_gradient_sync
 from hp_lightning.core.diagnostics import CollectiveCall, CollectiveCounter
-from hp_lightning.core.introspection import unit_names
-from hp_lightning.core.mesh import MODEL_PARALLEL_DIM_NAMES, build_parallel_mesh
+from hp_lightning.core.mesh import build_parallel_mesh
 from hp_lightning.core.options import HSDPOptions
+from hp_lightning.fully_shard.divergence import _unit_slots
 from hp_lightning.parallel.pipeline import hold_gathered, plan_cut
-from hp_lightning.planner.candidates import (
-    PRECISIONS,
-    Candidate,
-    Cluster,
-    ModelFacts,
-    Workload,
-)
+from hp_lightning.planner.candidates import PRECISIONS, Candidate, Cluster, ModelFacts, Workload
 from hp_lightning.planner.model import ModelBuildError, ModelSpec, step_loss
 from hp_lightning.recipe.parallelize import ShardingPlan, parallelize
 
@@ -65,12 +47,10 @@ if TYPE_CHECKING:
 class LiveBytes(TorchDispatchMode):
     """Bytes of tensor storage alive on this rank, and their peak, at op granularity.
 
-    Every tensor an op creates is registered by its storage (views share it) with its size, and
-    subtracted when the storage dies. FSDP2 frees and re-allocates the unsharded parameters of a
-    unit by resizing their storage (``resize_``, outside the dispatcher); those storages are marked
-    with :meth:`track_resizable` (from a pre-forward hook on every unit) and counted at their
-    *current* size at every op. Storages created before the mode are added with :meth:`track`.
-    Works on fake tensors: their storages have sizes, not memory.
+    Every storage an op creates counts with its size until it dies. FSDP2 frees and re-allocates
+    unsharded parameters by ``resize_`` (outside the dispatcher): those storages are marked with
+    :meth:`track_resizable` and counted at their *current* size. Storages created before the mode
+    are added with :meth:`track`. Works on fake tensors: their storages have sizes, not memory.
     """
 
     def __init__(self) -> None:
@@ -81,10 +61,15 @@ class LiveBytes(TorchDispatchMode):
         self.peak = 0
 
     def _gone(self, key: int) -> None:
-        entry = self._fixed.pop(key, None)
-        if entry is not None:
-            self._fixed_total -= entry[1]
+        self._untrack_fixed(key)
         self._resizable.pop(key, None)
+
+    def _untrack_fixed(self, key: int) -> weakref.ref | None:
+        entry = self._fixed.pop(key, None)
+        if entry is None:
+            return None
+        self._fixed_total -= entry[1]
+        return entry[0]
 
     @staticmethod
     def _storage(tensor: Any) -> Any:
@@ -108,33 +93,17 @@ class LiveBytes(TorchDispatchMode):
         if storage is None:
             return
         key = id(storage)
-        if key in self._resizable:
-            return
-        entry = self._fixed.pop(key, None)
-        if entry is not None:
-            self._fixed_total -= entry[1]
-            ref = entry[0]
-        else:
-            ref = weakref.ref(storage, lambda _ref: self._gone(key))
-        self._resizable[key] = ref
+        if key not in self._resizable:
+            self._resizable[key] = self._untrack_fixed(key) or weakref.ref(storage, lambda _ref: self._gone(key))
 
     def now(self) -> int:
-        total = self._fixed_total
-        for ref in list(self._resizable.values()):
-            storage = ref()
-            if storage is not None:
-                total += storage.nbytes()
-        return total
-
-    def reset_peak(self) -> None:
-        self.peak = self.now()
+        storages = [ref() for ref in list(self._resizable.values())]
+        return self._fixed_total + sum(storage.nbytes() for storage in storages if storage is not None)
 
     def watch_units(self, units: list[nn.Module]) -> list[Any]:
         """Mark each unit's unsharded parameters resizable when FSDP2 has gathered them (a pre-forward hook).
 
-        Under tensor parallelism an unsharded parameter is itself a DTensor (on the TP mesh) whose
-        local tensor is FSDP2's all-gather output: it is freed by ``resize_`` like a plain one, so
-        DTensors are marked too (a sharded parameter marked along the way keeps its constant size).
+        Under TP those are DTensors whose local tensor is freed by ``resize_`` too: DTensors are marked as well.
         """
 
         def mark(unit: nn.Module, _args: Any) -> None:
@@ -154,16 +123,6 @@ class LiveBytes(TorchDispatchMode):
         return out
 
 
-@dataclass(frozen=True)
-class UnitFact:
-    """One sharding unit as FSDP2 built it on this rank."""
-
-    name: str
-    sharded_bytes: int  # this rank's shards, as stored
-    gathered_bytes: int  # the unsharded parameters in the compute dtype (what one all-gather produces)
-    reshard_after_forward: bool
-
-
 @dataclass
 class RankRun:
     """What one simulated rank did in its steady-state optimizer step."""
@@ -176,15 +135,12 @@ class RankRun:
     optimizer_bytes: int
     start_bytes: int  # live storage at the start of the step (parameters + optimizer state + kept buffers)
     peak_bytes: int  # live storage at the step's peak
-    units: list[UnitFact]
     stage_numel: int  # parameters of this rank's stage, unsharded and before TP (for FLOPs)
     block_numel: int  # of those, inside the blocks (what activation checkpointing recomputes)
     divergence_slots: int  # parameters the strategy's per-step divergence check compares
     divergence_check: bool  # the options' divergence_check, as the strategy resolves it ("per_step")
     tokens: int  # tokens this rank processes per optimizer step
-    stage_io_bytes: tuple[int, int] = (0, 0)  # bytes of one pipeline micro-batch into / out of this stage
     gloo_peak_bytes: int = 0  # the peak on CPU ranks (gloo), whose collectives stage through temporaries
-    notes: list[str] = field(default_factory=list)
 
 
 def _local_bytes(tensor: torch.Tensor) -> int:
@@ -204,15 +160,6 @@ _CANDIDATE_KEYS = {
     "mesh_shape", "tensor_parallel_size", "pipeline_parallel_size", "pipeline_split_points", "pipeline_microbatches",
     "reshard_after_forward", "cpu_offload", "activation_checkpointing", "param_dtype", "reduce_dtype", "tp_plan",
 }
-
-
-@contextmanager
-def _quiet() -> Iterator[None]:
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
 
 
 def schedule_order(kind: str, stage: int, stages: int, microbatches: int) -> list[tuple[str, int]]:
@@ -253,7 +200,7 @@ def simulate_rank(
     options = HSDPOptions(**args)
     plan = ShardingPlan.of(options, device_type=devices.CPU)
     fake = fake_tensor_mode()
-    with fake_process_group(rank, cluster.world_size), _quiet():
+    with fake_process_group(rank, cluster.world_size), warnings.catch_warnings(action="ignore"):
         # The strategy's own steps: the mesh sizes from the options, the stage cut, the recipe, the pipeline's gathering.
         layout = options.layout(world_size=cluster.world_size, num_nodes=cluster.nodes, devices_per_node=cluster.devices)
         mesh = build_parallel_mesh(devices.CPU, layout)
@@ -265,7 +212,8 @@ def simulate_rank(
             plan_cut(module, options, stage).apply(module)
         unique = {id(p): p for p in module.parameters()}
         stage_numel = sum(p.numel() for p in unique.values())
-        block_ids = {id(p) for name in facts.block_names if _has(module, name) for p in module.get_submodule(name).parameters()}
+        modules = dict(module.named_modules(remove_duplicate=False))
+        block_ids = {id(p) for name in facts.block_names if name in modules for p in modules[name].parameters()}
         block_numel = sum(p.numel() for i, p in unique.items() if i in block_ids)
         try:
             sharded = parallelize(module, mesh, plan)
@@ -274,37 +222,14 @@ def simulate_rank(
         if candidate.pp > 1:
             hold_gathered([module], options)
         slots = divergence_slots(module, sharded.replicated)
-        names = unit_names(module)
-        units = []
-        for unit in [module, *sharded.units]:
-            params = managed_params(unit)
-            if not params:
-                continue
-            sharded_bytes = sum(_local_bytes(p) for p, _, _ in params)
-            gathered = 0
-            for p, mp, _ in params:
-                dtype = mp.param_dtype or p.dtype
-                local = p.to_local() if isinstance(p, DTensor) else p
-                shard_dims = [i for i, pl in enumerate(p.placements) if pl.is_shard()] if isinstance(p, DTensor) else []
-                ranks = 1
-                for i in shard_dims:
-                    if p.device_mesh.mesh_dim_names[i] not in MODEL_PARALLEL_DIM_NAMES:
-                        ranks *= p.device_mesh.size(i)
-                gathered += local.numel() * ranks * dtype.itemsize
-            units.append(UnitFact(names.get(id(unit), type(unit).__name__), sharded_bytes, gathered, reshards_after_forward(unit)))
         with fake:
             module.to_empty(device=devices.cpu_device())
+            trainable = [p for p in module.parameters() if p.requires_grad]
+            optimizer = (torch.optim.AdamW if workload.optimizer == "adamw" else torch.optim.SGD)(trainable, lr=1e-3)
         live = LiveBytes()
-        trainable = [p for p in module.parameters() if p.requires_grad]
-        with fake:
-            optimizer = (
-                torch.optim.AdamW(trainable, lr=1e-3) if workload.optimizer == "adamw" else torch.optim.SGD(trainable, lr=1e-3)
-            )
         live.watch_units([module, *sharded.units])
-        for p in module.parameters():
-            live.track(p)
-        for b in module.buffers():
-            live.track(b)
+        for t in [*module.parameters(), *module.buffers()]:
+            live.track(t)
         vocab = spec.vocab_size(module)
         dp_batch = workload.micro_batch * (workload.pp_microbatches(candidate.pp) if candidate.pp > 1 else 1)
         counter = CollectiveCounter()
@@ -316,8 +241,7 @@ def simulate_rank(
             for step in range(2):
                 if step == 1:
                     counter.reset()
-                    start = live.now()
-                    live.reset_peak()
+                    start = live.peak = live.now()
                     gloo_peak[0] = 0
                 with counter, fake, live:
                     if candidate.pp > 1:
@@ -340,9 +264,9 @@ def simulate_rank(
         run = RankRun(
             rank=rank, stage=stage, calls=list(counter.calls), params_bytes=params_bytes, grads_bytes=grads,
             optimizer_bytes=optimizer_bytes, start_bytes=start, peak_bytes=live.peak,
-            gloo_peak_bytes=max(live.peak, gloo_peak[0]), units=units,
+            gloo_peak_bytes=max(live.peak, gloo_peak[0]),
             stage_numel=stage_numel, block_numel=block_numel, divergence_slots=slots, divergence_check=options.divergence_check == "per_step",
-            tokens=dp_batch * workload.seq_len * workload.accumulation, stage_io_bytes=io_bytes,
+            tokens=dp_batch * workload.seq_len * workload.accumulation,
         )
         if candidate.pp > 1:
             run.calls.extend(_pipeline_p2p(rank, stage, candidate.pp, cluster.world_size // candidate.pp, workload, io_bytes))
@@ -352,12 +276,10 @@ def simulate_rank(
 def gloo_staging_bytes(call: CollectiveCall) -> int:
     """Heap gloo allocates, on top of the call's own tensors, while a collective of ``call`` runs on CPU.
 
-    Measured on this build (torch 2.13, gloo, CPU tensors; see ``docs/planning.md``): an
-    all-gather assembles its output in a temporary of the output's size and copies it out; a
-    reduce-scatter copies its whole input and reduces ring chunks of ``input / ranks``; an
-    all-reduce works in chunks of ``tensor / ranks``. None of it comes from the caching allocator
-    on a GPU (NCCL's buffers are its own), so it counts only for a plan validated on CPU ranks.
-    ``call.bytes`` is the larger tensor: the gathered output, the scattered input, the reduced tensor.
+    Measured on torch 2.13 (``docs/planning.md``): an all-gather assembles its output in a temporary;
+    a reduce-scatter copies its whole input and reduces ring chunks of ``input / ranks``; an
+    all-reduce works in chunks of ``tensor / ranks`` (``call.bytes`` is the larger tensor). On a GPU
+    NCCL's buffers are its own: this counts only for a plan validated on CPU ranks.
     """
     ranks = max(len(call.ranks), 1)
     if call.kind == "all_gather":
@@ -372,28 +294,10 @@ def gloo_staging_bytes(call: CollectiveCall) -> int:
 def divergence_slots(module: nn.Module, replicated: list[str]) -> int:
     """Parameters the strategy's divergence check compares (trainable sharded or replicate ones, once each).
 
-    The same rule as :mod:`hp_lightning.fully_shard.divergence`: its per-step control all-reduce
-    carries two flags per such parameter and the preemption signal.
+    :mod:`hp_lightning.fully_shard.divergence`'s own rule: its per-step control all-reduce carries
+    two flags per such parameter and the preemption signal.
     """
-    seen: set[int] = set()
-    wanted = set(replicated)
-    count = 0
-    for module_name, sub in module.named_modules():
-        for attr, param in sub._parameters.items():
-            if param is None or id(param) in seen or not param.requires_grad:
-                continue
-            seen.add(id(param))
-            name = f"{module_name}.{attr}" if module_name else attr
-            count += isinstance(param, DTensor) or name in wanted
-    return count
-
-
-def _has(module: nn.Module, name: str) -> bool:
-    try:
-        module.get_submodule(name)
-    except AttributeError:
-        return False
-    return True
+    return len(_unit_slots(module, [], replicated))
 
 
 def _tokens(workload: Workload, batch: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -403,9 +307,8 @@ def _tokens(workload: Workload, batch: int, vocab: int) -> tuple[torch.Tensor, t
 def _plain_step(module: pl.LightningModule, workload: Workload, vocab: int, optimizer: torch.optim.Optimizer) -> None:
     """One optimizer step's micro-batches as Lightning runs them.
 
-    The previous step's gradients are dropped after the first forward, before its backward
-    (Lightning's closure: ``training_step``, ``zero_grad``, ``backward``); no gradient sync before
-    the window's last micro-batch.
+    Gradients are dropped after the first forward, before its backward (Lightning's closure); no
+    gradient sync before the window's last micro-batch.
     """
     for i in range(workload.accumulation):
         last = i == workload.accumulation - 1
@@ -421,9 +324,6 @@ def _pipeline_step(
     stage_input: tuple[tuple[int, ...], torch.dtype] | None, schedule: str,
 ) -> tuple[tuple[int, int], tuple[tuple[int, ...], torch.dtype]]:
     """One pipeline step of this stage: torch's schedule order, torch's stage gradient-sync calls."""
-    from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.pipelining import PipelineStage
-
     if workload.accumulation != 1:
         raise ModelBuildError("The planner simulates pipeline steps without gradient accumulation; set accumulation=1 with PP.")
     stages = candidate.pp

@@ -1,41 +1,20 @@
 """``--validate``: train a planned candidate for a few steps on CPU ranks and compare with the plan.
 
-Each rank runs the real ``HSDPStrategy`` under the Lightning ``Trainer`` (gloo, one process per
-planned rank, ``LOCAL_WORLD_SIZE`` = the plan's devices per node, so intra/inter-node groups are
-the plan's), with
-
-* :class:`~hp_lightning.core.diagnostics.CollectiveCounter` from the last optimizer step's first
-  batch to the end of ``fit``: its calls are compared with the plan's, per collective kind, byte
-  for byte;
-* the benchmarks' CPU memory method, :class:`~hp_lightning.core.diagnostics.HeapSampler`: the
-  bytes glibc's malloc has handed out (all threads; CPU tensors live there), sampled every 0.5 ms
-  over the last step and at its start and end, above the heap before the model was built.
-
-Both probes cost time (the counter's dispatch mode sees every op), so they watch the last step
-only; the steps before it build the state it starts from.
-
-The plan predicts *tensor* storage (what ``torch.cuda.max_memory_allocated`` counts on a GPU,
-``scripts/gpu_check.sh``). The malloc heap also holds what is not a tensor: the code and caches
-the first ``fit`` of a process imports, Python's and C++'s objects (Lightning's loops, FSDP2's
-state, autograd nodes), gloo's buffers. That part is measured in the same run, at the end of the
-measured step: the heap's growth since the baseline minus the growth of the storage of every
-live CPU tensor (:func:`live_tensor_bytes`; what existed before the baseline is frozen out). It is reported on its own line (``non-tensor heap``)
-and taken off the heap peak; what is compared with the plan is
-
-    tensor peak = heap peak - non-tensor heap
-                = tensors alive at the step's end + how far the heap rose above its end-of-step level,
-
-both measured, against the plan's CPU peak (``RankRun.gloo_peak_bytes``: its tensors plus the
-buffers gloo stages collectives through). Its residual is the non-tensor heap that exists only
-inside the step (autograd nodes, tensor headers, Python temporaries: a few hundred KiB) and
-whatever the fake-tensor simulation gets wrong.
+Each rank runs the real ``HSDPStrategy`` under the ``Trainer`` (gloo, the plan's groups). Over the
+last step only (the probes cost time) a :class:`~hp_lightning.core.diagnostics.CollectiveCounter`
+counts calls, compared byte for byte, and a :class:`~hp_lightning.core.diagnostics.HeapSampler`
+samples glibc's malloc heap. The heap also holds what is not a tensor (code, caches, objects,
+gloo's buffers), measured in the same run and taken off: ``tensor peak = heap peak - non-tensor
+heap``, compared with ``RankRun.gloo_peak_bytes`` (see ``docs/planning.md``).
 """
 
 from __future__ import annotations
 
 import gc
 import os
+import socket
 import time
+import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -43,7 +22,9 @@ from typing import Any, Literal, cast
 
 import lightning.pytorch as pl
 import torch
+import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
+from torch.utils.data import DataLoader, TensorDataset
 
 from hp_lightning.core import devices
 from hp_lightning.core._torch_private import local_tensor
@@ -57,11 +38,9 @@ from hp_lightning.strategies.hsdp import HSDPStrategy
 def live_tensor_bytes() -> int:
     """Bytes of CPU tensor storage alive that Python can reach and the collector tracks, each storage once.
 
-    Walks the garbage collector's objects (every tensor, parameter and DTensor local shard has a
-    Python object while Python can reach it) and sums their storages, keyed by address, so views
-    and FSDP2's parameters sharing one flat buffer count once. Objects frozen by
-    :func:`gc.freeze` are skipped (see :func:`_frozen_gc`). Tensors only C++ holds (autograd's
-    saved tensors while a graph lives) are not seen: call it between steps, when no graph lives.
+    Storages are keyed by address, so views and FSDP2's flat buffers count once; objects frozen by
+    :func:`_frozen_gc` are skipped. Tensors only C++ holds (autograd's saved tensors) are not seen:
+    call it between steps, when no graph lives.
     """
     sizes: dict[int, int] = {}
     for obj in gc.get_objects():
@@ -80,11 +59,9 @@ def _frozen_gc() -> Iterator[None]:
     """Freeze every object alive now (:func:`gc.freeze`) for the block; collect the block's garbage after it.
 
     What exists before the measured run is not its memory: frozen, it is left out of
-    :func:`live_tensor_bytes` (whose count then starts at zero, like the heap's baseline) and out
-    of the collector's passes, which over everything a process importing torch, Lightning and
-    transformers holds take about a second each. The objects stay frozen after the block (they
-    are long-lived; reference counting still frees them), so a second measurement in the same
-    process collects only what the first left: call it in a process that exists to measure.
+    :func:`live_tensor_bytes` and out of the collector's passes (about a second each in a process
+    importing torch, Lightning and transformers). The objects stay frozen after the block: call it
+    in a process that exists to measure.
     """
     gc.freeze()
     try:
@@ -110,8 +87,6 @@ class Measurement:
 
 
 def _token_loader(vocab: int, seq_len: int, batch: int, batches: int, seed: int = 0) -> Any:
-    from torch.utils.data import DataLoader, TensorDataset
-
     g = torch.Generator().manual_seed(seed)
     n = batch * batches
     x = torch.randint(0, vocab, (n, seq_len), generator=g)
@@ -122,12 +97,8 @@ def _token_loader(vocab: int, seq_len: int, batch: int, batches: int, seed: int 
 def measure_rank(spec: ModelSpec, strategy_args: dict[str, Any], cluster: Cluster, workload: Workload, steps: int = 2) -> Measurement:
     """Train ``steps`` optimizer steps on this rank (inside a launched world) and measure the last one.
 
-    The first step builds the optimizer state and FSDP2's lazy state; from the second on a step
-    starts, like the plan's simulated one, with the previous step's gradients and the optimizer
-    state alive, so two steps suffice.
-
-    Must run in every rank of a world of ``cluster.world_size`` processes (``RANK``, ``WORLD_SIZE``,
-    ``LOCAL_RANK``, ``MASTER_ADDR``/``PORT`` set), each with one CPU thread.
+    The first step builds the optimizer's and FSDP2's lazy state, so two steps suffice. Must run in
+    every rank of a launched world of ``cluster.world_size`` processes, each with one CPU thread.
 
     Raises:
         ValueError: fewer than 2 steps (the first is not the steady state).
@@ -203,8 +174,6 @@ def _launched_rank(rank: int, world: int, port: int, local_world: int, args: tup
     try:
         out.put((rank, "ok", measure_rank(*args)))
     except BaseException as exc:  # noqa: BLE001 - reported by the launcher
-        import traceback
-
         out.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
 
 
@@ -215,10 +184,6 @@ def run_validation(result: Any, entry: Any, steps: int = 2, timeout: float = 600
         ValueError: a world too large for CPU ranks here (more than 16 processes), or fewer than 2 steps.
         RuntimeError: a rank failed.
     """
-    import socket
-
-    import torch.multiprocessing as mp
-
     if steps < 2:
         raise ValueError(f"--validate needs at least 2 optimizer steps (the first builds the optimizer state and is not measured); got --steps {steps}.")
     cluster = result.cluster

@@ -2,31 +2,22 @@
 
 :func:`parallelize` is the whole recipe; the strategy calls it once per setup:
 
-1. tensor parallelism on the ``tp`` dim (torch's ``parallelize_module``): before sharding, so
-   FSDP shards TP's DTensors further over the data-parallel dims (FSDP2's 2-D composition);
+1. tensor parallelism on the ``tp`` dim, before sharding, so FSDP shards TP's DTensors further
+   over the data-parallel dims (FSDP2's 2-D composition);
 2. expert parallelism on the ``ep`` dim: experts split over EP ranks, tokens moved by all-to-all;
-3. activation checkpointing on the chosen blocks (before sharding, so FSDP's gather/free hooks
-   sit outside the recomputed region and recomputation sees gathered parameters): whole blocks,
-   or selectively (matmul and attention outputs kept), on every block or every N-th;
-4. ``torch.compile`` of each block's ``forward`` (``compile``), around its checkpointing, FSDP's
-   hooks outside;
+3. activation checkpointing of the chosen blocks (whole, or selectively keeping matmul and
+   attention outputs), before sharding, so FSDP's hooks sit outside the recomputed region;
+4. ``torch.compile`` of each block's ``forward``, around its checkpointing, FSDP's hooks outside;
 5. ``fully_shard`` on each unit, bottom-up, each with only the replicate/ignored parameters it
    owns; expert modules are units of their own on the data-parallel dims without ``ep``;
-6. ``fully_shard`` on the root, which takes every parameter no unit owns (embeddings, heads,
-   final norms) and drives lazy initialization;
-7. forward-method registration on the root, so the root's parameters are gathered whichever
-   method the user's code enters through (``training_step``, ``generate``, ...);
+6. ``fully_shard`` on the root, which takes every parameter no unit owns (embeddings, heads);
+7. forward-method registration on the root, so its parameters are gathered whichever method the
+   user's code enters through (``training_step``, ``generate``, ...);
 8. explicit prefetch between consecutive units;
 9. reduce op and gradient scaling.
 
-Materialization of meta-device parameters is a separate step (:func:`materialize`), run after
-the model is sharded, so that no rank ever allocates the whole model.
-
-The plan is the options themselves (:class:`ShardingPlan` holds the user's
-:class:`~hp_lightning.core.options.HSDPOptions` and the two FSDP policies they resolve to for
-this run), and :func:`shard_module` is the one place that calls ``fully_shard``: the recipe's
-units and root, and the pipeline's stage roots, all pass the whole plan through it, so a new
-sharding option is read in one place and reaches every sharded module.
+Materialization of meta-device parameters runs after sharding, so that no rank ever allocates the
+whole model. :func:`shard_module` is the one call site of ``fully_shard``.
 """
 
 from __future__ import annotations
@@ -51,15 +42,7 @@ from hp_lightning.core._torch_private import prefetch_targets, wrap_as_forward
 from hp_lightning.core.mesh import MODEL_PARALLEL_DIM_NAMES, ParallelMesh
 from hp_lightning.core.options import HSDPOptions
 from hp_lightning.core.units import UnitSpec, auto_units, bottom_up, select_modules, select_params, side_units
-from hp_lightning.fully_shard import (
-    CPUOffloadPolicy,
-    HSDPModule,
-    MixedPrecisionPolicy,
-    OffloadPolicy,
-    adopt_sharded,
-    build_mp_policy,
-    fully_shard,
-)
+from hp_lightning.fully_shard import CPUOffloadPolicy, HSDPModule, MixedPrecisionPolicy, OffloadPolicy, adopt_sharded, build_mp_policy, fully_shard
 from hp_lightning.parallel.expert import ExpertParallel, check_expert_split, find_expert_modules
 from hp_lightning.parallel.pipeline.cut import whole_model_modules, whole_model_params
 from hp_lightning.parallel.tensor import hf_tp_plan, resolve_tp_plan, tp_applied
@@ -74,10 +57,8 @@ AUTO_FORWARD_METHODS = ("generate",)
 class ShardingPlan:
     """What :func:`parallelize` applies: the options as the user set them, and the FSDP policies they resolve to.
 
-    There is no second list of sharding fields: the recipe reads ``plan.options`` (the sharding
-    group, and ``tp_plan`` / ``expert_modules`` of the parallel group). Only the two policies are
-    resolved here, because they depend on the run as well as the options (the front end's
-    ``precision=``, the device): build them with :meth:`of`.
+    Only the two policies are resolved here, because they depend on the run (the front end's
+    ``precision=``, the device) as well as the options: build them with :meth:`of`.
     """
 
     options: HSDPOptions = field(default_factory=HSDPOptions)
@@ -126,7 +107,6 @@ class ShardingPlan:
                 param_dtype=options.param_dtype or derived_param_dtype,
                 reduce_dtype=options.reduce_dtype or derived_reduce_dtype,
             ),
-            # Pinned host memory speeds up host<->device copies but needs an accelerator runtime.
             offload_policy=CPUOffloadPolicy(pin_memory=devices.is_accelerator(device_type)) if options.cpu_offload else OffloadPolicy(),
         )
 
@@ -214,9 +194,7 @@ def _selective_contexts() -> tuple[Any, Any]:
     return create_selective_checkpoint_contexts(_save_expensive_ops)
 
 
-def apply_activation_checkpointing(
-    model: nn.Module, specs: Sequence[UnitSpec] | None, mode: str = "full", every: int = 1
-) -> list[nn.Module]:
+def apply_activation_checkpointing(model: nn.Module, specs: Sequence[UnitSpec] | None, mode: str = "full", every: int = 1) -> list[nn.Module]:
     """Recompute the chosen blocks' activations in backward instead of storing them.
 
     Wraps each block's ``forward`` (not the module), so parameter names and state-dict keys
@@ -262,8 +240,7 @@ def apply_compile(model: nn.Module, plan: ShardingPlan) -> list[nn.Module]:
     """``torch.compile`` the forward of each block the plan makes a unit (not the root, not the user's units).
 
     The bound ``forward`` is replaced, not the module: names and state-dict keys stay, and FSDP's
-    pre/post-forward hooks (registered on the module by ``fully_shard`` afterwards) run outside
-    the compiled region, around it. Compilation itself happens at the first call.
+    hooks (registered afterwards) run outside the compiled region. Compilation happens at the first call.
     """
     setting = plan.options.compile
     if setting is False:
@@ -302,14 +279,7 @@ def _placement_fn(model: nn.Module, shard_placement: Mapping[str, int] | None):
     return placement
 
 
-def _user_units(model: nn.Module) -> list[nn.Module]:
-    """Modules the user already sharded (``hp_lightning.fully_shard`` or torch's), outermost first."""
-    return [m for m in model.modules() if isinstance(m, FSDPModule)]
-
-
-def _drop_already_sharded(
-    selected: list[tuple[str, nn.Parameter]], option: str
-) -> list[tuple[str, nn.Parameter]]:
+def _drop_already_sharded(selected: list[tuple[str, nn.Parameter]], option: str) -> list[tuple[str, nn.Parameter]]:
     """Parameters a user unit already sharded cannot be ignored or replicated any more: warn and drop them.
 
     Raises:
@@ -334,16 +304,14 @@ def _drop_already_sharded(
     return [(n, p) for n, p in selected if not isinstance(p, DTensor)]
 
 
-def shard_units(
-    model: nn.Module, mesh: ParallelMesh, plan: ShardingPlan, experts: Sequence[nn.Module] = ()
-) -> tuple[list[nn.Module], list[str], list[str]]:
+def shard_units(model: nn.Module, mesh: ParallelMesh, plan: ShardingPlan, experts: Sequence[nn.Module] = ()) -> tuple[list[nn.Module], list[str], list[str]]:
     """``fully_shard`` each unit bottom-up, then the root. Returns (units, ignored names, replicated names).
 
     Modules the user sharded already (in ``configure_model`` or Fabric code) keep their own
     settings and are not sharded again: the plan only shards what is left, and the returned
     units include the user's, in bottom-up order. Expert modules are units on ``mesh.expert_dp``.
     """
-    user_units = _user_units(model)
+    user_units = [m for m in model.modules() if isinstance(m, FSDPModule)]  # the user's own, outermost first
     planned = planned_units(model, plan)
     expert_ids = {id(m) for m in experts}
     # Automatic plans only: large embeddings / head (+ final norm) as units, each group led by its first module.
@@ -435,19 +403,9 @@ def shard_module(
 ) -> None:
     """``fully_shard`` ``target`` with every plan-wide option: the one call site of ``fully_shard`` in the engine.
 
-    What differs per module is an argument (the parameter sets it owns, the placement function
-    resolved on the model it belongs to, whether it stays gathered after forward); everything
-    else comes from ``plan``, so a module sharded anywhere (a unit, the root, a pipeline stage's
-    root) follows the same options.
-
-    Args:
-        target: the module, or the modules that form one unit.
-        mesh: the data-parallel mesh to shard over.
-        plan: the options and policies.
-        placement: the shard-dim function (from ``shard_placement``; None: dim 0).
-        ignored / replicated: the ``ignored_params`` / ``replicate_params`` this unit owns.
-        keep_gathered: keep the parameters gathered after forward whatever
-            ``reshard_after_forward`` says (a root, the head: needed again as backward starts).
+    What differs per module is an argument: ``placement`` (the shard-dim function; None: dim 0),
+    the ``ignored`` / ``replicated`` parameters this unit owns, and ``keep_gathered`` (keep the
+    parameters gathered after forward whatever ``reshard_after_forward`` says: a root, the head).
     """
     fully_shard(
         target,
@@ -539,24 +497,19 @@ def parallelize(model: nn.Module, mesh: ParallelMesh | DeviceMesh, plan: Shardin
     """Parallelize ``model`` in place following the fixed order in this module's docstring."""
     mesh = ParallelMesh.of(mesh)
     plan = plan if isinstance(plan, ShardingPlan) else ShardingPlan.of(plan)
-    # 1. Tensor parallelism, then 2. expert parallelism: both before FSDP shards their DTensors.
     apply_tensor_parallel(model, mesh, plan)
     experts = apply_expert_parallel(model, mesh, plan) or find_expert_modules(model)
-    # 3. Activation checkpointing before sharding, then 4. compiling each block around it.
     options = plan.options
     apply_activation_checkpointing(model, options.activation_checkpointing, options.activation_checkpointing_mode, options.activation_checkpointing_every)
     apply_compile(model, plan)
-    # 5 + 6. Units bottom-up, then the root.
     units, ignored, replicated = shard_units(model, mesh, plan, experts)
     root = model
     if not isinstance(root, HSDPModule):  # pragma: no cover - shard_units always shards or adopts the root
         raise RuntimeError(f"parallelize left the root {type(root).__name__} unsharded.")
-    # 7. Step and generate methods gather the root's parameters.
     register_forward_methods(root, plan.options.forward_methods)
-    # 8. Prefetch in forward order (units came bottom-up; reverse pre-order reversed is pre-order).
+    # Prefetch in forward order (units came bottom-up; reverse pre-order reversed is pre-order).
     forward_order = list(reversed(units))
     wire_prefetch([u for u in forward_order if u is not root], plan.options.prefetch)  # type: ignore[misc]
-    # 9. Reduction semantics.
     apply_reduction(root, plan)
     return ShardedModel(root=root, units=forward_order, ignored=ignored, replicated=replicated)  # type: ignore[arg-type]
 

@@ -24,24 +24,15 @@ def prepared(model: nn.Module) -> ShardedModel | None:
     return model.__dict__.get(_PREPARED)
 
 
-def prepare_model(
-    model: nn.Module, mesh: ParallelMesh | DeviceMesh, plan: ShardingPlan, *, init_device: torch.device, device: torch.device
-) -> ShardedModel:
+def prepare_model(model: nn.Module, mesh: ParallelMesh | DeviceMesh, plan: ShardingPlan, *, init_device: torch.device, device: torch.device) -> ShardedModel:
     """Shard ``model`` per ``plan``, then allocate and initialize what is still on the meta device.
 
-    In this order: the recipe (:func:`~hp_lightning.recipe.parallelize.parallelize`; units the
-    user sharded already are kept), a check that every rank built the same model and units
-    (before the first collective that depends on them), materialization of meta tensors (always,
-    also when the user sharded everything), then whole parameters and buffers moved to ``device``.
-    Also warns when the plan has no unit besides the root, and installs the check that names
-    rank-divergent backward passes (:mod:`hp_lightning.fully_shard.divergence`).
-    Idempotent: a model prepared before (``fit`` then ``test``) is only re-placed.
+    The steps are commented below; materialization runs always, also when the user sharded
+    everything. Idempotent: a model prepared before (``fit`` then ``test``) is only re-placed.
 
     Args:
         model: the module to shard in place (a LightningModule or any ``nn.Module``).
-        mesh: the strategy's mesh (data-parallel dims, and ``tp``/``ep`` when composed), or a plain
-            data-parallel mesh.
-        plan: what to shard and how.
+        mesh: the strategy's mesh, or a plain data-parallel mesh.
         init_device: where meta tensors are allocated (the host under CPU offload).
         device: where unsharded state lives for training.
     """

@@ -1,5 +1,4 @@
-"""Automatic split points (``pipeline_split_points="auto"``): the model's list of blocks cut into stages of balanced parameter bytes.
-"""
+"""Automatic split points (``pipeline_split_points="auto"``): the model's list of blocks cut into stages of balanced parameter bytes."""
 
 from __future__ import annotations
 
@@ -16,18 +15,13 @@ from hp_lightning.parallel.pipeline.plan import param_bytes
 def find_block_list(model: nn.Module) -> str:
     """The name of the model's list of blocks, where automatic split points may cut.
 
-    The candidates are the ``nn.ModuleList`` / ``nn.Sequential`` / ``nn.ModuleDict`` modules whose
-    entries are modules (not containers) holding parameters, that lie inside no block themselves
-    (so a MoE layer's list of experts inside a block is never one); the one holding the most
-    parameter bytes wins (the first in registration order on a tie): a decoder's ``layers``, a
-    GPT's ``blocks``, ``nn.TransformerEncoder``'s ``layers``.
+    The containers of modules with parameters that lie inside no block (never a MoE layer's
+    experts); the one holding the most parameter bytes wins (the first on a tie).
 
     Raises:
         ValueError: a model without such a list (naming the fix: explicit split points).
     """
-    no_split: set[str] = set()
-    for module in model.modules():
-        no_split.update(getattr(module, "_no_split_modules", None) or ())
+    no_split = {name for module in model.modules() for name in getattr(module, "_no_split_modules", None) or ()}
     best: Optional[tuple[int, str]] = None
     for name, module in model.named_modules():
         if not isinstance(module, CONTAINERS) or len(module._modules) < 2:
@@ -96,16 +90,13 @@ def _balanced_bounds(costs: Sequence[int], first: int, last: int, stages: int) -
 def auto_split_points(model: nn.Module, num_stages: int) -> list[str]:
     """Split points that balance ``num_stages`` stages by parameter bytes (``pipeline_split_points='auto'``).
 
-    Stages start at entries of the model's list of blocks (:func:`find_block_list`); what runs
-    before the list (embeddings) counts on the first stage, what runs after it (final norm, head)
-    on the last, and every stage holds at least one block. Parameter bytes are what a stage's
-    memory and all-gathers scale with; a block's compute scales with them too when the blocks are
-    alike (a decoder's layers). Reads sizes only, so it runs on the meta-device model before the
-    cut and gives the same points on every rank.
+    Stages start at entries of :func:`find_block_list`; what runs before the list counts on the
+    first stage, what runs after it on the last, every stage holds a block. Parameter bytes are
+    what memory and all-gathers scale with (compute too, for alike blocks). Reads sizes only, so
+    it runs on the meta device and gives the same points on every rank.
 
     Raises:
-        ValueError: a model without a list of blocks, or with fewer blocks than stages (naming
-            the sizes and the fixes), or a cut :func:`stage_units` refuses.
+        ValueError: a model without a list of blocks, or with fewer blocks than stages, or a cut :func:`stage_units` refuses.
     """
     blocks = find_block_list(model)
     container = model.get_submodule(blocks)

@@ -1,8 +1,4 @@
-"""Cutting a model into stages: where it may be cut (its *units*), and the cut itself (:func:`split_stage`).
-
-The rules are the package's (:mod:`hp_lightning.parallel.pipeline`): a stage keeps its units
-under their own names; the others are deleted from their container or set to ``None``.
-"""
+"""Cutting a model into stages (rules: :mod:`hp_lightning.parallel.pipeline`): its *units*, and :func:`split_stage`."""
 
 from __future__ import annotations
 
@@ -21,8 +17,7 @@ def stage_units(model: nn.Module, split_points: Sequence[str]) -> list[str]:
     """The modules the split points cut between, in registration order (see the module docstring).
 
     Raises:
-        ValueError: a split point that is not such a module, split points out of order, or a
-            parameter held by a module on the way to a split point (it would belong to no stage).
+        ValueError: a split point that is not such a module, split points out of order, or a parameter held on the way.
     """
     _refuse_points_inside_blocks(model, split_points)
     on_the_way = {""} | {p.rsplit(".", i)[0] for p in split_points for i in range(1, p.count(".") + 1)}
@@ -68,9 +63,8 @@ WHOLE_MODEL_MODULES_ATTR = "_hp_pipeline_whole_model_modules"
 def whole_model_params(model: nn.Module) -> Optional[frozenset[str]]:
     """The parameter names ``model`` had before :func:`split_stage` cut it to its stages (None: never cut).
 
-    A parameter-name glob of the options (``ignored_params``, ``replicate_params``,
-    ``shard_placement``) is written against the whole model: each stage applies it to the
-    parameters it holds, and only a glob that matches none of these names is a mistake.
+    The options' parameter globs are written against the whole model: only a glob that matches
+    none of these names is a mistake.
     """
     return model.__dict__.get(WHOLE_MODEL_PARAMS_ATTR)
 
@@ -78,8 +72,7 @@ def whole_model_params(model: nn.Module) -> Optional[frozenset[str]]:
 def whole_model_modules(model: nn.Module) -> Optional[tuple[tuple[str, type], ...]]:
     """The ``(name, class)`` of every submodule ``model`` had before :func:`split_stage` cut it (None: never cut).
 
-    The module specs of the options (``shard_modules``, ``activation_checkpointing``) are written
-    against the whole model, as the parameter globs are (:func:`whole_model_params`).
+    The options' module specs are written against the whole model, as the parameter globs are.
     """
     return model.__dict__.get(WHOLE_MODEL_MODULES_ATTR)
 
@@ -118,19 +111,14 @@ def enclosing_block(model: nn.Module, point: str, no_split: set[str]) -> Optiona
 
 
 def _refuse_points_inside_blocks(model: nn.Module, split_points: Sequence[str]) -> None:
-    """Refuse split points inside a block (``net.blocks.2.fc1``): neither stage could run that block.
+    """Refuse split points inside a block (``net.blocks.2.fc1``): a block's forward calls all of its layers.
 
-    A block's ``forward`` calls all of its layers, so the stage holding some of them would call a
-    ``None`` in place of the others (``'NoneType' object is not callable`` at step 0). Blocks are
-    the entries of ``nn.ModuleList`` / ``nn.Sequential`` / ``nn.ModuleDict`` and Hugging Face's
-    ``_no_split_modules`` classes; a stage starts at a block, never inside one.
+    Blocks are container entries and Hugging Face's ``_no_split_modules`` classes.
 
     Raises:
         ValueError: naming the split point, the block it lies in, the option and the cut points.
     """
-    no_split: set[str] = set()
-    for module in model.modules():
-        no_split.update(getattr(module, "_no_split_modules", None) or ())
+    no_split = {name for module in model.modules() for name in getattr(module, "_no_split_modules", None) or ()}
     inside = {p: b for p in split_points if (b := enclosing_block(model, p, no_split)) is not None}
     if not inside:
         return
@@ -149,10 +137,8 @@ def _refuse_points_inside_blocks(model: nn.Module, split_points: Sequence[str]) 
 def stays_on_every_stage(model: nn.Module, unit: str) -> bool:
     """Whether the cut leaves ``unit`` on every stage: nothing in its ``state_dict``, and not a container's entry.
 
-    A loss module, an attribute activation or rotary tables in non-persistent buffers are used
-    by name and cost nothing, so every stage keeps them. A container's entries run in sequence
-    (``nn.Sequential``, a loop over an ``nn.ModuleList``): an entry belongs to its stage even
-    without state, or a stateless activation between blocks would run once on every stage.
+    A container's entries run in sequence: a stateless activation between blocks belongs to its
+    stage, or it would run once on every stage.
     """
     parent_name, _, _ = unit.rpartition(".")
     return not model.get_submodule(unit).state_dict() and not isinstance(model.get_submodule(parent_name), CONTAINERS)
@@ -167,11 +153,9 @@ def units_by_stage(units: Sequence[str], split_points: Sequence[str]) -> list[li
 def split_stage(model: nn.Module, split_points: Sequence[str], stage_index: Union[int, Sequence[int]]) -> tuple[list[str], list[str]]:
     """Cut ``model`` in place down to stage ``stage_index`` (or to several stages); return (kept units, removed units).
 
-    Also records on ``model`` the parameters tied across stages (:func:`tied_parameters`; the
-    :class:`PipelineRunner` keeps their copies equal), the whole model's parameter names
-    (:func:`whole_model_params`) and, when the model is still on the meta device, the units
-    removed (so that materialization consumes the random-number generator as a build of the whole
-    model does, and this stage's tensors get the values they get there).
+    Also records on ``model`` the parameters tied across stages, the whole model's names
+    (:func:`whole_model_params`) and, on the meta device, the units removed (so materialization
+    consumes the random-number generator as a build of the whole model does).
     """
     units = stage_units(model, split_points)
     model.__dict__.setdefault(WHOLE_MODEL_PARAMS_ATTR, frozenset(name for name, _ in model.named_parameters()))
@@ -198,7 +182,7 @@ def split_stage(model: nn.Module, split_points: Sequence[str], stage_index: Unio
         if any(t.is_meta for t in tensors) or (on_meta and not tensors):
             shared = {n: kept_names[id(p)] for n, p in module.named_parameters(remove_duplicate=False) if id(p) in kept_names}
             detached.append(DetachedUnit(parent, attr, module, tuple(parent._modules), shared))
-        if isinstance(parent, (nn.ModuleList, nn.Sequential, nn.ModuleDict)):
+        if isinstance(parent, CONTAINERS):
             del parent._modules[attr]  # the other entries keep their keys, so every name stays the same
             if isinstance(parent, nn.ModuleList) and not isinstance(parent, _HeldEntries):
                 parent.__class__ = _held_entries(type(parent))

@@ -1,5 +1,4 @@
-"""A ``full`` checkpoint of a pipeline: every stage's state gathered, whole, on global rank 0.
-"""
+"""A ``full`` checkpoint of a pipeline: every stage's state gathered, whole, on global rank 0."""
 
 from __future__ import annotations
 
@@ -7,12 +6,11 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 
 def _whole_on_stage_leader(value: Any, leader: bool) -> Any:
     """One tensor made whole within its stage (a collective over the stage's ranks); kept on the CPU by the leader."""
-    from torch.distributed.tensor import DTensor
-
     if isinstance(value, DTensor):
         value = value.full_tensor()
     elif not isinstance(value, torch.Tensor):
@@ -23,11 +21,9 @@ def _whole_on_stage_leader(value: Any, leader: bool) -> Any:
 def gather_stages_on_rank0(state: dict[str, Any], *, stage_leader: bool, pipeline_group: dist.ProcessGroup) -> list[dict[str, Any]]:
     """Every stage's ``state`` with whole CPU tensors, on global rank 0 (an empty list elsewhere).
 
-    torch's ``StateDictOptions(full_state_dict=True, cpu_offload=True)`` keeps whole tensors on
-    global rank 0 only, which holds one stage; so here each tensor is gathered within its stage
-    (one at a time, as torch does), kept by the stage's first data-parallel rank, and those ranks
-    send their stage to rank 0 over the pipeline group. Rank 0 then holds the whole model, as a
-    ``full`` checkpoint must; the others never do.
+    torch's full state dict keeps whole tensors on global rank 0 only, which holds one stage; so
+    each tensor is gathered within its stage (one at a time), kept by the stage's first
+    data-parallel rank, and those ranks send their stage to rank 0 over the pipeline group.
 
     Args:
         state: a model state dict, or an optimizer one (``{"state": {name: {entry: tensor}}, ...}``).

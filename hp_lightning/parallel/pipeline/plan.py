@@ -1,5 +1,4 @@
-"""The plan of a cut: each stage's units and parameter bytes, as a table and as the sharding report carries it.
-"""
+"""The plan of a cut: each stage's units and parameter bytes, as a table and as the sharding report carries it."""
 
 from __future__ import annotations
 
@@ -20,10 +19,8 @@ class StagePlan:
     Attributes:
         index: the stage's index among ``P x V``.
         units: its units (:func:`stage_units`), in model order.
-        param_bytes: bytes of its parameters, each counted once (a parameter tied across stages
-            counts on every stage holding a copy: each holds it).
-        everywhere: those of its units with nothing in their ``state_dict`` (a loss, an
-            activation, rotary tables): the cut leaves them on every stage.
+        param_bytes: bytes of its parameters, each counted once (a tied copy counts on each holder).
+        everywhere: those of its units the cut leaves on every stage (:func:`stays_on_every_stage`).
     """
 
     index: int
@@ -34,11 +31,8 @@ class StagePlan:
 
 def param_bytes(modules: Sequence[nn.Module]) -> int:
     """Bytes of the parameters of ``modules``, each counted once (works on the meta device)."""
-    seen: dict[int, int] = {}
-    for module in modules:
-        for param in module.parameters():
-            seen[id(param)] = param.numel() * param.element_size()
-    return sum(seen.values())
+    params = {id(p): p for module in modules for p in module.parameters()}
+    return sum(p.numel() * p.element_size() for p in params.values())
 
 
 def stage_plan(model: nn.Module, split_points: Sequence[str]) -> list[StagePlan]:

@@ -1,5 +1,4 @@
-"""Running this rank's stage(s): torch's ``PipelineStage`` and schedules, one batch at a time (:class:`PipelineRunner`).
-"""
+"""Running this rank's stage(s): torch's ``PipelineStage`` and schedules, one batch at a time (:class:`PipelineRunner`)."""
 
 from __future__ import annotations
 
@@ -9,6 +8,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage as _TorchPipelineStage
 
 from hp_lightning.core import devices
@@ -58,8 +58,7 @@ class PipelineRunner:
         loss_fn: ``(output, target) -> loss`` of one micro-batch, on the last stage.
 
     Raises:
-        ValueError: a stage with ``replicate_params``, a stage count the schedule cannot run, or
-            parameters tied across stages with several stages per rank.
+        ValueError: a stage with ``replicate_params``, a stage count the schedule cannot run, or ties with several stages per rank.
     """
 
     def __init__(
@@ -138,13 +137,9 @@ class PipelineRunner:
 
     def _run(self, run: Callable[..., Any], inputs: torch.Tensor, target: Any, losses: list[torch.Tensor]) -> Any:
         """One schedule call with each stage's part: the input on the first, target and losses on the last."""
-        if self.is_first and self.is_last:
-            return run(inputs, target=target, losses=losses)
-        if self.is_first:
-            return run(inputs)
-        if self.is_last:
-            return run(target=target, losses=losses)
-        return run()
+        args = (inputs,) if self.is_first else ()
+        kwargs = {"target": target, "losses": losses} if self.is_last else {}
+        return run(*args, **kwargs)
 
     def step(self, inputs: torch.Tensor, target: Any, *, accumulate: int = 1) -> torch.Tensor:
         """Forward and backward of one batch, split into micro-batches; the batch's mean loss on every stage.
@@ -182,8 +177,6 @@ class PipelineRunner:
 
     def _reshard(self) -> None:
         """Free every gathered unit of this rank's stages (kept gathered across micro-batches under ``pipeline_keep_gathered``)."""
-        from torch.distributed.fsdp import FSDPModule
-
         for module in self.stage_modules:
             for unit in module.modules():
                 if isinstance(unit, FSDPModule):

@@ -1,5 +1,4 @@
-"""Parameters tied across stages (an LM head tied to its embedding): found at the cut, kept equal while training.
-"""
+"""Parameters tied across stages (an LM head tied to its embedding): found at the cut, kept equal while training."""
 
 from __future__ import annotations
 
@@ -10,6 +9,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from hp_lightning.core import gradients
 
@@ -66,26 +66,15 @@ def find_ties(model: nn.Module, units: Sequence[str], bounds: Sequence[int]) -> 
 class TiedCopies:
     """This stage's copies of parameters tied across stages, kept equal by Megatron-LM's rule.
 
-    A tied parameter (``head.weight = tok.weight`` with the embedding on the first stage and the
-    head on the last) is one tensor in one process; cut into stages it is one copy per stage that
-    holds one of its names. Two things keep the copies one parameter:
-
-    * they start equal: once, after materialization, the first holder's values are broadcast to
-      the others (shard ``i`` to shard ``i``: every stage has the same data-parallel mesh, so the
-      copies' shards line up; checked here before anything is sent);
-    * every batch, each copy's new gradient (this batch's contribution only, so that Lightning's
-      gradient accumulation never counts one twice) is summed over the holders, before the
-      optimizer: every copy then has the whole gradient one process computes, and equal copies
-      with equal gradients take equal optimizer steps.
-
-    Gradient norms count the tied parameter once: the copies of the holders after the first are
-    marked (``TIED_REPLICA_ATTR``) and :func:`hp_lightning.core.gradients.total_grad_norm`
-    leaves them out. Cost: one all-reduce of the tied parameter's shard per batch, between the
-    holders (for an LM, the embedding's shard; nothing when no parameter is tied).
+    The copies start equal (the first holder's shards are broadcast once, shard ``i`` to shard
+    ``i``: their layouts are checked to line up first), and every batch each copy's new gradient
+    (this batch's only, so accumulation never counts one twice) is summed over the holders before
+    the optimizer, so equal copies take equal steps. Gradient norms count the parameter once
+    (later holders' copies are marked ``TIED_REPLICA_ATTR``). Cost: one all-reduce of the tied
+    shard per batch between the holders.
 
     Raises:
-        ValueError: copies whose shapes, dtypes or sharding differ between the stages (on every
-            rank of the pipeline group alike).
+        ValueError: copies whose shapes, dtypes or sharding differ between the stages (on every rank alike).
     """
 
     def __init__(self, stage_module: nn.Module, *, stage_index: int, num_stages: int, group: dist.ProcessGroup) -> None:
@@ -147,9 +136,8 @@ class TiedCopies:
 
     def set_aside_grads(self) -> list[Optional[torch.Tensor]]:
         """Take the copies' gradients aside (an accumulation window's earlier batches), leaving None."""
-        earlier = []
+        earlier = [param.grad for _, param, _, _ in self.copies]
         for _, param, _, _ in self.copies:
-            earlier.append(param.grad)
             param.grad = None
         return earlier
 
@@ -167,15 +155,11 @@ class TiedCopies:
 
 def _local_of(tensor: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard (a view: writes land in it), or the tensor itself."""
-    from torch.distributed.tensor import DTensor
-
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def _layout(param: torch.Tensor) -> str:
     """What must agree between two copies of a tied parameter for their shards to line up."""
-    from torch.distributed.tensor import DTensor
-
     if isinstance(param, DTensor):
         return (
             f"shape {tuple(param.shape)}, {param.dtype}, placements {tuple(map(str, param.placements))} over a mesh of "
