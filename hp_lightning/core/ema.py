@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 #: Where a Trainer checkpoint keeps the average: inside optimizer 0's state dict (sharded) or in the callback's state (full).
 CHECKPOINT_KEY = "hp_lightning_ema"
@@ -213,8 +213,6 @@ def local_part(whole: Tensor, param: Tensor) -> Tensor:
     """This rank's part of ``whole`` laid out like ``param`` (a DTensor's local shard), cut locally: no collective."""
     if not isinstance(param, DTensor):
         return whole
-    from torch.distributed.tensor import distribute_tensor
-
     whole = whole.to(device=_local(param).device)
     return distribute_tensor(whole, param.device_mesh, param.placements, src_data_rank=None).to_local()
 
@@ -233,11 +231,7 @@ def attached_average(module: nn.Module) -> Optional[AveragedWeights]:
 
 
 def require_average(module: nn.Module, what: str) -> AveragedWeights:
-    """The attached average, ready to swap in, or a ``ValueError`` saying why there is none.
-
-    Raises:
-        ValueError: no ``ShardedEMA`` follows ``module``, or its average has not started yet.
-    """
+    """The attached average, ready to swap in, or a ``ValueError``: no ``ShardedEMA`` follows ``module``, or its average has not started yet."""
     averaged = attached_average(module)
     if averaged is None:
         raise ValueError(

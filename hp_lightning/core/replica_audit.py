@@ -151,11 +151,7 @@ class ReplicaAudit:
 
     @classmethod
     def on_mesh(cls, every: Optional[int], action: str, mesh: ParallelMesh) -> Optional[ReplicaAudit]:
-        """The audit for ``mesh`` (None when ``every`` is None).
-
-        Raises:
-            ValueError: as :func:`check_layout`.
-        """
+        """The audit for ``mesh`` (None when ``every`` is None); raises a ``ValueError`` as :func:`check_layout`."""
         if every is None:
             return None
         check_layout(every, mesh.layout)

@@ -22,9 +22,7 @@ whatever is not written afterwards trains as garbage (HF ``RMSNorm`` weights of 
    all-reduce) names any tensor still NaN, infinite or absurdly large.
 
 Memory: besides the local shards, one full-size tensor at a time (two while one is copied into
-another) lives on the init device during initialization; tensors shared by several operations
-may be all-gathered again from their shards when an operation reads them after another tensor
-was touched in between (HF's post-construction pass does, once per tensor).
+another) lives on the init device during initialization (``docs/models.md``, "Memory and time").
 
 Inside init rules, sharded parameters behave like ordinary full tensors (:class:`_FullTensorWrites`);
 DTensor random operators are never used, so their CPU warnings cannot appear.

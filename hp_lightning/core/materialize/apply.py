@@ -62,14 +62,7 @@ def materialize(model: nn.Module, mesh: DeviceMesh | ParallelMesh, init_device: 
     to_init = [s for s in slots if state_dict_name(s.qualified) not in preloaded]
     links: _Links | None = model.__dict__.get(_LINKS_ATTR)
     if links is not None and links.record.broken:
-        if not dist.is_initialized() or dist.get_rank() == 0:
-            warnings.warn(
-                f"The construction of {type(model).__name__} could not be recorded for replay ({links.record.broken}); "
-                f"it is initialized by its modules' rules instead (deterministic, but not equal to a model built "
-                f"without the meta device).",
-                UserWarning,
-                stacklevel=2,
-            )
+        _warn_rules_instead(f"The construction of {type(model).__name__} could not be recorded for replay ({links.record.broken})", stacklevel=2)
         links = None
     root = _root_hook(model) if not _is_hf_pretrained(model) else None
     check_coverage(model, to_init, links, root is not None)
@@ -116,6 +109,13 @@ def materialize(model: nn.Module, mesh: DeviceMesh | ParallelMesh, init_device: 
     return True
 
 
+def _warn_rules_instead(why: str, stacklevel: int) -> None:
+    """On rank 0: ``why`` the model is initialized by its modules' rules instead of a replay (``stacklevel`` as the caller's)."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        message = f"{why}; it is initialized by its modules' rules instead (deterministic, but not equal to a model built without the meta device)."
+        warnings.warn(message, UserWarning, stacklevel=stacklevel + 1)
+
+
 def _loaded_groups(model: nn.Module, links: _Links, loaded: set[str]) -> frozenset[int]:
     """The recorded groups of the slots a deferred load fills (by state-dict name)."""
     if not loaded:
@@ -149,13 +149,7 @@ def _run_program(
             leftover = {id(s.module) for s in slots if not writes.was_written(s.get())}
             steps = [s for s in _rule_program(model, root is not None) if id(s.module) in leftover and s.module is not model]
         except _ReplayError as exc:
-            if not dist.is_initialized() or dist.get_rank() == 0:
-                warnings.warn(
-                    f"Replaying the construction of {type(model).__name__} failed ({exc}); it is initialized by its "
-                    f"modules' rules instead (deterministic, but not equal to a model built without the meta device).",
-                    UserWarning,
-                    stacklevel=3,
-                )
+            _warn_rules_instead(f"Replaying the construction of {type(model).__name__} failed ({exc})", stacklevel=3)
             # Start over from nothing: NaN everywhere, the generator where replay started, no HF marks.
             writes.flush()
             for slot in slots:

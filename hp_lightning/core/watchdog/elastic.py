@@ -226,11 +226,10 @@ def set_run_note(name: str, value: str) -> None:
 def end_job_without_restart(reason: str, *, grace: float = 30.0) -> bool:
     """Ask torchrun's agent to end the whole job now, instead of restarting it for an error no restart can fix.
 
-    torchrun restarts a failed worker group up to ``--max-restarts`` times whatever the error; for
-    a configuration error (a wrong lighthouse address) every attempt fails the same way, and with
-    ``--max-restarts=100`` the job would retry for a long time. Local rank 0 sends SIGTERM to its
-    parent, torchrun's agent, which then stops its workers and exits with a failure (no further
-    attempt). The other local ranks wait up to ``grace`` seconds to be stopped by the agent before
+    torchrun restarts a failed worker group up to ``--max-restarts`` times whatever the error, though
+    a configuration error (a wrong lighthouse address) fails every attempt the same way. Local rank 0
+    sends SIGTERM to its parent, torchrun's agent, which then stops its workers and exits with a
+    failure (no further attempt). The other local ranks wait up to ``grace`` seconds to be stopped by the agent before
     their error ends them: a rank that exited first could make the agent restart before the signal
     arrives. Outside torchrun (no ``TORCHELASTIC_RUN_ID``, or a parent that is not torchrun's agent)
     nothing is sent or waited for, and the caller's error ends the rank as usual. ``reason`` is

@@ -156,10 +156,9 @@ class FaultWatchdog:
         """Report an error that ends the main thread uncaught *before* its traceback is printed.
 
         For loops with no exception hook of their own (Fabric): the rank's own error is posted at
-        once, so a peer waiting in a collective is stopped with one line naming it, and the peer's
-        "Connection closed by peer" error is answered by that line instead of a traceback of its
-        own. Reporting at interpreter exit instead (after the traceback, after non-daemon threads)
-        would leave the peers to race the failed rank's sockets closing. Installed once.
+        once, so a peer waiting in a collective is stopped with one line naming it instead of a
+        traceback of its own. Reporting at interpreter exit instead (after the traceback, after
+        non-daemon threads) would leave the peers to race the failed rank's sockets closing. Installed once.
         """
         if getattr(sys.excepthook, "__hp_lightning_watchdog__", None) is self:
             return
