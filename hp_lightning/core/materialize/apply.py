@@ -127,7 +127,8 @@ def _loaded_groups(model: nn.Module, links: _Links, loaded: set[str]) -> frozens
 
 
 def _run_program(
-    model: nn.Module, slots: Sequence[_Slot], links: _Links | None, writes: _FullTensorWrites, root: _Step | None, rng_state: torch.Tensor, loaded: set[str]
+    model: nn.Module, slots: Sequence[_Slot], links: _Links | None, writes: _FullTensorWrites, root: _Step | None,
+    rng_state: torch.Tensor, loaded: set[str],
 ) -> None:
     """Replay (or rules), then rules for what the replay left unwritten, then the root's hook.
 

@@ -30,7 +30,8 @@ class Departure:
     """
 
     def __init__(
-        self, board: FailureBoard, peers: PeerLiveness, me: _ProcessInfo, *, exit_grace: float, poll_interval: float, exit_lock: threading.RLock, at_exit: Callable[[], None]
+        self, board: FailureBoard, peers: PeerLiveness, me: _ProcessInfo, *, exit_grace: float, poll_interval: float,
+        exit_lock: threading.RLock, at_exit: Callable[[], None],
     ) -> None:
         self._board, self._peers, self._me = board, peers, me
         self.rank, self.world_size = board.rank, board.world_size

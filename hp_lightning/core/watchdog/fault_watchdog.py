@@ -93,7 +93,8 @@ class FaultWatchdog:
         store_host_rank = None if elastic.uses_agent_store() else 0
         try:
             board = FailureBoard.connect(
-                f"hp_lightning/watchdog/{run}/{_generation}", me, rank=rank, world_size=world_size, deadline=self.heartbeat_timeout, store_host_rank=store_host_rank
+                f"hp_lightning/watchdog/{run}/{_generation}", me, rank=rank, world_size=world_size,
+                deadline=self.heartbeat_timeout, store_host_rank=store_host_rank,
             )
             peers = PeerLiveness(board, me, local_ranks=local_ranks, heartbeat_timeout=self.heartbeat_timeout)
             peers.meet_local_peers()
@@ -102,7 +103,8 @@ class FaultWatchdog:
             _say(f"rank {rank}: fault watchdog not started ({type(exc).__name__}: {exc}); a failed rank may leave the others waiting.")
             return
         departure = Departure(
-            board, peers, me, exit_grace=self.exit_grace, poll_interval=self.poll_interval, exit_lock=self._exit_lock, at_exit=self._mark_exited
+            board, peers, me, exit_grace=self.exit_grace, poll_interval=self.poll_interval, exit_lock=self._exit_lock,
+            at_exit=self._mark_exited,
         )
         self._board, self._departure = board, departure
         self._causes = CauseFinder(board, peers, departure, me, poll_interval=self.poll_interval)

@@ -20,7 +20,8 @@ class Poller:
     """Runs the polls of one watchdog session on its own thread until ``stopping`` is set or a poll ends it."""
 
     def __init__(
-        self, board: FailureBoard, peers: PeerLiveness, main_thread: MainThreadMonitor, departure: Departure, *, poll_interval: float, stopping: threading.Event
+        self, board: FailureBoard, peers: PeerLiveness, main_thread: MainThreadMonitor, departure: Departure, *,
+        poll_interval: float, stopping: threading.Event,
     ) -> None:
         self._board, self._peers, self._main_thread, self._departure = board, peers, main_thread, departure
         self.rank = board.rank
