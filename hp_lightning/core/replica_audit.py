@@ -1,19 +1,11 @@
 """Replica audit: do HSDP's replicas of every shard still hold the same bits?
 
-HSDP keeps R copies of every shard, one per replica group, and keeps them equal only by applying
-the same all-reduced gradients to the same weights. A bit flipped in one copy (bad memory, a
-faulty link, a kernel bug on one device) is never repaired: that replica trains on from other
-weights, its gradients leak into the others' through the all-reduce, and the run goes on.
-
-The option ``replica_check_every`` describes the check and its cost: a checksum per sharding unit
-(the shards' bits summed as integers, so any single flipped bit changes it), compared across the
-replicate dim (:meth:`ReplicaAudit.check`).
-
-What it catches: one replica's weights (or several replicas, differently) changed outside the
-training math. What it cannot: a corruption every replica shares (the same bad gradient reaches
-all of them through the all-reduce, or a deterministic bug), or damage to a gradient before its
-all-reduce (the replicas then apply the same wrong update). Parameters each rank keeps for itself
-(``ignored_params``) are not compared.
+HSDP keeps its replicas equal only by applying the same all-reduced gradients to the same
+weights, so a bit flipped in one copy is never repaired. Every ``replica_check_every`` optimizer
+steps, a checksum per sharding unit (the shards' bits summed as integers, so any single flipped bit
+changes it) is compared across the replicate dim (:meth:`ReplicaAudit.check`). What it catches,
+what it cannot (a corruption every replica shares) and its cost: ``docs/faults.md``, "Replica
+audit". Parameters each rank keeps for itself (``ignored_params``) are not compared.
 """
 
 from __future__ import annotations

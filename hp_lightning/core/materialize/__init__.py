@@ -28,12 +28,8 @@ Inside init rules, sharded parameters behave like ordinary full tensors (:class:
 DTensor random operators are never used, so their CPU warnings cannot appear.
 
 **A pipeline stage** (a model cut by :func:`hp_lightning.parallel.pipeline.split_stage`) gets the
-values its tensors get in the whole model: the replay computes the removed units' tensors as
-temporaries, and the rules that walk the model run with the removed units put back (still on
-meta, their operations on dropped temporaries: :mod:`.stage_units`), so random draws land where
-they land in the whole model. A rule that would carry a removed unit's values into this stage's
-tensors (``head.weight.copy_(emb.weight)`` across stages) is refused. Tied parameters get their
-source's values on every stage that holds a copy.
+values its tensors get in the whole model: the removed units' tensors are computed as temporaries
+and the units are put back while the rules run (:mod:`.stage_units`; ``docs/models.md``).
 
 ``docs/architecture.md`` maps the package's modules.
 """

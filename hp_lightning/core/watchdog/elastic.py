@@ -1,18 +1,12 @@
 """torchrun's in-place restarts (``--max-restarts``): a fresh rendezvous for every attempt.
 
-Under torchrun with the c10d rendezvous, the workers' ``MASTER_ADDR:MASTER_PORT`` is the *agent's*
-TCPStore (``TORCHELASTIC_USE_AGENT_STORE=True``), which outlives the workers: a restarted attempt's
-ranks meet under the same keys as the dead attempt's, and torch's ``env://`` rendezvous does not
-prefix them, so a fast rank can read the addresses the *old* rank 0 published (gloo:
-``connectFullMesh failed ... Connection refused``, or a hang): a race Lightning's ``"ddp"`` loses too.
-
-The cure here is a key prefix per attempt: the default process group, and with it every group
-split from it, keeps its keys under ``hp_lightning/<run>/attempt_<n>/`` of the agent's store.
-``n`` must be the same on every rank of an attempt and new on every attempt.
-``TORCHELASTIC_RESTART_COUNT`` is neither across nodes (an agent restarting only because another
-node re-joined does not count a restart), so :func:`agree_attempt` agrees ``n`` through the
-agents' store itself. Other keys in the same store are keyed by the agreed attempt where they are
-written (the fault watchdog's board) or cleared before use (:func:`clear_stale_keys`).
+torchrun's agent store outlives an attempt and torch's ``env://`` rendezvous does not key it by
+attempt, so a restarted rank could read the dead attempt's addresses (``docs/fault-tolerance.md``,
+"Under torchrun"). The default process group, and every group split from it, therefore keeps its
+keys under ``hp_lightning/<run>/attempt_<n>/``, with ``n`` agreed through the agents' store
+(:func:`agree_attempt`: ``TORCHELASTIC_RESTART_COUNT`` may differ between the nodes of one attempt).
+Other keys in that store are keyed by the agreed attempt where they are written (the fault
+watchdog's board) or cleared before use (:func:`clear_stale_keys`).
 """
 
 from __future__ import annotations
