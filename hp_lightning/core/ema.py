@@ -1,24 +1,14 @@
 """An exponential moving average of a sharded model's weights, kept on the shards.
 
 :class:`AveragedWeights` holds, for every trainable parameter, a tensor with the parameter's own
-layout: a DTensor on the same mesh with the same placements (so each rank holds its local shard's
-worth of the average, in the dtype asked for, fp32 by default), or a plain tensor for a parameter
-kept whole (``replicate_params``, ``ignored_params``). :meth:`AveragedWeights.update` folds the
-current local shards in with one fused local op per dtype (``torch._foreach_lerp_``): no
-collective, no read of a tensor into Python, nothing gathered. Because the average of a shard
-depends only on that shard, every replica and every mesh computes the same numbers a single
-process would.
+layout (a DTensor with the same placements, or a plain tensor for a parameter kept whole), in the
+dtype asked for. Because the average of a shard depends only on that shard, every replica and
+every mesh computes the same numbers a single process would.
 
 It is a ``torch.optim.Optimizer`` in form only (it never steps the model): its state is the
 average, one ``"average"`` entry per parameter, and its one param group carries the counters.
-torch's distributed state-dict API therefore saves it like optimizer state, sharded (every rank
-its shards, resharded to any mesh on load) or whole on rank 0, a pipeline stage at a time, and
-:func:`averaged_weights_in` reads it back out of a checkpoint.
-
-:meth:`AveragedWeights.swapped` puts the average into the parameters' local shards for a while
-(evaluation, export) and the weights back afterwards: it costs one extra copy of the local
-shards, in the parameters' dtype, while swapped. Every FSDP unit is resharded first, so the next
-forward gathers the swapped shards rather than reusing weights gathered before.
+torch's distributed state-dict API therefore saves it like optimizer state (sharded, or whole on
+rank 0), and :func:`averaged_weights_in` reads it back out of a checkpoint.
 
 No Lightning here: :class:`~hp_lightning.callbacks.ShardedEMA` drives it from the Trainer's hooks
 or a Fabric loop; ``save_hf(..., ema=True)`` finds it through :func:`attached_average`.
@@ -34,7 +24,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 #: Where a Trainer checkpoint keeps the average: inside optimizer 0's state dict (sharded) or in the callback's state (full).
 CHECKPOINT_KEY = "hp_lightning_ema"
@@ -44,6 +34,8 @@ AVERAGE = "average"
 FORMAT = "hp_lightning.ema/1"
 #: The module attribute (in ``__dict__``, not a submodule: the model's state dict stays as it was) holding its average.
 _ATTACHED = "_hp_averaged_weights"
+#: The counters the param group carries (see :attr:`AveragedWeights.counters`).
+_COUNTERS = ("updates", "valid", "steps")
 
 
 def reshard_units(module: nn.Module) -> None:
@@ -72,12 +64,12 @@ class AveragedWeights(torch.optim.Optimizer):
 
     def __init__(self, module: nn.Module, *, dtype: Optional[torch.dtype] = torch.float32) -> None:
         reshard_units(module)
-        named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
-        if not named:
+        params = [p for p in module.parameters() if p.requires_grad]
+        if not params:
             raise ValueError(f"AveragedWeights: {type(module).__name__} has no trainable parameters to average.")
-        super().__init__([p for _, p in named], {"updates": 0, "valid": False, "steps": 0})
+        super().__init__(params, {"updates": 0, "valid": False, "steps": 0})
         self.module = module
-        self._params = [p for _, p in named]
+        self._params = params
         with torch.no_grad():
             for p in self._params:
                 local = _local(p)
@@ -92,8 +84,6 @@ class AveragedWeights(torch.optim.Optimizer):
         # Same dtype as the weights: one lerp over them all; others (fp32 over bf16): a scale and an add.
         self._same = [i for i, p in enumerate(self._params) if self._averages[i].dtype == _local(p).dtype]
         self._cast = [i for i in range(len(self._params)) if i not in set(self._same)]
-
-    # ------------------------------------------------------------------ counters (saved with the state)
 
     @property
     def counters(self) -> dict[str, Any]:
@@ -111,18 +101,16 @@ class AveragedWeights(torch.optim.Optimizer):
 
     def set_counters(self, **values: Any) -> None:
         for key, value in values.items():
-            if key not in ("updates", "valid", "steps"):
+            if key not in _COUNTERS:
                 raise KeyError(key)
             self.counters[key] = value
-
-    # ------------------------------------------------------------------ updates
 
     def _weights(self) -> list[Tensor]:
         return [_local(p) for p in self._params]
 
     @torch.no_grad()
     def update(self, decay: float) -> None:
-        """``average = decay x average + (1 - decay) x weights`` on every local shard (no collective, no host read)."""
+        """``average = decay x average + (1 - decay) x weights`` on every local shard (fused, no collective, no host read)."""
         weight = 1.0 - float(decay)
         weights = self._weights()
         if self._same:
@@ -141,7 +129,11 @@ class AveragedWeights(torch.optim.Optimizer):
 
     @contextmanager
     def swapped(self) -> Iterator[None]:
-        """The average in the parameters' local shards inside the block, the weights back after it (even on error)."""
+        """The average in the parameters' local shards inside the block, the weights back after it (even on error).
+
+        Costs one extra copy of the local shards while swapped. Every FSDP unit is resharded first,
+        so the next forward gathers the swapped shards rather than reusing weights gathered before.
+        """
         reshard_units(self.module)
         with torch.no_grad():
             weights = self._weights()
@@ -163,8 +155,6 @@ class AveragedWeights(torch.optim.Optimizer):
         """Whether ``module``'s trainable parameters are still the very tensors this average follows."""
         current = [p for p in module.parameters() if p.requires_grad]
         return len(current) == len(self._params) and all(a is b for a, b in zip(current, self._params))
-
-    # ------------------------------------------------------------------ optimizer form
 
     def step(self, closure: Any = None) -> None:  # type: ignore[override]
         """Not an optimizer step: the average is folded in by :meth:`update` (``ShardedEMA`` decides when)."""
@@ -201,9 +191,7 @@ class AveragedWeights(torch.optim.Optimizer):
                 value = local_part(value, param)
             if value.data_ptr() != mine.data_ptr():
                 mine.copy_(value)
-        for key in ("updates", "valid", "steps"):
-            if key in groups[0]:
-                self.counters[key] = groups[0][key]
+        self.set_counters(**{k: v for k, v in groups[0].items() if k in _COUNTERS})
 
     @torch.no_grad()
     def load_whole(self, averages: Mapping[str, Tensor], counters: Mapping[str, Any]) -> list[str]:
@@ -217,7 +205,7 @@ class AveragedWeights(torch.optim.Optimizer):
             if tuple(value.shape) != tuple(param.shape):
                 raise ValueError(f"ShardedEMA: the saved average of {name!r} has shape {tuple(value.shape)}, the parameter {tuple(param.shape)}.")
             mine.copy_(local_part(value, param))
-        self.set_counters(**{k: v for k, v in counters.items() if k in ("updates", "valid", "steps")})
+        self.set_counters(**{k: v for k, v in counters.items() if k in _COUNTERS})
         return missing
 
 
@@ -225,13 +213,8 @@ def local_part(whole: Tensor, param: Tensor) -> Tensor:
     """This rank's part of ``whole`` laid out like ``param`` (a DTensor's local shard), cut locally: no collective."""
     if not isinstance(param, DTensor):
         return whole
-    from torch.distributed.tensor import distribute_tensor
-
     whole = whole.to(device=_local(param).device)
     return distribute_tensor(whole, param.device_mesh, param.placements, src_data_rank=None).to_local()
-
-
-# ------------------------------------------------------------------ attachment (for save_hf) and checkpoints
 
 
 def attach(module: nn.Module, averaged: AveragedWeights) -> None:
@@ -248,11 +231,7 @@ def attached_average(module: nn.Module) -> Optional[AveragedWeights]:
 
 
 def require_average(module: nn.Module, what: str) -> AveragedWeights:
-    """The attached average, ready to swap in, or a ``ValueError`` saying why there is none.
-
-    Raises:
-        ValueError: no ``ShardedEMA`` follows ``module``, or its average has not started yet.
-    """
+    """The attached average, ready to swap in, or a ``ValueError``: no ``ShardedEMA`` follows ``module``, or its average has not started yet."""
     averaged = attached_average(module)
     if averaged is None:
         raise ValueError(

@@ -108,16 +108,14 @@ class FaultTolerance:
             job then ends instead of restarting: a wrong address fails every attempt alike).
         join_timeout: seconds a group restarted in place by torchrun waits for a lighthouse that
             answered earlier in the same run (one restarting itself, most likely) before it fails
-            with an error naming the address and ends the job. A lighthouse never reached in
-            the run is a configuration error and ends the job after ``connect_timeout``.
+            with an error naming the address and ends the job.
         init_sync: at step 0, every group but the quorum's first copies that one's state, so all
             start identical. Turn off only when every group initializes identically (same seed):
             it saves one state transfer.
         manager_port: port of this group's manager server (group rank 0), 0 = any free port.
         hostname: the address group rank 0 advertises to the lighthouse and the other groups;
-            None: ``socket.gethostname()`` (torchft's default), which must then resolve to an
-            address the other groups reach. (torchft's healing server always advertises
-            ``socket.gethostname()``: keep host names resolvable across nodes.)
+            None: ``socket.gethostname()`` (torchft's default, and always its healing server's),
+            which must then resolve to an address the other groups reach.
     """
 
     replica_group: int
@@ -273,12 +271,8 @@ def check_accumulation_mode(mode: str, accumulate_grad_batches: int | None = Non
     torchft's cross-group average runs in FSDP2's all-reduce hook, after every reduce-scatter; only
     ``accumulation_mode="skip"`` (no reduce-scatter before the window's last micro-batch) makes it
     run once per window, on the window's whole gradient, so that a group lost mid-window leaves the
-    window uncommitted rather than partly averaged.
-
-    Args:
-        mode: the strategy's accumulation mode.
-        accumulate_grad_batches: the Trainer's window (1: nothing accumulates, any mode is fine);
-            None: not known yet (the strategy's construction), checked as if accumulating.
+    window uncommitted rather than partly averaged. ``accumulate_grad_batches`` None (not known
+    yet, at the strategy's construction) is checked as if accumulating.
 
     Raises:
         ValueError: for a mode other than ``"skip"`` where a window accumulates.

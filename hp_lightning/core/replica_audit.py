@@ -1,27 +1,11 @@
 """Replica audit: do HSDP's replicas of every shard still hold the same bits?
 
-HSDP keeps R copies of every shard, one per replica group, and keeps them equal only by applying
-the same all-reduced gradients to the same weights. A bit flipped in one copy (bad memory, a
-faulty link, a kernel bug on one device) is never repaired: that replica trains on from other
-weights, its gradients leak into the others' through the all-reduce, and the run goes on.
-
-Every ``every`` optimizer steps (option ``replica_check_every``), right after the optimizer step,
-each rank checksums its local shards, one number per sharding unit: the sum of the shards' bits
-read as integers (int64, wrapping), so any single flipped bit changes it. The replicate dim
-gathers those few numbers (one ``all_gather_into_tensor`` of ``R x units`` int64 values), each
-rank compares its shard's copies, and one ``all_reduce`` (MAX) of a flag over the world tells
-every rank whether any unit differs; only then are the details gathered, so that every rank
-raises (or warns) with the same message, naming the unit, the replicate ranks and their
-checksums, and the step. On other steps nothing runs.
-
-Cost per check: one read of every local shard on its device (a sum), two small collectives, and
-one read of the flag into Python (a host-device synchronization, on check steps only).
-
-What it catches: one replica's weights (or several replicas, differently) changed outside the
-training math. What it cannot: a corruption every replica shares (the same bad gradient reaches
-all of them through the all-reduce, or a deterministic bug), or damage to a gradient before its
-all-reduce (the replicas then apply the same wrong update). Parameters each rank keeps for itself
-(``ignored_params``) are not compared.
+HSDP keeps its replicas equal only by applying the same all-reduced gradients to the same
+weights, so a bit flipped in one copy is never repaired. Every ``replica_check_every`` optimizer
+steps, a checksum per sharding unit (the shards' bits summed as integers, so any single flipped bit
+changes it) is compared across the replicate dim (:meth:`ReplicaAudit.check`). What it catches,
+what it cannot (a corruption every replica shares) and its cost: ``docs/faults.md``, "Replica
+audit". Parameters each rank keeps for itself (``ignored_params``) are not compared.
 """
 
 from __future__ import annotations
@@ -118,10 +102,9 @@ def _word_sum(tensor: Tensor) -> Tensor:
     than widening smaller words), else as words of the element's size.
     """
     local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-    flat = local.detach().reshape(-1)
+    flat = local.detach().reshape(-1).contiguous()
     if flat.numel() == 0:
         return torch.zeros((), dtype=torch.int64, device=flat.device)
-    flat = flat if flat.is_contiguous() else flat.contiguous()
     size = flat.element_size()
     if flat.numel() * size % 8 == 0 and flat.storage_offset() * size % 8 == 0:
         return flat.view(torch.int64).sum()
@@ -136,13 +119,10 @@ def unit_checksums(units: Units) -> Tensor:
 
 
 class ReplicaAudit:
-    """Every ``every`` optimizer steps, compare each unit's checksum across the replicate dim.
+    """Every ``every`` optimizer steps, compare each unit's checksum across ``replicate_group`` (the ranks holding copies).
 
-    Args:
-        every: optimizer steps between checks.
-        action: ``"raise"`` (:class:`ReplicaMismatchError` on every rank, before anything else
-            runs: no checkpoint is written after it) or ``"warn"`` (a warning on rank 0, training goes on).
-        replicate_group: the ranks holding copies of this rank's shards.
+    ``action``: ``"raise"`` (:class:`ReplicaMismatchError` on every rank, before anything else runs:
+    no checkpoint is written after it) or ``"warn"`` (a warning on rank 0, training goes on).
     """
 
     def __init__(self, every: int, action: str, replicate_group: dist.ProcessGroup) -> None:
@@ -163,11 +143,7 @@ class ReplicaAudit:
 
     @classmethod
     def on_mesh(cls, every: Optional[int], action: str, mesh: ParallelMesh) -> Optional[ReplicaAudit]:
-        """The audit for ``mesh`` (None when ``every`` is None).
-
-        Raises:
-            ValueError: as :func:`check_layout`.
-        """
+        """The audit for ``mesh`` (None when ``every`` is None); raises a ``ValueError`` as :func:`check_layout`."""
         if every is None:
             return None
         check_layout(every, mesh.layout)
@@ -176,9 +152,8 @@ class ReplicaAudit:
     def after_step(self, roots: Callable[[], tuple[Sequence[nn.Module], Collection[str]]], step: Optional[int] = None) -> None:
         """Count an optimizer step; on every ``every``-th one, check (a collective: every rank calls it).
 
-        Args:
-            roots: the sharded models and the names of parameters each rank keeps for itself (called on check steps only).
-            step: this step's number (default: the steps counted here).
+        ``roots`` gives the sharded models and the names of parameters each rank keeps for itself
+        (called on check steps only); ``step`` defaults to the steps counted here.
 
         Raises:
             ReplicaMismatchError: with ``action="raise"``, on every rank, when any unit's replicas differ.
@@ -207,7 +182,11 @@ class ReplicaAudit:
         return self._units[1]
 
     def check(self, units: Units, step: int) -> Optional[str]:
-        """Compare ``units`` across the replicate dim now; the mismatch message (the same on every rank), or None."""
+        """Compare ``units`` across the replicate dim now; the mismatch message (the same on every rank), or None.
+
+        One all-gather of the checksums over the replicate dim and one all-reduce of a flag over the
+        world; only when a unit differs are the details gathered, so every rank names the same units.
+        """
         mine = unit_checksums(units)
         table = torch.empty(len(self.replicate_ranks) * mine.numel(), dtype=torch.int64, device=mine.device)
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch >= 2.13 names it all_gather_single

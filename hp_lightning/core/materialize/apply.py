@@ -7,7 +7,6 @@ from __future__ import annotations
 import warnings
 from collections.abc import Sequence
 from contextlib import ExitStack
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -15,10 +14,6 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from hp_lightning.core.mesh import ParallelMesh
-
-if TYPE_CHECKING:
-    pass
 from hp_lightning.core.materialize.allocation import _agreed_rng_state, _allocate
 from hp_lightning.core.materialize.checks import _meta_slots, _uncovered_message, check_coverage, check_values
 from hp_lightning.core.materialize.full_tensors import _FullTensorWrites, _Slot
@@ -28,20 +23,18 @@ from hp_lightning.core.materialize.recording import _forget_construction, _Links
 from hp_lightning.core.materialize.replay import _Replay, _ReplayError
 from hp_lightning.core.materialize.rules import _hf_init_weights, _is_hf_pretrained, _root_hook, _rule_program, _Step
 from hp_lightning.core.materialize.stage_units import _Discarded, _units_put_back
+from hp_lightning.core.mesh import ParallelMesh
 
 
 @torch.no_grad()
 def materialize(model: nn.Module, mesh: DeviceMesh | ParallelMesh, init_device: torch.device, group: dist.ProcessGroup | None = None) -> bool:
-    """Allocate meta-device tensors (local shards only) and initialize every one of them.
+    """Allocate meta-device tensors (local shards only) and initialize every one of them; False when there were none.
 
-    See the module docstring for the guarantee and its cost. In order: coverage check (may
-    raise, on every rank alike), allocation (NaN-filled), the construction replay and HF rules
-    at their constructor positions (or the rules alone, for modules built on meta without a
-    recording), rules for tensors the replay did not write, the LightningModule's
-    ``init_weights()``, the value check (one all-reduce), and a broadcast of whole tensors from
-    rank 0. Tensors a deferred ``load_weights`` fills (:mod:`.preloaded`) are allocated, left out
-    of the init program (meta-device stand-ins take its writes) and loaded after it. When the generator was not used since construction began, it is left where building
-    the model for real would have left it.
+    See the package docstring for the steps, the guarantee and the cost; whole (unsharded) tensors
+    are broadcast from rank 0 at the end. Tensors a deferred ``load_weights`` fills
+    (:mod:`.preloaded`) are allocated, left out of the init program (meta-device stand-ins take its
+    writes) and loaded after it. When the generator was not used since construction began, it is
+    left where building the model for real would have left it.
 
     Args:
         model: the sharded model (``prepare_model`` called :func:`link_construction` before sharding).
@@ -49,9 +42,6 @@ def materialize(model: nn.Module, mesh: DeviceMesh | ParallelMesh, init_device: 
         init_device: where tensors are allocated and initialized (the host under CPU offload).
         group: the ranks holding this same model (None: the world; a pipeline stage's ranks
             under PP, whose tensors differ from the other stages').
-
-    Returns:
-        True when something was materialized.
 
     Raises:
         ValueError: a tensor no rule covers (before allocating), or a tensor still uninitialized
@@ -72,14 +62,7 @@ def materialize(model: nn.Module, mesh: DeviceMesh | ParallelMesh, init_device: 
     to_init = [s for s in slots if state_dict_name(s.qualified) not in preloaded]
     links: _Links | None = model.__dict__.get(_LINKS_ATTR)
     if links is not None and links.record.broken:
-        if not dist.is_initialized() or dist.get_rank() == 0:
-            warnings.warn(
-                f"The construction of {type(model).__name__} could not be recorded for replay ({links.record.broken}); "
-                f"it is initialized by its modules' rules instead (deterministic, but not equal to a model built "
-                f"without the meta device).",
-                UserWarning,
-                stacklevel=2,
-            )
+        _warn_rules_instead(f"The construction of {type(model).__name__} could not be recorded for replay ({links.record.broken})", stacklevel=2)
         links = None
     root = _root_hook(model) if not _is_hf_pretrained(model) else None
     check_coverage(model, to_init, links, root is not None)
@@ -126,6 +109,13 @@ def materialize(model: nn.Module, mesh: DeviceMesh | ParallelMesh, init_device: 
     return True
 
 
+def _warn_rules_instead(why: str, stacklevel: int) -> None:
+    """On rank 0: ``why`` the model is initialized by its modules' rules instead of a replay (``stacklevel`` as the caller's)."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        message = f"{why}; it is initialized by its modules' rules instead (deterministic, but not equal to a model built without the meta device)."
+        warnings.warn(message, UserWarning, stacklevel=stacklevel + 1)
+
+
 def _loaded_groups(model: nn.Module, links: _Links, loaded: set[str]) -> frozenset[int]:
     """The recorded groups of the slots a deferred load fills (by state-dict name)."""
     if not loaded:
@@ -137,13 +127,8 @@ def _loaded_groups(model: nn.Module, links: _Links, loaded: set[str]) -> frozens
 
 
 def _run_program(
-    model: nn.Module,
-    slots: Sequence[_Slot],
-    links: _Links | None,
-    writes: _FullTensorWrites,
-    root: _Step | None,
-    rng_state: torch.Tensor,
-    loaded: set[str],
+    model: nn.Module, slots: Sequence[_Slot], links: _Links | None, writes: _FullTensorWrites, root: _Step | None,
+    rng_state: torch.Tensor, loaded: set[str],
 ) -> None:
     """Replay (or rules), then rules for what the replay left unwritten, then the root's hook.
 
@@ -159,19 +144,13 @@ def _run_program(
                 _hf_init_weights(module)
 
         try:
-            _Replay(links, writes, on_marker, loaded=_loaded_groups(model, links, loaded)).run()
+            _Replay(links, on_marker, loaded=_loaded_groups(model, links, loaded)).run()
             if _is_hf_pretrained(model) and id(model) not in hf_done:
                 _hf_init_weights(model)
             leftover = {id(s.module) for s in slots if not writes.was_written(s.get())}
             steps = [s for s in _rule_program(model, root is not None) if id(s.module) in leftover and s.module is not model]
         except _ReplayError as exc:
-            if not dist.is_initialized() or dist.get_rank() == 0:
-                warnings.warn(
-                    f"Replaying the construction of {type(model).__name__} failed ({exc}); it is initialized by its "
-                    f"modules' rules instead (deterministic, but not equal to a model built without the meta device).",
-                    UserWarning,
-                    stacklevel=3,
-                )
+            _warn_rules_instead(f"Replaying the construction of {type(model).__name__} failed ({exc})", stacklevel=3)
             # Start over from nothing: NaN everywhere, the generator where replay started, no HF marks.
             writes.flush()
             for slot in slots:

@@ -5,14 +5,12 @@ absurd (after).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-if TYPE_CHECKING:
-    pass
 from hp_lightning.core.materialize.full_tensors import _Slot
 from hp_lightning.core.materialize.ops import _EMPTY_FACTORIES, ABSURD_MAGNITUDE, _func_name, _is_float, _is_inplace, _leaves, _local, _target
 from hp_lightning.core.materialize.recording import _Links, _Node, _Ref
@@ -111,7 +109,7 @@ def check_values(slots: Sequence[_Slot], group: dist.ProcessGroup | None, device
         local = _local(slot.get()).detach()
         if not local.numel():
             continue
-        values = local.abs() if not local.is_complex() else local.abs()
+        values = local.abs()
         if slot.kind == "buffer":
             stats[i, 0] = float(torch.isnan(values).any())
         else:

@@ -6,15 +6,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.overrides import TorchFunctionMode
 
-if TYPE_CHECKING:
-    pass
 from hp_lightning.core.materialize.ops import _ALIASING_PROPERTIES, _METADATA, _OVERWRITING, _func_name, _leaves, _local, _map_leaves, _poison, _written
 
 
@@ -53,12 +51,8 @@ class _FullTensorWrites(TorchFunctionMode):
     same full tensor, so shards of one tensor are slices of one value). Temporaries are cached
     for the next operation on the same parameter (``trunc_normal_`` is five of them); at most
     ``capacity`` are alive. Writes to the other tracked tensors (buffers, whole parameters) are
-    counted, so that coverage can be checked.
-
-    Args:
-        sharded: the sharded parameters by ``id``.
-        tracked: every slot tensor by storage pointer (for write tracking).
-        capacity: how many full-size temporaries may be alive at once.
+    counted, so that coverage can be checked: ``sharded`` holds the sharded parameters by ``id``,
+    ``tracked`` every slot tensor by storage pointer.
     """
 
     def __init__(self, sharded: dict[int, DTensor], tracked: dict[int, torch.Tensor], capacity: int = 2) -> None:
@@ -69,8 +63,6 @@ class _FullTensorWrites(TorchFunctionMode):
         self.capacity = capacity
         self.cache: dict[int, _Cached] = {}
         self.written: set[int] = set()  # ids of sharded params and storage pointers of tracked tensors
-
-    # -------------------------------------------------------------- sharded parameters
 
     def _canonical(self, t: Any) -> DTensor | None:
         if not isinstance(t, DTensor):
@@ -117,8 +109,6 @@ class _FullTensorWrites(TorchFunctionMode):
         for key in list(self.cache):
             self._evict(key)
 
-    # -------------------------------------------------------------- the protocol
-
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 - torch protocol
         kwargs = kwargs or {}
         name = _func_name(func)
@@ -142,9 +132,7 @@ class _FullTensorWrites(TorchFunctionMode):
             )
         writes = {id(p) for t in _written(func, args, kwargs) if (p := self._canonical(t)) is not None}
         overwrites = name in _OVERWRITING
-        fulls = {}
-        for key, param in involved.items():
-            fulls[key] = self._full(param, read=not (key in writes and overwrites and len(writes) == 1))
+        fulls = {key: self._full(param, read=not (key in writes and overwrites and len(writes) == 1)) for key, param in involved.items()}
 
         def swap(value: Any) -> Any:
             p = self._canonical(value)
@@ -166,8 +154,6 @@ class _FullTensorWrites(TorchFunctionMode):
                     self.cache[key].views_out = True
         self._track_plain(func, args, kwargs)
         return out
-
-    # -------------------------------------------------------------- other tracked tensors
 
     def _track_plain(self, func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> None:
         for t in _written(func, args, kwargs):

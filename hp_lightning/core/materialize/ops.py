@@ -6,38 +6,28 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-if TYPE_CHECKING:
-    pass
-
-
 #: A finite parameter value above this (in magnitude) after initialization is reported as garbage.
 ABSURD_MAGNITUDE = 1e12
-
 
 #: Where a module built under :func:`meta_init_context` keeps its construction record.
 _RECORD_ATTR = "_hp_construction"
 
-
 #: Where :func:`link_construction` keeps, on the root, which recorded tensor each slot is.
 _LINKS_ATTR = "_hp_construction_links"
-
 
 #: The DTensor CPU warning users cannot act on; filtered around our own init calls only.
 _DTENSOR_RANDOM_WARNING = r"DTensor random operators may not have complete support"
 
-
 _SEQUENCE = itertools.count()
-
 
 #: In-place methods that change tensor metadata or autograd flags, not values.
 _NOT_DATA_WRITES = frozenset({"requires_grad_", "retain_grad", "share_memory_", "record_stream", "pin_memory"})
-
 
 #: Augmented assignment and item assignment write their first argument.
 _AUGMENTED = frozenset(
@@ -45,23 +35,19 @@ _AUGMENTED = frozenset(
      "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__imatmul__"}
 )
 
-
 #: Metadata queries: answered by a DTensor with global values, no need for the full tensor.
 _METADATA = frozenset(
     {"dim", "ndimension", "size", "numel", "nelement", "element_size", "is_floating_point", "is_complex", "stride",
      "__len__", "is_contiguous", "get_device", "data_ptr", "storage_offset", "is_signed", "is_leaf"}
 )
 
-
 #: Properties that return tensors aliasing their owner (everything else a property returns is metadata).
 _ALIASING_PROPERTIES = frozenset({"data", "T", "mT", "H", "mH"})
-
 
 #: Factories whose dtype defaults to ``torch.get_default_dtype()``: recorded with the dtype they used.
 _DTYPE_FACTORIES = frozenset(
     {"empty", "zeros", "ones", "full", "arange", "rand", "randn", "linspace", "logspace", "eye", "tensor", "empty_strided"}
 )
-
 
 #: Factories that allocate without defining values: replayed as NaN (never as leftover memory).
 _EMPTY_FACTORIES = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"})

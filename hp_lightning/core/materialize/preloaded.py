@@ -1,16 +1,13 @@
 """Weights that come from a file: allocated, never initialized (``load_weights`` before setup).
 
-A model built on the meta device and fine-tuned from pretrained weights would be initialized by
-its rules and then overwritten by the file: for a large model that is a full pass of random
-number generation (on full-size temporaries, one tensor at a time) thrown away. A loader that is
-told the weights before the model is materialized (``hp_lightning.load_weights`` on a module
-built by the strategy's meta-device context) registers a :class:`PendingWeights` on it instead;
-:func:`~hp_lightning.core.materialize.materialize` then allocates every tensor, runs the init
-program with the file's tensors replaced by meta-device stand-ins (every operation on them costs
-nothing), puts them back and lets the loader fill them. The other tensors (non-persistent
-buffers such as rotary ``inv_freq``, a new head) are initialized as usual. Their random draws no
-longer follow the skipped ones, so they equal a build without the file only when they use no
-random numbers (buffers) or come first.
+Initializing tensors a file then overwrites is, for a large model, a full pass of random number
+generation thrown away. A loader told the weights before the model is materialized
+(``hp_lightning.load_weights`` on a module built by the strategy's meta-device context) registers a
+:class:`PendingWeights` instead; :func:`~hp_lightning.core.materialize.materialize` then runs the
+init program with the file's tensors replaced by meta-device stand-ins (operations on them cost
+nothing) and lets the loader fill them. The other tensors (rotary ``inv_freq``, a new head) are
+initialized as usual, but their random draws no longer follow the skipped ones: they equal a build
+without the file only when they use no random numbers or come first.
 """
 
 from __future__ import annotations
@@ -44,9 +41,7 @@ class PendingWeights(Protocol):
 def awaits_materialization(module: nn.Module) -> bool:
     """Whether ``module`` has meta-device tensors that hp_lightning will materialize at setup: it was built
     inside the strategy's meta-device context (``configure_model``, ``init_module()``) and not set up yet."""
-    return has_meta_tensors(module) and any(
-        _RECORD_ATTR in m.__dict__ or _LINKS_ATTR in m.__dict__ for m in module.modules()
-    )
+    return has_meta_tensors(module) and any(_RECORD_ATTR in m.__dict__ or _LINKS_ATTR in m.__dict__ for m in module.modules())
 
 
 def defer_weights(module: nn.Module, pending: PendingWeights) -> None:

@@ -8,31 +8,15 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.modules.module import (
-    register_module_buffer_registration_hook,
-    register_module_module_registration_hook,
-    register_module_parameter_registration_hook,
-)
+from torch.nn.modules.module import register_module_buffer_registration_hook, register_module_module_registration_hook, register_module_parameter_registration_hook
 from torch.overrides import TorchFunctionMode
 
-if TYPE_CHECKING:
-    pass
 from hp_lightning.core.materialize.full_tensors import _Slot
-from hp_lightning.core.materialize.ops import (
-    _DTYPE_FACTORIES,
-    _LINKS_ATTR,
-    _NOT_DATA_WRITES,
-    _RECORD_ATTR,
-    _SEQUENCE,
-    _func_name,
-    _leaves,
-    _map_leaves,
-    _written,
-)
+from hp_lightning.core.materialize.ops import _DTYPE_FACTORIES, _LINKS_ATTR, _NOT_DATA_WRITES, _RECORD_ATTR, _SEQUENCE, _func_name, _leaves, _map_leaves, _written
 from hp_lightning.core.materialize.stage_units import _DETACHED_ATTR
 
 
@@ -58,7 +42,6 @@ class ConstructionRecord:
     Attributes:
         sequence: creation order among records (the earliest one's RNG state starts replay).
         rng_state: the CPU generator state when construction began.
-        nodes: the recorded operations.
         tensors: every recorded tensor by id (kept alive so that ids stay unique).
         storages: the storage objects of recorded meta tensors (kept alive for the same reason).
         markers: ``(position, module)``: the module's constructor had returned once ``position``
@@ -90,10 +73,8 @@ class ConstructionRecord:
                 storage = value.untyped_storage()
                 self.storages.setdefault(id(storage), storage)
             return _Ref(id(value))
-        if isinstance(value, torch.device) and value.type == "meta":
+        if isinstance(value, torch.device) and value.type == "meta" or isinstance(value, str) and value == "meta":
             return None  # replayed on the init device
-        if isinstance(value, str) and value == "meta":
-            return None
         return value
 
     def record(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
@@ -101,8 +82,7 @@ class ConstructionRecord:
             return
         inputs = [t for t in _leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         outputs = [t for t in _leaves(out) if isinstance(t, torch.Tensor)]
-        touches_meta = any(t.is_meta for t in inputs) or any(t.is_meta for t in outputs)
-        if not touches_meta:
+        if not any(t.is_meta for t in [*inputs, *outputs]):
             return
         name = _func_name(func)
         writes = _written(func, args, kwargs)
@@ -115,14 +95,10 @@ class ConstructionRecord:
                 self.broken = f"construction calls Tensor.{name}, which cannot be replayed"
             return
         kwargs = dict(kwargs)
-        if "device" in kwargs:
-            kwargs["device"] = self.ref(kwargs["device"])
         if name in _DTYPE_FACTORIES and not inputs and kwargs.get("dtype") is None and len(outputs) == 1:
             # The default dtype at construction (Lightning's precision context sets it), not at replay.
             kwargs["dtype"] = outputs[0].dtype
-        self.nodes.append(
-            _Node(func, _map_leaves(self.ref, tuple(args)), _map_leaves(self.ref, kwargs), [id(t) for t in outputs])
-        )
+        self.nodes.append(_Node(func, _map_leaves(self.ref, tuple(args)), _map_leaves(self.ref, kwargs), [id(t) for t in outputs]))
         for t in outputs:
             self.ref(t)
 
@@ -154,10 +130,8 @@ def meta_init_context() -> Iterator[ConstructionRecord]:
 
     What :meth:`HSDPStrategy.tensor_init_context` enters around ``configure_model`` and
     ``trainer.init_module()``. Costs no tensor memory; the record (operations and meta tensors)
-    lives on the modules built inside until :func:`materialize` consumes it.
-
-    Yields:
-        The record being written (mostly useful to tests).
+    lives on the modules built inside until :func:`materialize` consumes it. Yields the record
+    being written (mostly useful to tests).
     """
     record = ConstructionRecord(sequence=next(_SEQUENCE), rng_state=torch.get_rng_state())
 

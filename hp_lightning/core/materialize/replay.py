@@ -5,14 +5,11 @@ in the recorded order and from the recorded RNG state.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
-if TYPE_CHECKING:
-    pass
-from hp_lightning.core.materialize.full_tensors import _FullTensorWrites
 from hp_lightning.core.materialize.ops import _EMPTY_FACTORIES, _func_name, _leaves, _map_leaves, _poison
 from hp_lightning.core.materialize.recording import _Links, _Node, _Ref
 
@@ -26,11 +23,8 @@ class _Replay:
     plain tensors and freed after their last use.
     """
 
-    def __init__(
-        self, links: _Links, modes: _FullTensorWrites, on_marker: Callable[[nn.Module], None], loaded: frozenset[int] = frozenset()
-    ) -> None:
+    def __init__(self, links: _Links, on_marker: Callable[[nn.Module], None], loaded: frozenset[int] = frozenset()) -> None:
         self.links = links
-        self.modes = modes
         self.on_marker = on_marker
         self.values: dict[int, torch.Tensor] = {}  # group -> value
         self.last_use = self._last_uses()

@@ -7,22 +7,19 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from functools import partial
+from typing import Any, cast
 
 import torch
 from torch import nn
 
-if TYPE_CHECKING:
-    pass
 from hp_lightning.core.materialize.full_tensors import _Slot
 from hp_lightning.core.materialize.ops import _local
 
 
 def _is_hf_pretrained(module: nn.Module) -> bool:
     """A Hugging Face ``PreTrainedModel`` (duck-typed: transformers is optional)."""
-    return all(callable(getattr(module, a, None)) for a in ("post_init", "_init_weights", "init_weights")) and hasattr(
-        module, "config"
-    )
+    return all(callable(getattr(module, a, None)) for a in ("post_init", "_init_weights", "init_weights")) and hasattr(module, "config")
 
 
 def _untie(model: nn.Module) -> list[tuple[nn.Module, str, nn.Parameter]]:
@@ -59,9 +56,10 @@ def _retie(swapped: list[tuple[nn.Module, str, nn.Parameter]]) -> None:
             module._parameters[attr] = original
 
 
-def _hf_init_weights(module: nn.Module) -> None:
-    """``PreTrainedModel.init_weights()`` as its ``post_init`` runs it on a real build (untied first)."""
-    swapped = _untie(module)
+def _hf_init_weights(module: nn.Module, swapped: list[tuple[nn.Module, str, nn.Parameter]] | None = None) -> None:
+    """``PreTrainedModel.init_weights()`` as its ``post_init`` runs it on a real build: untied first (here, or by an
+    earlier step that left what it swapped in ``swapped``), re-tied after."""
+    swapped = _untie(module) if swapped is None else swapped
     try:
         cast(Any, module).init_weights()  # an HF PreTrainedModel (checked by the caller)
     finally:
@@ -117,15 +115,11 @@ def _rule_program(model: nn.Module, root_hook: bool) -> list[_Step]:
     steps: list[_Step] = []
 
     def visit(module: nn.Module) -> None:
-        hf = _is_hf_pretrained(module) and callable(getattr(module, "init_weights", None))
+        hf = _is_hf_pretrained(module)
+        swapped: list[tuple[nn.Module, str, nn.Parameter]] = []
         if hf:
             # Its constructor runs before post_init ties weights: rules see untied targets.
-            swapped: list[tuple[nn.Module, str, nn.Parameter]] = []
-
-            def untie(m: nn.Module = module, out: list[tuple[nn.Module, str, nn.Parameter]] = swapped) -> None:
-                out.extend(_untie(m))
-
-            steps.append(_Step(module, "untie", untie))
+            steps.append(_Step(module, "untie", lambda: swapped.extend(_untie(module))))
         if isinstance(module, _CLONING_CONTAINERS) and len(getattr(module, "layers", ())) > 1:
             visit(module.layers[0])
             steps.append(_Step(module, "copies of layers.0 (its constructor deep-copies one layer)", _clone_layers(module)))
@@ -140,14 +134,7 @@ def _rule_program(model: nn.Module, root_hook: bool) -> list[_Step]:
             steps.append(_Step(module, f"{type(module).__name__}.{rule.__name__}()", rule))
         hook = getattr(module, "init_weights", None)
         if hf:
-
-            def post_init(m: nn.Module = module, out: list = swapped) -> None:
-                try:
-                    cast(Any, m).init_weights()  # an HF PreTrainedModel
-                finally:
-                    _retie(out)
-
-            steps.append(_Step(module, f"{type(module).__name__}.init_weights()", post_init))
+            steps.append(_Step(module, f"{type(module).__name__}.init_weights()", partial(_hf_init_weights, module, swapped)))
         elif callable(hook) and module is not model and not root_hook:
             steps.append(_Step(module, f"{type(module).__name__}.init_weights()", hook))
 
@@ -173,9 +160,7 @@ def _covering_rules(model: nn.Module, slot: _Slot, parents: dict[int, nn.Module]
         current = parents[id(current)]
         if callable(getattr(current, "_reset_parameters", None)):
             rules.append(f"{type(current).__name__}._reset_parameters()")
-        if callable(getattr(current, "init_weights", None)) and (
-            current is model or _is_hf_pretrained(current) or not root_hook
-        ):
+        if callable(getattr(current, "init_weights", None)) and (current is model or _is_hf_pretrained(current) or not root_hook):
             rules.append(f"{type(current).__name__}.init_weights()")
         if isinstance(current, _CLONING_CONTAINERS):
             rules.append(f"{type(current).__name__} layer copies")

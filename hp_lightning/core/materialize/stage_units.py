@@ -8,22 +8,19 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-if TYPE_CHECKING:
-    pass
-from hp_lightning.core.materialize.ops import _ALIASING_PROPERTIES, _METADATA, _func_name, _leaves, _map_leaves, _written
+from hp_lightning.core.materialize.ops import _METADATA, _func_name, _leaves, _map_leaves, _written
 
 #: Methods that return views of their tensor (on a removed tensor: still meta, on the same storage).
 _VIEW_METHODS = frozenset(
     {"view", "view_as", "reshape", "t", "transpose", "flatten", "unflatten", "detach", "__getitem__", "narrow", "select",
      "chunk", "split", "unbind", "expand", "permute"}
 )
-
 
 #: Where :func:`record_detached_units` keeps, on a cut model, the meta-device units it lost.
 _DETACHED_ATTR = "_hp_detached_units"
@@ -77,15 +74,10 @@ def _units_put_back(model: nn.Module) -> Iterator[set[int]]:
             owner = unit.module.get_submodule(owner_name)
             swapped.append((owner, attr, owner._parameters[attr]))
             owner._parameters[attr] = model.get_parameter(kept_name)
-    removed = {id(t) for u in units for t in [*u.module.parameters(), *u.module.buffers()] if t.is_meta}
-    storages = {
-        id(t.untyped_storage())
-        for u in units
-        for t in [*u.module.parameters(), *u.module.buffers()]
-        if t.is_meta
-    }
+    meta = [t for u in units for t in [*u.module.parameters(), *u.module.buffers()] if t.is_meta]
+    removed = {id(t) for t in meta}
     try:
-        yield storages
+        yield {id(t.untyped_storage()) for t in meta}
     finally:
         for owner, attr, original in reversed(swapped):
             owner._parameters[attr] = original
@@ -128,10 +120,8 @@ class _Discarded(TorchFunctionMode):
         if not any(self._is_removed(t) for t in flat):
             return func(*args, **kwargs)
         name = _func_name(func)
-        if name in _METADATA or name.startswith("__get__:") and name[8:] not in _ALIASING_PROPERTIES:
-            return func(*args, **kwargs)
-        if name.startswith("__get__:") or name in _VIEW_METHODS:
-            return func(*args, **kwargs)  # a view of a removed tensor: still on meta, on the same storage
+        if name in _METADATA or name.startswith("__get__:") or name in _VIEW_METHODS:
+            return func(*args, **kwargs)  # metadata, or a view of a removed tensor: still on meta, on the same storage
         targets = _written(func, args, kwargs)
         kept_writes = [t for t in targets if not self._is_removed(t)]
         if kept_writes or name in _VALUE_READS:

@@ -22,12 +22,7 @@ from hp_lightning.core.watchdog.reports import _GONE, FailureReport, _first_line
 class CauseFinder:
     """The main thread's side of the watchdog: report this rank's error, or find and name its cause.
 
-    Args:
-        board: the store protocol.
-        peers: liveness of the other ranks.
-        departure: how this rank leaves once the cause is known.
-        me: where this rank runs.
-        poll_interval: the watchdog's poll; a consequence waits a few polls for a peer's post.
+    ``poll_interval`` is the watchdog's poll: a consequence waits a few polls for a peer's post.
     """
 
     def __init__(self, board: FailureBoard, peers: PeerLiveness, departure: Departure, me: _ProcessInfo, *, poll_interval: float) -> None:
@@ -47,10 +42,7 @@ class CauseFinder:
         try:
             if self._board.lost or self._peers.store_host_gone() is not None:
                 raise _StoreUnreachable(RuntimeError("the store's process has ended"))
-            posted = self._board.read()
-            if posted is None:
-                lost = self._peers.find_dead_local_peer()
-                posted = self._board.post(lost) if lost is not None else self._wait_for_post(max(3 * self._poll_interval, 2.0))
+            posted = self._wait_for_post(max(3 * self._poll_interval, 2.0))
             if posted is None:
                 posted = self._board.post(self._report_for(exc))
         except _StoreUnreachable:

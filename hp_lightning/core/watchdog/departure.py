@@ -19,41 +19,19 @@ from hp_lightning.core.watchdog.exits import _record_for_torchrun, _say
 from hp_lightning.core.watchdog.failure_board import _FINE_POLL, FailureBoard
 from hp_lightning.core.watchdog.liveness import PeerLiveness
 from hp_lightning.core.watchdog.processes import _is_running, _StoreUnreachable
-from hp_lightning.core.watchdog.reports import (
-    FAILED_EXIT_CODE,
-    PEER_FAILED_EXIT_CODE,
-    FailureReport,
-    MainThreadStuck,
-    StoppedForPeerFailure,
-    _ProcessInfo,
-    _second_after,
-)
+from hp_lightning.core.watchdog.reports import FAILED_EXIT_CODE, PEER_FAILED_EXIT_CODE, FailureReport, MainThreadStuck, StoppedForPeerFailure, _ProcessInfo, _second_after
 
 
 class Departure:
-    """The exit decisions of one rank in one watchdog session; every exit goes through one lock.
+    """The exit decisions of one rank in one watchdog session; every exit goes through ``exit_lock`` (one per process).
 
-    Args:
-        board: the store protocol.
-        peers: liveness of the other ranks (a failed rank on this host is watched by its pid).
-        me: where this rank runs.
-        exit_grace: seconds a stopped rank waits, at most, for the failed rank's traceback; and
-            how long a failed process may linger before it is ended.
-        poll_interval: the watchdog's poll; bounds how long the store is held for the others.
-        exit_lock: one exit per process, from the watchdog thread or the main thread.
-        at_exit: what to run at interpreter exit once this rank failed (it calls :meth:`leave_exit_marker`).
+    ``exit_grace`` and ``poll_interval`` are :class:`~.fault_watchdog.FaultWatchdog`'s; ``at_exit`` runs at
+    interpreter exit once this rank failed (it calls :meth:`leave_exit_marker`).
     """
 
     def __init__(
-        self,
-        board: FailureBoard,
-        peers: PeerLiveness,
-        me: _ProcessInfo,
-        *,
-        exit_grace: float,
-        poll_interval: float,
-        exit_lock: threading.RLock,
-        at_exit: Callable[[], None],
+        self, board: FailureBoard, peers: PeerLiveness, me: _ProcessInfo, *, exit_grace: float, poll_interval: float,
+        exit_lock: threading.RLock, at_exit: Callable[[], None],
     ) -> None:
         self._board, self._peers, self._me = board, peers, me
         self.rank, self.world_size = board.rank, board.world_size
@@ -65,8 +43,6 @@ class Departure:
         self.failed_at: Optional[float] = None
         #: When the main thread was first seen finished after that failure.
         self._main_done_at: Optional[float] = None
-
-    # ------------------------------------------------------------------ this rank failed
 
     def mark_failed(self, error: BaseException, not_before: float = 0.0) -> None:
         """This rank failed: leave a record for torchrun's summary and, at exit, a marker for the waiting ranks."""
@@ -85,9 +61,11 @@ class Departure:
             pass
 
     def _hold_store_if_mine(self) -> None:
-        """Leaving takes the store down when it lives in this process, and under torchrun's agent store (no
-        rank hosts it) the agent stops every other rank as soon as this one exits: either way, first let the
-        others read the failure, so each says why it stops."""
+        """Let the others read the failure first where this rank's exit would cut them off (each then says why it stops).
+
+        Leaving takes the store down when it lives in this process; under torchrun's agent store the
+        agent stops every other rank as soon as this one exits.
+        """
         if self._board.store_host_rank in (self.rank, None):
             self._board.hold_until_read(min(self._exit_grace, 3 * self._poll_interval + 1))
 
@@ -130,8 +108,6 @@ class Departure:
         _record_for_torchrun(MainThreadStuck(f"rank {self.rank}: {summary}"))
         os._exit(FAILED_EXIT_CODE)
 
-    # ------------------------------------------------------------------ another rank failed
-
     def stop_for(self, failure: FailureReport) -> None:
         """Leave with one line naming ``failure`` (returns only if this rank fails on its own meanwhile).
 
@@ -152,9 +128,7 @@ class Departure:
             if not self._board.lost and self._peers.store_host_gone() is None:  # (a call to a gone store prints a warning)
                 try:
                     self._board.note_left_for_failure()
-                    # The store lives in this process: leaving takes it down, and a rank that has
-                    # not read the failure yet could only name this (stopped) rank as gone.
-                    self._hold_store_if_mine()
+                    self._hold_store_if_mine()  # else a rank that has not read the failure could only name this one as gone
                 except _StoreUnreachable:
                     pass
             self.exit_peer_failed(cause)

@@ -1,31 +1,21 @@
 """torchrun's in-place restarts (``--max-restarts``): a fresh rendezvous for every attempt.
 
-Under torchrun with the c10d rendezvous (``--standalone`` or ``--rdzv-backend=c10d``), the
-workers' ``MASTER_ADDR:MASTER_PORT`` is the *agent's* TCPStore (``TORCHELASTIC_USE_AGENT_STORE=True``),
-and that store outlives the workers: when torchrun restarts the worker group, the new attempt's
-ranks meet in the same store, under the same keys, as the dead attempt's. torch's ``env://``
-rendezvous does not prefix those keys by attempt, so a fast rank of the new attempt reads the
-addresses the *old* rank 0 published (gloo: ``connectFullMesh failed ... Connection refused``, or
-a hang) before the new rank 0 overwrites them. Whether a restart survives is then a race between
-the ranks' start-up times; Lightning's own ``"ddp"`` strategy loses it most of the time too.
-
-The cure here is a key prefix per attempt: the default process group, and with it every group
-split from it (the mesh, the host-side agreement group), keeps its keys under
-``hp_lightning/<run>/attempt_<n>/`` of the agent's store. ``n`` must be the same on every rank of
-an attempt and new on every attempt. ``TORCHELASTIC_RESTART_COUNT`` is neither across nodes: an
-agent whose workers are healthy, restarting only because another node re-joined the rendezvous,
-does not count a restart (membership changes are not retries), so two nodes of one attempt can
-hold different counts, and one of them the count of an attempt that already used its keys.
-:func:`agree_attempt` therefore agrees ``n`` through the agents' store itself (a ticket protocol
-that needs nothing from the agents but the order of their rounds). Other keys in the same store
-are keyed by the agreed attempt where they are written (the fault watchdog's board) or cleared
-before use (torchft's manager address, :func:`clear_stale_keys`).
+torchrun's agent store outlives an attempt and torch's ``env://`` rendezvous does not key it by
+attempt, so a restarted rank could read the dead attempt's addresses (``docs/fault-tolerance.md``,
+"Under torchrun"). The default process group, and every group split from it, therefore keeps its
+keys under ``hp_lightning/<run>/attempt_<n>/``, with ``n`` agreed through the agents' store
+(:func:`agree_attempt`: ``TORCHELASTIC_RESTART_COUNT`` may differ between the nodes of one attempt).
+Other keys in that store are keyed by the agreed attempt where they are written (the fault
+watchdog's board) or cleared before use (:func:`clear_stale_keys`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import signal
+import sys
+import threading
 import time
 from collections.abc import Iterable
 from datetime import timedelta
@@ -44,11 +34,8 @@ _AGREE_POLL = 0.02
 
 @dataclasses.dataclass(frozen=True)
 class Attempt:
-    """One attempt of a torchrun job, as its ranks agreed it (:func:`agree_attempt`).
-
-    Attributes:
-        number: unique within the run, larger for every later attempt (not consecutive).
-    """
+    """One attempt of a torchrun job, as its ranks agreed it (:func:`agree_attempt`); ``number`` is unique within
+    the run and larger for every later attempt (not consecutive)."""
 
     number: int
 
@@ -87,12 +74,8 @@ def agree_attempt(store: dist.Store, *, rank: int, world_size: int, timeout: flo
     attempt; it republishes the name beside a fresh ticket until every other rank has taken it.
     A rank accepts a name only when it comes with a ticket larger than its own: that ticket was
     drawn after this rank started, hence by this attempt's rank 0, never by a dead one. The cost:
-    a few store calls per rank and rank 0 polling every 20 ms, once per process.
-
-    Args:
-        store: a client of the agents' store (unprefixed).
-        rank: this process's global rank; world_size: the attempt's number of ranks.
-        timeout: how long to wait for the other ranks (the process-group timeout).
+    a few store calls per rank and rank 0 polling every 20 ms, once per process. ``store`` is an
+    unprefixed client of the agents' store; ``timeout`` the process-group timeout.
 
     Raises:
         TimeoutError: the other ranks did not all arrive within ``timeout`` (torchrun restarts an
@@ -141,26 +124,31 @@ def _agree(store: dist.Store, rank: int, world_size: int, seconds: float) -> Att
     return Attempt(number)
 
 
+def _attempt_number() -> int:
+    return _agreed.number if _agreed is not None else restart_count()
+
+
 def attempt_key() -> str:
     """This attempt's name within the run: the agreed :class:`Attempt` (else torchrun's restart count) after the run id.
 
     The fault watchdog keys its board by it; :func:`attempt_prefix` the process group's keys.
     """
-    attempt = _agreed.number if _agreed is not None else restart_count()
-    return f"{_run_id()}.{attempt}"
+    return f"{_run_id()}.{_attempt_number()}"
 
 
 def attempt_prefix() -> str:
     """The key prefix of this attempt's rendezvous: the same on every rank of one attempt, new on a restart."""
-    attempt = _agreed.number if _agreed is not None else restart_count()
-    return f"hp_lightning/{_run_id()}/attempt_{attempt}/"
+    return f"hp_lightning/{_run_id()}/attempt_{_attempt_number()}/"
+
+
+def _as_timedelta(timeout: float | timedelta) -> timedelta:
+    return timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout)
 
 
 def _agent_client(timeout: float | timedelta, host: Optional[str] = None, port: Optional[int] = None) -> dist.TCPStore:
-    wait = timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout)
     return dist.TCPStore(
         host or os.environ["MASTER_ADDR"], int(port if port is not None else os.environ["MASTER_PORT"]), is_master=False,
-        timeout=wait, wait_for_workers=False,
+        timeout=_as_timedelta(timeout), wait_for_workers=False,
     )
 
 
@@ -173,13 +161,8 @@ def attempt_store(
     :func:`attempt_prefix` of the attempt every rank agreed on (:func:`agree_attempt`), so a
     restarted attempt never reads a dead attempt's addresses, whichever node restarted why.
     Elsewhere (Lightning's launcher, SLURM, torchrun with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``)
-    rank 0 serves a new store per launch, and None keeps torch's default path.
-
-    Args:
-        host: the store's address (the cluster environment's ``main_address``).
-        port: its port (``main_port``).
-        timeout: how long a key may be waited for (the process-group timeout; seconds or a timedelta).
-        rank, world_size: this rank and the attempt's size; None reads torchrun's ``RANK`` and ``WORLD_SIZE``.
+    rank 0 serves a new store per launch, and None keeps torch's default path. ``timeout`` is the
+    process-group timeout; ``rank``, ``world_size`` None read torchrun's ``RANK`` and ``WORLD_SIZE``.
     """
     if not uses_agent_store():
         return None
@@ -197,10 +180,9 @@ def clear_stale_keys(keys: Iterable[str], *, group_rank: int) -> None:
     For libraries that exchange addresses through unprefixed keys of ``MASTER_ADDR:MASTER_PORT``
     (torchft's manager address): after a restart their readers would otherwise race the new
     writer and may read the dead attempt's value. Done in every attempt, the first included: no
-    rank can tell a first attempt from a re-formed one by its own restart count (see the module
-    docstring), and the cost is one barrier. A no-op outside torchrun's agent store. Call it on
-    every rank of the group, after the default process group exists and before the library
-    reads the keys.
+    rank can tell a first attempt from a re-formed one by its own restart count. A no-op outside
+    torchrun's agent store. Call it on every rank of the group, after the default process group
+    exists and before the library reads the keys.
     """
     if not uses_agent_store():
         return
@@ -238,18 +220,14 @@ def set_run_note(name: str, value: str) -> None:
 def end_job_without_restart(reason: str, *, grace: float = 30.0) -> bool:
     """Ask torchrun's agent to end the whole job now, instead of restarting it for an error no restart can fix.
 
-    torchrun restarts a failed worker group up to ``--max-restarts`` times whatever the error; for
-    a configuration error (a wrong lighthouse address) every attempt fails the same way, and with
-    ``--max-restarts=100`` the job would retry for a long time. Local rank 0 sends SIGTERM to its
-    parent, torchrun's agent, which then stops its workers and exits with a failure (no further
-    attempt). The other local ranks wait up to ``grace`` seconds to be stopped by the agent before
+    torchrun restarts a failed worker group up to ``--max-restarts`` times whatever the error, though
+    a configuration error (a wrong lighthouse address) fails every attempt the same way. Local rank 0
+    sends SIGTERM to its parent, torchrun's agent, which then stops its workers and exits with a
+    failure (no further attempt). The other local ranks wait up to ``grace`` seconds to be stopped by the agent before
     their error ends them: a rank that exited first could make the agent restart before the signal
     arrives. Outside torchrun (no ``TORCHELASTIC_RUN_ID``, or a parent that is not torchrun's agent)
-    nothing is sent or waited for, and the caller's error ends the rank as usual.
-
-    Args:
-        reason: printed with the request, on local rank 0.
-        grace: the longest wait of the other local ranks, in seconds.
+    nothing is sent or waited for, and the caller's error ends the rank as usual. ``reason`` is
+    printed with the request, on local rank 0.
 
     Returns:
         Whether this rank asked (local rank 0) or waited for (the others) the agent to end the job.
@@ -264,13 +242,7 @@ def end_job_without_restart(reason: str, *, grace: float = 30.0) -> bool:
         return False
     if not any(name in command for name in ("torchrun", "torch.distributed.run", "torch.distributed.launch")):
         return False
-    import signal
-    import sys
-    import time
-
     if os.environ.get("LOCAL_RANK", "0") != "0":
-        import threading
-
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the agent's SIGTERM ends this rank (not Lightning's note of it)
         deadline = time.monotonic() + grace
@@ -292,17 +264,13 @@ def init_process_group(backend: str, *, timeout: float | timedelta = 1800.0, **k
     For scripts that create the process group themselves (the fault-tolerance engine loop) and may
     be restarted in place by ``torchrun --max-restarts``: under torchrun's shared agent store it
     builds the group on :func:`attempt_store`; elsewhere it is torch's own ``env://``. Reads
-    ``MASTER_ADDR``, ``MASTER_PORT``, ``RANK`` and ``WORLD_SIZE``.
-
-    Args:
-        backend: ``"gloo"``, ``"nccl"``, ... as for torch.
-        timeout: the process group's timeout, in seconds or as a ``timedelta``.
-        kwargs: passed on to ``torch.distributed.init_process_group`` (e.g. ``device_id``).
+    ``MASTER_ADDR``, ``MASTER_PORT``, ``RANK`` and ``WORLD_SIZE``; ``kwargs`` go to torch's
+    ``init_process_group`` (e.g. ``device_id``).
 
     Raises:
         ValueError: a launcher variable is missing or not an integer (under the agent store).
     """
-    wait = timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout)
+    wait = _as_timedelta(timeout)
     if not uses_agent_store():
         dist.init_process_group(backend, timeout=wait, **kwargs)
         return

@@ -1,5 +1,4 @@
-"""How a rank leaves: what it prints once, what torchrun's agent records, which signals it ignores on the way out.
-"""
+"""How a rank leaves: what it prints once, what torchrun's agent records, which signals it ignores on the way out."""
 
 from __future__ import annotations
 

@@ -33,8 +33,6 @@ class FailureBoard:
 
     Args:
         store: a store client of the watchdog's own (see :meth:`connect`).
-        rank: this rank.
-        world_size: the number of ranks.
         deadline: seconds a store call may take before the store counts as unreachable.
         store_host_rank: the rank whose process serves the store (None: torchrun's agent does).
     """
@@ -62,8 +60,6 @@ class FailureBoard:
     def address(self) -> str:
         """``host:port`` of the store, as the launcher named it."""
         return f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
-
-    # ------------------------------------------------------------------ calls with a deadline
 
     def op(self, call: Callable[[dist.Store], Any]) -> Any:
         """Run ``call(store)`` with a deadline of :attr:`deadline` seconds.
@@ -96,8 +92,6 @@ class FailureBoard:
             raise value
         return value
 
-    # ------------------------------------------------------------------ the first failure
-
     def read(self) -> Optional[FailureReport]:
         """The failure that stands, if one is posted (no store call once it is known or the store is lost)."""
         if self.known is not None:
@@ -119,17 +113,14 @@ class FailureBoard:
         return standing
 
     def hold_until_read(self, seconds: float) -> None:
-        """The job's store lives in this process: keep it up, at most ``seconds``, until every other rank has read the failure.
+        """Keep the store up, at most ``seconds``, until every other rank has read the failure.
 
-        A rank that fails within a poll interval of the start would otherwise take the store down
-        before the others looked, and they could only say that it is gone, not why. They read it
-        at their next poll, so the wait is bounded by a few polls (a frozen peer does not hold it).
+        The others read it at their next poll, so the wait is bounded by a few polls (a frozen peer
+        does not hold it); see :meth:`~.departure.Departure._hold_store_if_mine` for why.
         """
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline and int(self.store.add("read the failure", 0)) < self.world_size - 1:
             time.sleep(_FINE_POLL)
-
-    # ------------------------------------------------------------------ where ranks run, and their heartbeats
 
     def wait_for_processes(self, ranks: list[int], seconds: float) -> None:
         """Up to ``seconds`` for ``ranks`` to say where they run (a rank not there by then is learned later)."""
@@ -152,8 +143,6 @@ class FailureBoard:
     def beats_of(self, rank: int) -> int:
         """How many heartbeats ``rank`` has given."""
         return int(self.op(lambda s: s.add(f"hb/{rank}", 0)))
-
-    # ------------------------------------------------------------------ markers of ranks leaving
 
     def leave(self) -> None:
         """This rank finished normally (a direct call: the watchdog thread is being stopped)."""

@@ -1,10 +1,6 @@
 """The watchdog of one rank: a short coordinator of the collaborators that do its jobs (see the package docstring).
 
-Per session (each :meth:`FaultWatchdog.start`): a :class:`~.failure_board.FailureBoard` (the
-store protocol), a :class:`~.liveness.PeerLiveness` (dead pids, silent heartbeats), a
-:class:`~.departure.Departure` (when and how this rank leaves), a :class:`~.causes.CauseFinder`
-(the main thread's report) and a :class:`~.polling.Poller` (the watchdog thread). Built fresh
-per session, they carry nothing from a previous Trainer call.
+They are built fresh per session (each :meth:`FaultWatchdog.start`), so they carry nothing from a previous Trainer call.
 """
 
 from __future__ import annotations
@@ -22,13 +18,11 @@ from hp_lightning.core.watchdog import elastic
 from hp_lightning.core.watchdog.causes import CauseFinder
 from hp_lightning.core.watchdog.departure import Departure
 from hp_lightning.core.watchdog.exits import _quiet_signals, _say
-from hp_lightning.core.watchdog.failure_board import _FINE_POLL, FailureBoard
+from hp_lightning.core.watchdog.failure_board import FailureBoard
 from hp_lightning.core.watchdog.liveness import MainThreadMonitor, PeerLiveness
 from hp_lightning.core.watchdog.polling import Poller
 from hp_lightning.core.watchdog.processes import _machine_key, _start_ticks
 from hp_lightning.core.watchdog.reports import _ProcessInfo, check_seconds
-
-__all__ = ["_FINE_POLL", "FaultWatchdog", "_generation"]
 
 #: Sequence number of watchdog sessions in this process (fit, then test, ...).
 _generation = 0
@@ -46,19 +40,15 @@ class FaultWatchdog:
 
     Args:
         heartbeat_timeout: seconds without a heartbeat (or without the main thread moving,
-            outside torch) before a rank is declared lost. The heartbeat has its own thread, so
-            long steps do not trip it; dead processes on the same host are found at once.
-        exit_grace: seconds the other ranks wait, at most, for the failed rank's traceback; and
-            how long a failed process may linger before it is ended (:data:`FAILED_EXIT_CODE`).
+            outside torch) before a rank is declared lost (the option of the same name).
+        exit_grace: the option ``failure_exit_grace`` (a lingering failed process ends with :data:`FAILED_EXIT_CODE`).
         poll_interval: seconds between checks. None → ``min(1, heartbeat_timeout / 10)``.
 
     Raises:
         TypeError / ValueError: for a setting that is not a positive, finite number of seconds.
     """
 
-    def __init__(
-        self, *, heartbeat_timeout: float = 120.0, exit_grace: float = 30.0, poll_interval: Optional[float] = None
-    ) -> None:
+    def __init__(self, *, heartbeat_timeout: float = 120.0, exit_grace: float = 30.0, poll_interval: Optional[float] = None) -> None:
         self.heartbeat_timeout = check_seconds(heartbeat_timeout, "heartbeat_timeout")
         self.exit_grace = check_seconds(exit_grace, "exit_grace")
         self.poll_interval = (
@@ -70,7 +60,7 @@ class FaultWatchdog:
         self._exit_lock = threading.RLock()
         self._main_thread = MainThreadMonitor(self.heartbeat_timeout)
         self._active = False
-        # The session's collaborators (see the module docstring); set together by start().
+        # The session's collaborators; set together by start().
         self._board: Optional[FailureBoard] = None
         self._departure: Optional[Departure] = None
         self._causes: Optional[CauseFinder] = None
@@ -100,15 +90,11 @@ class FaultWatchdog:
         me = _ProcessInfo(socket.gethostname(), _machine_key(), os.getpid(), ticks if ticks is not None else -1)
         self._stopping.clear()
         # Under torchrun the store lives in the agent; otherwise rank 0's process serves it.
-        store_host_rank = None if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" else 0
+        store_host_rank = None if elastic.uses_agent_store() else 0
         try:
             board = FailureBoard.connect(
-                f"hp_lightning/watchdog/{run}/{_generation}",
-                me,
-                rank=rank,
-                world_size=world_size,
-                deadline=self.heartbeat_timeout,
-                store_host_rank=store_host_rank,
+                f"hp_lightning/watchdog/{run}/{_generation}", me, rank=rank, world_size=world_size,
+                deadline=self.heartbeat_timeout, store_host_rank=store_host_rank,
             )
             peers = PeerLiveness(board, me, local_ranks=local_ranks, heartbeat_timeout=self.heartbeat_timeout)
             peers.meet_local_peers()
@@ -117,12 +103,7 @@ class FaultWatchdog:
             _say(f"rank {rank}: fault watchdog not started ({type(exc).__name__}: {exc}); a failed rank may leave the others waiting.")
             return
         departure = Departure(
-            board,
-            peers,
-            me,
-            exit_grace=self.exit_grace,
-            poll_interval=self.poll_interval,
-            exit_lock=self._exit_lock,
+            board, peers, me, exit_grace=self.exit_grace, poll_interval=self.poll_interval, exit_lock=self._exit_lock,
             at_exit=self._mark_exited,
         )
         self._board, self._departure = board, departure
@@ -159,15 +140,11 @@ class FaultWatchdog:
         if self._departure is not None:
             self._departure.leave_exit_marker()
 
-    # ------------------------------------------------------------------ reporting (main thread)
-
     def report(self, exc: BaseException) -> None:
-        """From ``Strategy.on_exception``: post this rank's own error, or find the cause of a lost-peer one.
+        """From ``Strategy.on_exception``: post this rank's own error, or find the cause of a lost-peer one (:class:`~.causes.CauseFinder`).
 
-        The cause of a communication error is a failure another rank posted, a dead peer on this
-        host or, after a few polls, the error itself; a rank stopped for another's failure prints
-        one line and exits. SIGTERM is ignored from here on: torchrun sends it to every worker once
-        one has exited, and Lightning's handler would answer it with a collective.
+        SIGTERM is ignored from here on: torchrun sends it to every worker once one has exited, and
+        Lightning's handler would answer it with a collective.
         """
         if not self._active:
             return
@@ -181,10 +158,9 @@ class FaultWatchdog:
         """Report an error that ends the main thread uncaught *before* its traceback is printed.
 
         For loops with no exception hook of their own (Fabric): the rank's own error is posted at
-        once, so a peer waiting in a collective is stopped with one line naming it, and the peer's
-        "Connection closed by peer" error is answered by that line instead of a traceback of its
-        own. Reporting at interpreter exit instead (after the traceback, after non-daemon threads)
-        would leave the peers to race the failed rank's sockets closing. Installed once.
+        once, so a peer waiting in a collective is stopped with one line naming it instead of a
+        traceback of its own. Reporting at interpreter exit instead (after the traceback, after
+        non-daemon threads) would leave the peers to race the failed rank's sockets closing. Installed once.
         """
         if getattr(sys.excepthook, "__hp_lightning_watchdog__", None) is self:
             return

@@ -26,12 +26,8 @@ from hp_lightning.core.watchdog.reports import _GONE, FailureReport, _ProcessInf
 class PeerLiveness:
     """Which peers are still alive: local ones by their pid, the ring neighbour by its heartbeat.
 
-    Args:
-        board: the store protocol, for where peers run and their heartbeats.
-        me: where this rank runs.
-        local_ranks: ranks expected on this host; a rank's pid is checked only once its record
-            shows the same host, boot and pid namespace as :attr:`me`.
-        heartbeat_timeout: seconds without a heartbeat before the watched neighbour is lost.
+    ``local_ranks``: ranks expected on this host; a rank's pid is checked only once its record
+    shows the same host, boot and pid namespace as ``me``.
     """
 
     def __init__(self, board: FailureBoard, me: _ProcessInfo, *, local_ranks: Iterable[int], heartbeat_timeout: float) -> None:
@@ -111,8 +107,6 @@ class PeerLiveness:
                 pass
         host, pid = (info.host, info.pid) if info is not None else ("?", -1)
         return FailureReport(watched, "silent", summary, host, pid, self.rank, time.time())
-
-    # ------------------------------------------------------------------ the store's own process
 
     def store_host(self) -> Optional[_ProcessInfo]:
         """The process serving the job's store, when it runs on this host."""

@@ -17,26 +17,11 @@ from hp_lightning.core.watchdog.processes import _StoreUnreachable
 
 
 class Poller:
-    """Runs the polls of one watchdog session on its own thread until ``stopping`` is set or a poll ends it.
-
-    Args:
-        board: the store protocol.
-        peers: liveness of the other ranks.
-        main_thread: whether this rank's main thread still moves.
-        departure: the exit decisions a poll leads to.
-        poll_interval: seconds between polls.
-        stopping: set to end the polls.
-    """
+    """Runs the polls of one watchdog session on its own thread until ``stopping`` is set or a poll ends it."""
 
     def __init__(
-        self,
-        board: FailureBoard,
-        peers: PeerLiveness,
-        main_thread: MainThreadMonitor,
-        departure: Departure,
-        *,
-        poll_interval: float,
-        stopping: threading.Event,
+        self, board: FailureBoard, peers: PeerLiveness, main_thread: MainThreadMonitor, departure: Departure, *,
+        poll_interval: float, stopping: threading.Event,
     ) -> None:
         self._board, self._peers, self._main_thread, self._departure = board, peers, main_thread, departure
         self.rank = board.rank
@@ -80,8 +65,8 @@ class Poller:
                         f"{self._board.deadline:g} s: the process hosting it (rank 0's launcher or torchrun's agent) "
                         f"is frozen or its host is down{ended}"
                     )
-                # Refused or dropped: the store's process has ended, at a normal finish too. Only the
-                # main thread, when it fails, can tell which (see CauseFinder.report); stop polling.
+                # Refused or dropped: the store's process has ended (at a normal finish too; only the
+                # main thread, when it fails, can tell which: see CauseFinder.report); stop polling.
                 self._board.lost = True
                 if self._departure.failed_at is None:
                     return
@@ -100,8 +85,7 @@ class Poller:
         known = self._board.known
         if known is not None and known.rank != self.rank:
             self._departure.stop_for(known)  # known already (the main thread may be waiting): no more store calls
-        if self._peers.store_host_gone() is not None:
-            # At a normal finish too: only the main thread, if it fails, can tell (see CauseFinder.report).
+        if self._peers.store_host_gone() is not None:  # handled as a refused store call (see _run)
             raise _StoreUnreachable(RuntimeError("the store's process has ended"))
         self._board.beat()
         posted = self._board.read()

@@ -1,5 +1,4 @@
-"""Finding out about processes: is a pid still the same process, on this machine; the job's store; where a thread is.
-"""
+"""Finding out about processes: is a pid still the same process, on this machine; the job's store; where a thread is."""
 
 from __future__ import annotations
 
@@ -62,9 +61,7 @@ def _connect_store(timeout: float) -> dist.Store:
     while hasattr(base, "underlying_store"):
         base = base.underlying_store
     if isinstance(base, dist.TCPStore):
-        return dist.TCPStore(
-            base.host, base.port, is_master=False, timeout=timedelta(seconds=timeout), wait_for_workers=False
-        )
+        return dist.TCPStore(base.host, base.port, is_master=False, timeout=timedelta(seconds=timeout), wait_for_workers=False)
     return store
 
 

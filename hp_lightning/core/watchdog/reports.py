@@ -1,5 +1,4 @@
-"""What a failure is and how it is told: exit codes, the report ranks exchange, which errors are a lost peer's consequence.
-"""
+"""What a failure is and how it is told: exit codes, the report ranks exchange, which errors are a lost peer's consequence."""
 
 from __future__ import annotations
 
@@ -13,13 +12,10 @@ import torch.distributed as dist
 #: Exit code of a rank the watchdog stops because another rank failed first.
 PEER_FAILED_EXIT_CODE = 3
 
-
 #: Exit code of a failed rank whose process was still alive ``exit_grace`` seconds after its failure.
 FAILED_EXIT_CODE = 1
 
-
 _PREFIX = "[hp_lightning]"
-
 
 #: Messages that mark an error as a consequence of losing a peer rather than a cause of its own.
 _COMMUNICATION_MARKERS = (
@@ -32,7 +28,6 @@ _COMMUNICATION_MARKERS = (
     "Timed out waiting",
     "timed out",
 )
-
 
 _GONE = "is gone: its process ended without reporting an error (killed by a signal such as SIGKILL, or by the OOM killer)"
 
@@ -58,9 +53,7 @@ def is_communication_error(exc: BaseException) -> bool:
     current: BaseException | None = exc
     while current is not None and id(current) not in seen:
         seen.add(id(current))
-        if isinstance(current, dist.DistError):
-            return True
-        if isinstance(current, RuntimeError) and any(marker in str(current) for marker in _COMMUNICATION_MARKERS):
+        if isinstance(current, dist.DistError) or isinstance(current, RuntimeError) and any(m in str(current) for m in _COMMUNICATION_MARKERS):
             return True
         current = current.__cause__
     return False
