@@ -1,13 +1,10 @@
 """Settings every rank must share, compared once before they matter.
 
 :func:`check_rank_agreement` is one small all-gather. Settings that must be the same on every
-rank (mesh, units, precision, options, checkpoint to resume, versions, loop lengths) are
-compared at the point they take effect. If they differ, every rank raises
-:class:`RankDisagreementError` naming each differing setting and the ranks behind each value.
-Otherwise those ranks would run different collectives and hang, or train a model that is
-silently wrong. The settings compared are explicit dictionaries: :func:`setup_settings`
-(versions, mesh, the strategy's :class:`~hp_lightning.core.options.HSDPOptions`, precision,
-checkpoint folders, loop lengths), :func:`resume_settings` and :func:`sharding_settings`.
+rank are compared at the point they take effect (:func:`setup_settings`, :func:`resume_settings`,
+:func:`sharding_settings`). If they differ, every rank raises :class:`RankDisagreementError` naming
+each differing setting and the ranks behind each value. Otherwise those ranks would run different
+collectives and hang, or train a model that is silently wrong.
 """
 
 from __future__ import annotations
@@ -112,9 +109,6 @@ def check_rank_agreement(settings: Mapping[str, Any], *, stage: str, group: Opti
         settings: setting name → value; values are compared as their text.
         stage: where the check runs, for the message (``"setup"``, ``"sharding"``).
         group: the ranks that must agree (None: the world; a pipeline stage's ranks under PP).
-
-    Raises:
-        RankDisagreementError: naming each differing setting with its values and ranks.
     """
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) < 2:
         return
@@ -156,10 +150,8 @@ def setup_settings(
 
     Args:
         options: the strategy's options (:meth:`hp_lightning.core.options.HSDPOptions.settings`).
-        precision: the precision flag in effect.
         trainer: Lightning's Trainer, for the checkpoint paths and loop lengths (None: Fabric, left
             out); read by attribute (``checkpoint_callbacks``, the loop settings): no Lightning import.
-        mesh_shape: the mesh shape this rank resolved.
     """
     settings: dict[str, Any] = {
         "hp_lightning version": _package_version(),
@@ -233,9 +225,6 @@ def host_group(timeout: Optional[Any] = None) -> Optional[dist.ProcessGroup]:
     A collective: every rank calls it, at the same point (the front ends do, at setup). Its own
     group, even when the default one is gloo too: a control all-reduce then never queues behind
     the gradient collectives of the default group, and with NCCL it never touches the device.
-
-    Args:
-        timeout: the group's collective timeout (None: torch's default).
     """
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
         return None
@@ -250,13 +239,10 @@ class StepAgreement:
     every rank's coming backward reach the same parameters?) is folded into a single all-reduce
     (MAX) of one int32 CPU tensor, ``[signal, flags...]``, over a host-side gloo group: reading the
     result is a host read of a host tensor, never a host-device synchronization, so the CPU keeps
-    running ahead of the accelerator as in a raw FSDP2 loop. The divergence check
-    (:mod:`hp_lightning.fully_shard.divergence`) exchanges its flags through :meth:`exchange`
-    before the backward that issues gradient collectives; the preemption decision at the window's
-    end (:meth:`step_signal`) reuses the signal agreed there, and only communicates itself when no
-    exchange happened in the step (divergence check off, a manual step without backward).
-
-    Every rank must make the same calls in the same order (the front ends do).
+    running ahead of the accelerator as in a raw FSDP2 loop. The divergence check exchanges its
+    flags through :meth:`exchange`; the preemption decision (:meth:`step_signal`) reuses the signal
+    agreed there, and only communicates itself when no exchange happened in the step. Every rank
+    must make the same calls in the same order (the front ends do).
 
     Args:
         group: a host-side group over every training rank (:func:`host_group`); None: the default
@@ -286,12 +272,9 @@ class StepAgreement:
         return dist.is_available() and dist.is_initialized() and dist.get_world_size(self.group) > 1
 
     def exchange(self, flags: Sequence[int] = ()) -> list[int]:
-        """All-reduce (MAX) this rank's signal and ``flags``; return the reduced flags (a collective).
+        """All-reduce (MAX) this rank's signal and ``flags`` (small non-negative integers, as many on every rank).
 
-        Also records the agreed signal for this step's :meth:`step_signal`.
-
-        Args:
-            flags: small non-negative integers, as many on every rank.
+        Returns the reduced flags (a collective); records the agreed signal for this step's :meth:`step_signal`.
         """
         values = [int(self.local_signal()), *flags]
         if self._peers():

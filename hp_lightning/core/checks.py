@@ -1,11 +1,8 @@
 """The checks of option values that the options (:mod:`hp_lightning.core.options`) and the APIs above share.
 
-Each value a user writes once (``HSDPStrategy(param_dtype="bf16")``, ``fully_shard(...,
-mp_policy=build_mp_policy("bf16"))``, a TP plan in YAML, a pipeline schedule name) is checked by
-one function, here, at the bottom of the package: the options validate at construction (before
-any process group exists) without importing the layers that later use the values
-(:mod:`hp_lightning.fully_shard`, :mod:`hp_lightning.parallel`), and those layers re-export these
-names where users have always imported them.
+Each kind of value (a dtype, a TP plan, a pipeline schedule) is checked by one function, here, at the
+bottom of the package: the options validate at construction without importing the layers that later
+use the values (:mod:`hp_lightning.fully_shard`, :mod:`hp_lightning.parallel`), which re-export these names.
 """
 
 from __future__ import annotations
@@ -75,16 +72,7 @@ DTYPE_NAMES: dict[str, torch.dtype] = {
 
 
 def parse_dtype(value: str | torch.dtype | None, *, name: str) -> torch.dtype | None:
-    """Turn ``"bf16"`` / ``torch.bfloat16`` / ``None`` into a ``torch.dtype`` (or None).
-
-    Args:
-        value: a dtype, one of :data:`DTYPE_NAMES`, or None (inherit).
-        name: the option's name, for the error message.
-
-    Raises:
-        TypeError: for anything that is not a string, a dtype or None.
-        ValueError: for an unknown string or a non-floating dtype.
-    """
+    """Turn ``"bf16"`` / ``torch.bfloat16`` / ``None`` (inherit) into a floating ``torch.dtype`` (or None); ``name``: the option, for the error."""
     if value is None:
         return None
     if isinstance(value, torch.dtype):
@@ -109,12 +97,7 @@ REDUCE_OPS = ("avg", "sum")
 
 
 def validate_scaling_factor(factor: Any, owner: str) -> float | None:
-    """Check a gradient scaling factor: a finite number > 0, or None (no scaling).
-
-    Raises:
-        TypeError: for anything but a real number or None (bools included).
-        ValueError: for zero, negative, NaN or infinite factors.
-    """
+    """Check a gradient scaling factor: a finite number > 0 (not a bool), or None (no scaling)."""
     if factor is None:
         return None
     if isinstance(factor, bool) or not isinstance(factor, (int, float)):
@@ -144,12 +127,7 @@ TP_STYLES: dict[str, Callable[[], ParallelStyle]] = {
 }
 
 def validate_tp_plan(plan: Any, owner: str = "HSDPStrategy(tp_plan=...)") -> dict[str, StyleSpec] | None:
-    """Check a plan's form (a mapping of non-empty glob → style name or ParallelStyle), before any process exists.
-
-    Raises:
-        TypeError: not a mapping, or keys/values of the wrong type.
-        ValueError: an unknown style name.
-    """
+    """Check a plan's form (a mapping of non-empty glob → known style name or ParallelStyle), before any process exists."""
     if plan is None:
         return None
     if not isinstance(plan, Mapping):
@@ -244,12 +222,7 @@ SCHEDULES: dict[str, type] = {name: spec.cls for name, spec in SCHEDULE_SPECS.it
 
 
 def check_schedule(schedule: str, pp: int, stages_per_rank: int, microbatches: int) -> None:
-    """Refuse a schedule that cannot run with these sizes (before any process group exists).
-
-    Raises:
-        ValueError: a stage count per rank the schedule does not take, or a micro-batch count
-            it cannot split into rounds (naming the sizes and a fix).
-    """
+    """Refuse a schedule that cannot run with these sizes: stages per rank or micro-batches (before any process group exists)."""
     if pp <= 1:
         return
     spec = SCHEDULE_SPECS[schedule]

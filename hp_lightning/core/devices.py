@@ -43,11 +43,7 @@ VISIBLE_DEVICES_ENV: dict[str, str] = {CUDA: "CUDA_VISIBLE_DEVICES", NPU: "ASCEN
 
 
 def default_backend(device_type: str) -> str:
-    """Return the process-group backend for ``device_type`` (gloo, nccl or hccl).
-
-    Raises:
-        ValueError: for a device type with no known backend.
-    """
+    """The process-group backend for ``device_type`` (gloo, nccl or hccl); a ValueError for an unknown type."""
     try:
         return DEFAULT_BACKENDS[device_type]
     except KeyError:
@@ -60,14 +56,9 @@ def default_backend(device_type: str) -> str:
 def process_group_backend(device_type: str, *, host_collectives: bool = False) -> str:
     """The ``backend`` argument of ``init_process_group`` for ranks on ``device_type``.
 
-    Args:
-        device_type: the ranks' device type.
-        host_collectives: also serve collectives on host tensors (gloo) next to the device's
-            backend, as in ``"cpu:gloo,cuda:nccl"``; needed when state lives on the host (CPU
-            offload). Without it NCCL / HCCL refuse CPU tensors.
-
-    Raises:
-        ValueError: for a device type with no known backend.
+    ``host_collectives``: also serve collectives on host tensors (gloo) next to the device's backend,
+    as in ``"cpu:gloo,cuda:nccl"``; needed when state lives on the host (CPU offload): NCCL / HCCL
+    refuse CPU tensors.
     """
     backend = default_backend(device_type)
     if not host_collectives or not is_accelerator(device_type):
@@ -125,10 +116,8 @@ def import_device_package(device_type: str) -> None:
 def device_module(device_type: str) -> ModuleType | None:
     """Return ``torch.<device_type>`` (``torch.cuda``, ``torch.npu``), or None for the CPU.
 
-    ``torch.npu`` only exists once ``torch_npu`` is imported, so it is imported here on demand.
-
-    Raises:
-        ModuleNotFoundError / ImportError: see :func:`import_device_package`.
+    ``torch.npu`` only exists once ``torch_npu`` is imported, so it is imported here on demand
+    (raising as :func:`import_device_package` does).
     """
     if not is_accelerator(device_type):
         return None

@@ -62,9 +62,7 @@ def total_grad_norm(
     parameters): their norms are combined too, as torchtitan does for PP. ``same_params``: ranks
     holding the same parameters (data-parallel): their plain-gradient norms are averaged, so
     that ignored parameters do not give each rank its own norm (one scalar all-reduce).
-
-    Raises:
-        RuntimeError: with ``error_if_nonfinite=True`` when the norm is NaN or infinite.
+    ``error_if_nonfinite``: a RuntimeError when the norm is NaN or infinite.
     """
     norm_type = float(norm_type)
     grads = _grads(parameters, counted_once=True)
@@ -77,20 +75,15 @@ def total_grad_norm(
         partial_norms.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).float())
     if plain or same_params is not None:
         norm = torch.nn.utils.get_total_norm(plain, norm_type=norm_type, foreach=None).float() if plain else torch.zeros(())
-        if same_params is not None:  # after the shards' collectives, on every rank, with or without plain gradients
-            norm = _averaged(norm, norm_type, same_params)
+        if same_params is not None and dist.get_world_size(same_params) > 1:  # after the shards' collectives, on every rank
+            norm = _combined(norm, norm_type, same_params, mean=True)
         partial_norms.append(norm)
     partial_norms = partial_norms or [torch.zeros(())]  # a stage without gradients still joins `across`
     device = partial_norms[0].device
     stacked = torch.stack([n.to(device) for n in partial_norms])
     total = stacked.max() if math.isinf(norm_type) else torch.linalg.vector_norm(stacked, norm_type)
     if across is not None:
-        if math.isinf(norm_type):
-            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=across)
-        else:
-            total = total**norm_type
-            dist.all_reduce(total, group=across)
-            total = total ** (1.0 / norm_type)
+        total = _combined(total, norm_type, across)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(
             f"The total norm of order {norm_type} of the gradients is non-finite ({total.item()}), so they "
@@ -100,16 +93,14 @@ def total_grad_norm(
     return total
 
 
-def _averaged(norm: torch.Tensor, norm_type: float, group: dist.ProcessGroup) -> torch.Tensor:
-    """The mean over ``group`` of ``norm``'s ``norm_type``-th power, as a norm again (the max for inf)."""
-    if dist.get_world_size(group) == 1:
-        return norm
+def _combined(norm: torch.Tensor, norm_type: float, group: dist.ProcessGroup, mean: bool = False) -> torch.Tensor:
+    """The sum (``mean``: the mean) over ``group`` of ``norm``'s ``norm_type``-th power, as a norm again (the max for inf)."""
     if math.isinf(norm_type):
         dist.all_reduce(norm, op=dist.ReduceOp.MAX, group=group)
         return norm
     powered = norm**norm_type
     dist.all_reduce(powered, group=group)  # a sum: gloo has no average
-    return (powered / dist.get_world_size(group)) ** (1.0 / norm_type)
+    return (powered / dist.get_world_size(group) if mean else powered) ** (1.0 / norm_type)
 
 
 def clip_grad_norm_(

@@ -107,9 +107,7 @@ class StageReport:
     covers only the units of the reporting rank's own stage, sharded.
 
     Attributes:
-        index: the stage's index among ``P x V``.
         pipeline_rank: the pipeline rank that runs it (loop or V placement with virtual stages).
-        param_bytes: bytes of its parameters, each counted once.
         units: its units that hold state, in model order.
         everywhere: its units with nothing in their ``state_dict`` (a loss, rotary tables), which the
             cut leaves on every stage.
@@ -212,7 +210,6 @@ def summarize(
     """The per-unit report of a sharded model. A collective: every rank must call it.
 
     Args:
-        root: the sharded root.
         units: the sharding units, root first (see :func:`units_in_order`).
         mesh: the data-parallel mesh.
         unsharded_names: replicate / ignored parameter names (listed apart, with their bytes).
@@ -225,40 +222,26 @@ def summarize(
     partial: list[dict[str, Any]] = []
     trainable_share: list[float] = []  # per unit: the trainable parameters' share of its elements
     for unit in units:
-        tensors = elements = local = frozen = trainable = trainable_elements = 0
-        placements: set[str] = set()
-        compute: set[str] = set()
-        reduce: set[str] = set()
-        offload = False
-        for param, mp_policy, offload_policy in managed_params(unit):
-            offload = offload or isinstance(offload_policy, CPUOffloadPolicy)
-            shard = param.to_local()
-            tensors += 1
-            elements += param.numel()
-            local += shard.numel() * shard.element_size()
-            placements.add(_placements(param))
-            frozen += not param.requires_grad
-            trainable += bool(param.requires_grad)
-            trainable_elements += param.numel() if param.requires_grad else 0
-            compute_dtype = mp_policy.param_dtype or param.dtype
-            compute.add(_dtype(compute_dtype))
-            reduce.add(_dtype(mp_policy.reduce_dtype or compute_dtype))
+        managed = managed_params(unit)  # (sharded parameter, mp_policy, offload_policy)
+        params = [param for param, _, _ in managed]
+        trainable = [param for param in params if param.requires_grad]
+        elements = sum(param.numel() for param in params)
         partial.append(dict(
             name=names.get(id(unit), type(unit).__name__),
-            tensors=tensors,
+            tensors=len(params),
             elements=elements,
-            local_bytes=local,
-            placements=" | ".join(sorted(placements)) or "-",
-            compute_dtype="/".join(sorted(compute)) or "-",
-            reduce_dtype="/".join(sorted(reduce)) or "-",
-            offload=offload,
+            local_bytes=sum(shard.numel() * shard.element_size() for shard in (param.to_local() for param in params)),
+            placements=" | ".join(sorted({_placements(param) for param in params})) or "-",
+            compute_dtype="/".join(sorted({_dtype(mp.param_dtype or param.dtype) for param, mp, _ in managed})) or "-",
+            reduce_dtype="/".join(sorted({_dtype(mp.reduce_dtype or mp.param_dtype or param.dtype) for param, mp, _ in managed})) or "-",
+            offload=any(isinstance(offload, CPUOffloadPolicy) for _, _, offload in managed),
             reshard_after_forward=reshards_after_forward(unit),
             forward_prefetch=tuple(dict.fromkeys(names.get(id(m), "?") for m in prefetch_targets(unit, "forward"))),
             backward_prefetch=tuple(dict.fromkeys(names.get(id(m), "?") for m in prefetch_targets(unit, "backward"))),
-            frozen=frozen,
-            trainable=trainable,
+            frozen=len(params) - len(trainable),
+            trainable=len(trainable),
         ))
-        trainable_share.append(trainable_elements / elements if elements else 0.0)
+        trainable_share.append(sum(param.numel() for param in trainable) / elements if elements else 0.0)
     lows, highs = _min_max_over_ranks([p["local_bytes"] for p in partial], device, group)
     rows = [UnitReport(min_bytes=lo, max_bytes=hi, **p) for p, lo, hi in zip(partial, lows, highs)]
 

@@ -21,6 +21,7 @@ data-parallel mesh of its own, and only activations cross between stages.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -68,10 +69,6 @@ def validate_mesh_shape(mesh_shape: Sequence[int] | None) -> tuple[int, ...] | N
 
     Accepts None (automatic HSDP ``(num_nodes, devices_per_node)``), ``(N,)`` (FSDP) or ``(R, S)``
     (HSDP), where at most one size may be -1 (inferred from the world size).
-
-    Raises:
-        TypeError: when it is not a list/tuple of ints.
-        ValueError: for 0-D or >2-D shapes, sizes < 1 other than -1, or more than one -1.
     """
     if mesh_shape is None:
         return None
@@ -102,30 +99,21 @@ def validate_mesh_shape(mesh_shape: Sequence[int] | None) -> tuple[int, ...] | N
 def resolve_mesh_shape(
     mesh_shape: Sequence[int] | None, *, world_size: int, num_nodes: int, devices_per_node: int
 ) -> tuple[int, ...]:
-    """Turn a validated ``mesh_shape`` into concrete sizes whose product is the world size.
-
-    Raises:
-        ValueError: when the sizes cannot multiply to ``world_size``.
-    """
+    """Turn a validated ``mesh_shape`` into concrete sizes whose product is the world size (else a ValueError)."""
     shape = validate_mesh_shape(mesh_shape)
     if shape is None:
         shape = (num_nodes, devices_per_node)
     if INFER in shape:
-        known = 1
-        for size in shape:
-            if size != INFER:
-                known *= size
+        known = math.prod(size for size in shape if size != INFER)
         if world_size % known:
             raise ValueError(
                 f"mesh_shape {list(shape)} cannot cover world size {world_size}: {known} does not divide it. "
                 f"Choose sizes whose product is {world_size}."
             )
         shape = tuple(world_size // known if size == INFER else size for size in shape)
-    product = 1
-    for size in shape:
-        product *= size
+    product = math.prod(shape)
     if product != world_size:
-        names = " x ".join(HSDP_DIM_NAMES if len(shape) == 2 else FSDP_DIM_NAMES)
+        names = " x ".join(dim_names_for(shape))
         raise ValueError(
             f"mesh_shape {list(shape)} needs {names} == world size {world_size}; got {product}. "
             f"Use sizes that multiply to {world_size} (for example [{num_nodes}, {world_size // max(num_nodes, 1)}]), "
@@ -143,20 +131,12 @@ def default_device_type() -> str:
     return devices.current_accelerator_type()
 
 
-def build_device_mesh(device_type: str, shape: Sequence[int]) -> DeviceMesh:
-    """Create the data-parallel mesh over the default process group (a collective call).
-
-    Raises:
-        ValueError: when the shape does not match the initialized world size.
-    """
+def build_device_mesh(device_type: str, shape: Sequence[int], names: Sequence[str] | None = None) -> DeviceMesh:
+    """Create a mesh over the default process group (a collective call); ``names`` default to the data-parallel dims'."""
     shape = tuple(shape)
-    world = dist.get_world_size()
-    product = 1
-    for size in shape:
-        product *= size
-    if product != world:
-        raise ValueError(f"A mesh of shape {list(shape)} needs world size {product}; the process group has {world}.")
-    return _torch_init_device_mesh(device_type, shape, mesh_dim_names=dim_names_for(shape))
+    if math.prod(shape) != dist.get_world_size():
+        raise ValueError(f"A mesh of shape {list(shape)} needs world size {math.prod(shape)}; the process group has {dist.get_world_size()}.")
+    return _torch_init_device_mesh(device_type, shape, mesh_dim_names=tuple(names or dim_names_for(shape)))
 
 
 def init_device_mesh(
@@ -225,10 +205,7 @@ class MeshLayout:
 
     @property
     def dp_size(self) -> int:
-        size = 1
-        for s in self.dp:
-            size *= s
-        return size
+        return math.prod(self.dp)
 
     @property
     def world_size(self) -> int:
@@ -242,9 +219,7 @@ class MeshLayout:
     @property
     def dp_names(self) -> tuple[str, ...]:
         """The root mesh's data-parallel dims (what FSDP shards over)."""
-        if self.lightning_names:
-            return (LIGHTNING_DP_DIM,)
-        return HSDP_DIM_NAMES if len(self.dp) == 2 else FSDP_DIM_NAMES
+        return (LIGHTNING_DP_DIM,) if self.lightning_names else dim_names_for(self.dp)
 
     @property
     def tp_name(self) -> str:
@@ -289,11 +264,6 @@ def resolve_layout(
     ``mesh_shape`` describes the data-parallel dims only: their product is the world size divided
     by ``tensor_parallel_size`` and ``pipeline_parallel_size``; None is HSDP
     ``(num_nodes, devices_per_node / tp)`` (FSDP over ``world / pp`` ranks under PP).
-
-    Raises:
-        ValueError: TP that does not divide the world (or a node's devices, by default), PP that does
-            not divide the world, data-parallel sizes that do not cover the rest, or EP that does
-            not divide the shard dim.
     """
     tp, ep, pp = validate_parallel_sizes(tensor_parallel_size, expert_parallel_size, pipeline_parallel_size)
     if data_parallel_size is not None:
@@ -330,11 +300,7 @@ def resolve_layout(
 
 
 def _lightning_layout(data_parallel_size: int | str, tp: int, world_size: int) -> MeshLayout:
-    """Lightning ``ModelParallelStrategy``'s ``(data_parallel, tensor_parallel)`` mesh for this world.
-
-    Raises:
-        ValueError: when ``data_parallel_size x tensor_parallel_size`` is not the world size.
-    """
+    """Lightning ``ModelParallelStrategy``'s ``(data_parallel, tensor_parallel)`` mesh for this world."""
     dp = world_size // tp if data_parallel_size == "auto" else data_parallel_size
     if not isinstance(dp, int) or dp * tp != world_size:
         raise ValueError(
@@ -350,9 +316,7 @@ def _lightning_layout(data_parallel_size: int | str, tp: int, world_size: int) -
 def check_data_parallel_size(value: object, *, mesh_shape: object, expert_parallel_size: int, pipeline_parallel_size: int) -> int | str | None:
     """Check ``data_parallel_size`` (Lightning ``ModelParallelStrategy``'s argument) before any process exists.
 
-    Raises:
-        TypeError: anything but None, ``"auto"`` or an int >= 1.
-        ValueError: a size below 1, or together with ``mesh_shape``, EP or PP (Lightning's 2-D mesh has neither).
+    Lightning's 2-D mesh has no ``mesh_shape``, EP or PP: together with any of them it is an error.
     """
     if value is None:
         return None
@@ -383,14 +347,8 @@ def check_data_parallel_size(value: object, *, mesh_shape: object, expert_parall
 
 
 def _check_composed_product(shape: tuple[int, ...], *, world_size: int, tp: int, ep: int, pp: int) -> None:
-    """Check ``prod(mesh_shape) x tp x pp == world`` (EP lies inside the shard dim), naming every size.
-
-    Raises:
-        ValueError: with the numbers and both ways out: resize ``mesh_shape`` or the parallel sizes.
-    """
-    known = 1
-    for size in shape:
-        known *= size if size != INFER else 1
+    """Check ``prod(mesh_shape) x tp x pp == world`` (EP lies inside the shard dim); the error names both ways out."""
+    known = math.prod(size for size in shape if size != INFER)
     infers = INFER in shape
     if world_size % (tp * pp):
         raise ValueError(
@@ -417,10 +375,7 @@ def _check_composed_product(shape: tuple[int, ...], *, world_size: int, tp: int,
 
 @dataclass(frozen=True, eq=False)
 class ParallelMesh:
-    """The root mesh and the sub-meshes each technique runs on.
-
-    Without TP/EP the root *is* the data-parallel mesh (1-D or 2-D), exactly as before.
-    """
+    """The root mesh and the sub-meshes each technique runs on (without TP/EP/PP the root *is* the data-parallel mesh)."""
 
     world: DeviceMesh
     layout: MeshLayout
@@ -489,10 +444,7 @@ def build_parallel_mesh(device_type: str, layout: MeshLayout) -> ParallelMesh:
     """Create the root mesh for ``layout`` (a collective call) and its sub-meshes."""
     if not layout.composed:
         return ParallelMesh(build_device_mesh(device_type, layout.dp), layout)
-    if layout.world_size != dist.get_world_size():
-        raise ValueError(f"A mesh of shape {list(layout.shape)} needs world size {layout.world_size}; the process group has {dist.get_world_size()}.")
-    world = _torch_init_device_mesh(device_type, layout.shape, mesh_dim_names=layout.names)
-    mesh = ParallelMesh(world, layout)
+    mesh = ParallelMesh(build_device_mesh(device_type, layout.shape, layout.names), layout)
     mesh.dp  # noqa: B018 - flattened dims are created on every rank together, here
     if layout.tp > 1 or layout.pp > 1:
         mesh.dp_group  # noqa: B018

@@ -35,14 +35,9 @@ PRECISION_ALIASES: dict[Any, str] = {"32": "32-true", 32: "32-true", "bf16": "bf
 
 
 def normalize_precision(value: Any, front_end: str = "Trainer") -> str:
-    """Return the canonical flag for ``value`` or raise a ValueError that lists the choices.
+    """Return the canonical flag for ``value`` (``"bf16-mixed"``, ``"32"``, ``32``, ...) or raise a ValueError that lists the choices.
 
-    Args:
-        value: a precision flag as the user wrote it (``"bf16-mixed"``, ``"32"``, ``32``, ...).
-        front_end: ``"Trainer"`` or ``"Fabric"``: the call the error message tells the user to fix.
-
-    Raises:
-        ValueError: for any flag not in :data:`SUPPORTED_PRECISION` (or an alias of one).
+    ``front_end``: ``"Trainer"`` or ``"Fabric"``, the call the error message tells the user to fix.
     """
     flag = PRECISION_ALIASES.get(value, value)
     if flag not in SUPPORTED_PRECISION:

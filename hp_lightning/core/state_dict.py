@@ -118,11 +118,7 @@ def check_model_keys(
 
 
 def optimizer_param_names(model: nn.Module, optimizer: Optimizer) -> list[list[str]]:
-    """Parameter names of each of the optimizer's param groups, in the optimizer's order.
-
-    Raises:
-        ValueError: for an optimizer parameter that is not a parameter of ``model``.
-    """
+    """Parameter names of each of the optimizer's param groups, in the optimizer's order (each must be ``model``'s)."""
     names = {id(p): n for n, p in model.named_parameters()}  # a tied parameter by its first name, as torch's state-dict API
     groups = []
     for index, group in enumerate(optimizer.param_groups):
@@ -147,10 +143,7 @@ def positions_to_names(optimizer_state: Mapping[str, Any], names: list[list[str]
     """Re-key a native ``optimizer.state_dict()`` (integer ids) by parameter name, matching by position.
 
     Plain PyTorch and single-device Lightning checkpoints number parameters in the optimizer's
-    order; the same order in this run's optimizer gives each number its name.
-
-    Raises:
-        ValueError: when the param groups differ in number or size.
+    order; the same order in this run's optimizer (param groups of the same sizes) gives each number its name.
     """
     groups = optimizer_state.get("param_groups", [])
     sizes = [len(g.get("params", [])) for g in groups]
@@ -185,11 +178,7 @@ def check_optimizer_state(
     Args:
         expected: this run's optimizer state dict (initialized, keyed by name).
         stored_state_keys: per parameter name, the entries the checkpoint holds (``exp_avg`` ...).
-        stored_groups: number of param groups in the checkpoint.
-
-    Raises:
-        ValueError: a different number of param groups, or state entries this optimizer needs
-            that the checkpoint lacks (another optimizer class saved it).
+        stored_groups: number of param groups in the checkpoint (it must be this optimizer's).
     """
     groups = len(expected["param_groups"])
     if stored_groups != groups:
