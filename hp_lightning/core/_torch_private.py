@@ -268,10 +268,8 @@ def missing_private_names(names: Sequence[PrivateName] = _PRIVATE_NAMES) -> list
 
     Class-level names are looked up attribute by attribute from their module; a ``per_instance``
     name's class (the first attribute of its path) from its module, the rest on a real instance of
-    that class (:func:`_instances`, built on a fake process group).
-
-    Raises:
-        RuntimeError: when per-instance names are checked in a process that has a process group.
+    that class (:func:`_instances`, built on a fake process group: a RuntimeError in a process
+    that has a process group).
     """
     missing: list[str] = []
     instances: Optional[list[Any]] = None
@@ -335,10 +333,8 @@ def wrap_as_forward(root: nn.Module, method_name: str) -> None:
     post-forward leaves the root's group idle and the outer one then reshards it, although the
     root keeps its parameters after forward, so backward would all-gather the root (embeddings,
     head) a second time every micro-batch. Re-entering the forward state before the outer
-    post-forward keeps one all-gather per micro-batch.
-
-    Raises:
-        MissingPrivateNameError: this torch lacks a name it needs (said here, at wrapping, not mid-step).
+    post-forward keeps one all-gather per micro-batch. A missing private name is said here, at
+    wrapping, not mid-step.
     """
     idle, forward = _private(f"{_FSDP}._fsdp_common", "TrainingState.IDLE"), _private(f"{_FSDP}._fsdp_common", "TrainingState.FORWARD")
     state = fsdp_state(root)

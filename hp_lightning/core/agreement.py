@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
+import itertools
 import json
 import math
 import sys
@@ -56,24 +57,14 @@ def _plain(value: Any) -> str:
 
 def _rank_ranges(ranks: Sequence[int]) -> str:
     """``[0, 1, 2, 5]`` → ``"ranks 0-2, 5"``."""
-    parts, start = [], None
-    ranks = sorted(ranks)
-    for i, r in enumerate(ranks):
-        if start is None:
-            start = r
-        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
-            parts.append(str(start) if start == r else f"{start}-{r}")
-            start = None
+    runs = [[r for _, r in run] for _, run in itertools.groupby(enumerate(sorted(ranks)), lambda ir: ir[1] - ir[0])]
+    parts = [str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}" for run in runs]
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(parts)
 
 
-def disagreement_message(
-    settings_per_rank: Sequence[Mapping[str, str]], stage: str, ranks: Optional[Sequence[int]] = None
-) -> Optional[str]:
+def disagreement_message(settings_per_rank: Sequence[Mapping[str, str]], stage: str, ranks: Optional[Sequence[int]] = None) -> Optional[str]:
     """The error text for settings that differ between ranks (``ranks``: their global ranks), or None when all agree."""
-    names: list[str] = []
-    for settings in settings_per_rank:
-        names += [n for n in settings if n not in names]
+    names = list(dict.fromkeys(name for settings in settings_per_rank for name in settings))
     lines = []
     differing = []
     for name in names:
@@ -122,30 +113,18 @@ def check_rank_agreement(settings: Mapping[str, Any], *, stage: str, group: Opti
     everyone: list[Any] = [None] * size
     dist.all_gather_object(everyone, mine, group=group)
     ranks = None if group is None else [dist.get_global_rank(group, i) for i in range(size)]
-    message = disagreement_message(everyone, stage, ranks)
-    if message is not None:
+    if (message := disagreement_message(everyone, stage, ranks)) is not None:
         raise RankDisagreementError(message)
 
 
 #: Trainer attributes that change which collectives run when (a difference hangs or desyncs ranks).
 TRAINER_LOOP_SETTINGS = (
-    "max_epochs",
-    "max_steps",
-    "min_steps",
-    "accumulate_grad_batches",
-    "gradient_clip_val",
-    "gradient_clip_algorithm",
-    "limit_train_batches",
-    "limit_val_batches",
-    "val_check_interval",
-    "check_val_every_n_epoch",
-    "num_sanity_val_steps",
+    "max_epochs", "max_steps", "min_steps", "accumulate_grad_batches", "gradient_clip_val", "gradient_clip_algorithm",
+    "limit_train_batches", "limit_val_batches", "val_check_interval", "check_val_every_n_epoch", "num_sanity_val_steps",
 )
 
 
-def setup_settings(
-    options: Mapping[str, Any], precision: Optional[str], trainer: Any, mesh_shape: Sequence[int]
-) -> dict[str, Any]:
+def setup_settings(options: Mapping[str, Any], precision: Optional[str], trainer: Any, mesh_shape: Sequence[int]) -> dict[str, Any]:
     """What must agree before the device mesh is built: versions, mesh, options, precision, paths, loops.
 
     Args:
@@ -158,9 +137,9 @@ def setup_settings(
         "torch version": str(torch.__version__),
         "lightning version": _installed_version("lightning"),
         "mesh shape": tuple(mesh_shape),
+        **options,
+        "precision": precision,
     }
-    settings.update(options)
-    settings["precision"] = precision
     if trainer is not None:
         # (The checkpoint to resume is compared later, when Lightning knows it: resume_settings.)
         dirpaths = [cb.dirpath for cb in getattr(trainer, "checkpoint_callbacks", []) if hasattr(cb, "dirpath")]

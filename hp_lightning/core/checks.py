@@ -25,23 +25,6 @@ from torch.distributed.pipelining import (
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
-__all__ = [
-    "AUTO",
-    "DTYPE_NAMES",
-    "REDUCE_OPS",
-    "SCHEDULES",
-    "SCHEDULE_SPECS",
-    "TP_STYLES",
-    "ArgumentTypeError",
-    "ScheduleSpec",
-    "StyleSpec",
-    "check_schedule",
-    "parse_dtype",
-    "validate_scaling_factor",
-    "validate_split_points",
-    "validate_tp_plan",
-]
-
 
 class ArgumentTypeError(TypeError, ValueError):
     """An argument of the wrong type: a ``TypeError`` that ``except ValueError`` also catches.
@@ -57,17 +40,10 @@ class ArgumentTypeError(TypeError, ValueError):
 
 #: Accepted spellings of the floating dtypes FSDP computes or reduces in.
 DTYPE_NAMES: dict[str, torch.dtype] = {
-    "bf16": torch.bfloat16,
-    "bfloat16": torch.bfloat16,
-    "fp16": torch.float16,
-    "float16": torch.float16,
-    "half": torch.float16,
-    "fp32": torch.float32,
-    "float32": torch.float32,
-    "float": torch.float32,
-    "32": torch.float32,
-    "fp64": torch.float64,
-    "float64": torch.float64,
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
+    "fp32": torch.float32, "float32": torch.float32, "float": torch.float32, "32": torch.float32,
+    "fp64": torch.float64, "float64": torch.float64,
 }
 
 
@@ -194,7 +170,6 @@ class ScheduleSpec:
     """What a schedule needs: torch's class, whether it takes a list of stages, their placement.
 
     Attributes:
-        cls: torch's schedule class.
         multi: the class takes a list of this rank's stages (``PipelineScheduleMulti``).
         style: ``"loop"`` or ``"v"`` (see the module docstring).
         stages_per_rank: the ``pipeline_stages_per_rank`` values it runs with (None: any >= 1).

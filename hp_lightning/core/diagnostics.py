@@ -39,29 +39,17 @@ from hp_lightning.core._torch_private import resolve_process_group
 #: Communication op (an op overload's ``name()``) -> the kind it is counted as. ``c10d`` ops are
 #: the ``torch.distributed`` calls; ``_c10d_functional`` ops are DTensor's.
 KINDS: dict[str, str] = {
-    "c10d::allgather_": "all_gather",
-    "c10d::_allgather_base_": "all_gather",
-    "c10d::allgather_into_tensor_coalesced_": "all_gather",
-    "c10d::reduce_scatter_": "reduce_scatter",
-    "c10d::_reduce_scatter_base_": "reduce_scatter",
-    "c10d::reduce_scatter_tensor_coalesced_": "reduce_scatter",
-    "c10d::allreduce_": "all_reduce",
-    "c10d::allreduce_coalesced_": "all_reduce",
+    "c10d::allgather_": "all_gather", "c10d::_allgather_base_": "all_gather", "c10d::allgather_into_tensor_coalesced_": "all_gather",
+    "c10d::reduce_scatter_": "reduce_scatter", "c10d::_reduce_scatter_base_": "reduce_scatter", "c10d::reduce_scatter_tensor_coalesced_": "reduce_scatter",
+    "c10d::allreduce_": "all_reduce", "c10d::allreduce_coalesced_": "all_reduce",
     "c10d::broadcast_": "broadcast",
-    "c10d::alltoall_": "all_to_all",
-    "c10d::alltoall_base_": "all_to_all",
-    "c10d::send": "send",
-    "c10d::recv_": "recv",
-    "_c10d_functional::all_reduce": "all_reduce",
-    "_c10d_functional::all_reduce_": "all_reduce",
-    "_c10d_functional::all_reduce_coalesced": "all_reduce",
-    "_c10d_functional::all_gather_into_tensor": "all_gather",
-    "_c10d_functional::all_gather_into_tensor_coalesced": "all_gather",
-    "_c10d_functional::reduce_scatter_tensor": "reduce_scatter",
-    "_c10d_functional::reduce_scatter_tensor_coalesced": "reduce_scatter",
+    "c10d::alltoall_": "all_to_all", "c10d::alltoall_base_": "all_to_all",
+    "c10d::send": "send", "c10d::recv_": "recv",
+    "_c10d_functional::all_reduce": "all_reduce", "_c10d_functional::all_reduce_": "all_reduce", "_c10d_functional::all_reduce_coalesced": "all_reduce",
+    "_c10d_functional::all_gather_into_tensor": "all_gather", "_c10d_functional::all_gather_into_tensor_coalesced": "all_gather",
+    "_c10d_functional::reduce_scatter_tensor": "reduce_scatter", "_c10d_functional::reduce_scatter_tensor_coalesced": "reduce_scatter",
     "_c10d_functional::all_to_all_single": "all_to_all",
-    "_c10d_functional::broadcast": "broadcast",
-    "_c10d_functional::broadcast_": "broadcast",
+    "_c10d_functional::broadcast": "broadcast", "_c10d_functional::broadcast_": "broadcast",
 }
 
 #: The object collectives: the tensor collectives they pickle through are theirs, not calls of the user's.
@@ -123,13 +111,8 @@ class CollectiveCounter(CommDebugMode):
         if kind is not None and not _inside(_OBJECT_COLLECTIVES):
             self.comm_counts[func.overloadpacket] += 1
             tensor = _largest_tensor(args)
-            call = CollectiveCall(
-                kind,
-                _ranks(kind, args),
-                0 if tensor is None else tensor.numel() * tensor.element_size(),
-                None if tensor is None else tensor.dtype,
-                self.bucket,
-            )
+            size = 0 if tensor is None else tensor.numel() * tensor.element_size()
+            call = CollectiveCall(kind, _ranks(kind, args), size, None if tensor is None else tensor.dtype, self.bucket)
             self.calls.append(call)
             for listener in self.listeners:
                 listener(call)
@@ -228,11 +211,9 @@ class HostReads(TorchFunctionMode):
     hp_lightning's line); reads whose caller is elsewhere (Lightning, the user, an optimizer
     Lightning steps) are not recorded. On CPU these reads cost nothing, but the same lines on an
     accelerator each wait for the device: this is the way to find them without one.
-
-    Args:
-        package: the folder whose code is counted (default: hp_lightning's).
     """
 
+    #: The folder whose code is counted (default: hp_lightning's).
     package: str = _PACKAGE
     #: (kind, "path/relative/to/package/parent:line") per read, in order.
     reads: list[tuple[str, str]] = field(default_factory=list)
@@ -298,17 +279,15 @@ def heap_reader() -> Callable[[], int] | None:
     return read
 
 
-def _rss_reader() -> Callable[[], int]:
-    page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
-    def read() -> int:
-        try:
-            with open("/proc/self/statm", "rb") as f:
-                return int(f.read().split()[1]) * page
-        except (OSError, IndexError, ValueError):
-            return 0
 
-    return read
+def _rss() -> int:
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * _PAGE
+    except (OSError, IndexError, ValueError):
+        return 0
 
 
 def release_freed_memory() -> None:
@@ -330,18 +309,12 @@ class HeapSampler:
     communication threads, which ``torch.profiler``'s per-thread trace misses; the price is that
     a peak shorter than the interval can be missed. Samples are ``(time.time_ns(), heap, rss)``;
     ``rss=False`` skips reading ``/proc/self/statm`` (a file read per sample) and records 0.
-
-    Example::
-
-        with HeapSampler() as heap:
-            start = time.time_ns(); train_step(); heap.sample()
-        heap.heap_peak(start, time.time_ns())
     """
 
     def __init__(self, interval_s: float = 0.0005, *, rss: bool = True) -> None:
         self.interval_s = interval_s
         self.read_heap = heap_reader()
-        self.read_rss = _rss_reader() if rss else (lambda: 0)
+        self.read_rss = _rss if rss else (lambda: 0)
         self.samples: list[tuple[int, int, int]] = []
         self.heap_before = 0
         self.rss_before = 0

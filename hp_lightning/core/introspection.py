@@ -29,13 +29,11 @@ def unit_names(root: nn.Module) -> dict[int, str]:
     """
     names = {id(m): (name or "<root>") for name, m in root.named_modules()}
     by_state: dict[int, list[nn.Module]] = {}
-    for module in root.modules():
-        if isinstance(module, FSDPModule):
-            by_state.setdefault(id(fsdp_state(module)), []).append(module)
+    for module in sharding_units(root):
+        by_state.setdefault(id(fsdp_state(module)), []).append(module)
     for members in by_state.values():
-        if len(members) > 1:
-            joined = "+".join(names[id(m)] for m in members)
-            names.update({id(m): joined for m in members})
+        joined = "+".join(names[id(m)] for m in members)
+        names.update({id(m): joined for m in members})
     return names
 
 
@@ -155,16 +153,8 @@ class ShardingSummary:
         rows = [head]
         for u in self.units:
             rows.append((
-                u.name,
-                str(u.tensors),
-                f"{u.elements:,}",
-                f"{u.local_bytes:,}",
-                f"{u.min_bytes:,}..{u.max_bytes:,}",
-                u.placements,
-                u.compute_dtype,
-                u.reduce_dtype,
-                devices.CPU if u.offload else "-",
-                "yes" if u.reshard_after_forward else "no",
+                u.name, str(u.tensors), f"{u.elements:,}", f"{u.local_bytes:,}", f"{u.min_bytes:,}..{u.max_bytes:,}",
+                u.placements, u.compute_dtype, u.reduce_dtype, devices.CPU if u.offload else "-", "yes" if u.reshard_after_forward else "no",
                 f"{','.join(u.forward_prefetch) or '-'} / {','.join(u.backward_prefetch) or '-'}",
             ))
         widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
@@ -260,8 +250,7 @@ def summarize(
                 f"unit of their own (shard_modules) so their gathers can be tuned apart, or keep them whole with "
                 f"ignored_params if they are small."
             )
-    shard_size = mesh.shape[-1]
-    if shard_size == 1:
+    if mesh.shape[-1] == 1:
         warnings.append(
             f"{describe(mesh)} shards nothing: its shard axis has size 1, so every rank holds the whole "
             f"model and FSDP only adds overhead. Use mesh_shape=[R, S] with S > 1 (e.g. S = devices per node)."
@@ -284,20 +273,10 @@ def live_gradient_bytes(model: nn.Module) -> int:
     once, by its full size (views into one flat buffer share it).
     """
     seen: dict[tuple[str, int], int] = {}
-
-    def add(tensor: Optional[torch.Tensor]) -> None:
-        if tensor is None:
-            return
-        if isinstance(tensor, DTensor):
-            tensor = tensor.to_local()
-        storage = tensor.untyped_storage()
-        if storage.nbytes() == 0:
-            return
-        seen[(str(tensor.device), storage.data_ptr())] = storage.nbytes()
-
-    for param in model.parameters():
-        add(param.grad)
-    for unit in sharding_units(model):
-        for tensor in held_gradients(unit):
-            add(tensor)
+    grads = [param.grad for param in model.parameters() if param.grad is not None]
+    for tensor in [*grads, *(held for unit in sharding_units(model) for held in held_gradients(unit))]:
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        storage = local.untyped_storage()
+        if storage.nbytes():
+            seen[(str(local.device), storage.data_ptr())] = storage.nbytes()
     return sum(seen.values())

@@ -96,9 +96,7 @@ def validate_mesh_shape(mesh_shape: Sequence[int] | None) -> tuple[int, ...] | N
     return shape
 
 
-def resolve_mesh_shape(
-    mesh_shape: Sequence[int] | None, *, world_size: int, num_nodes: int, devices_per_node: int
-) -> tuple[int, ...]:
+def resolve_mesh_shape(mesh_shape: Sequence[int] | None, *, world_size: int, num_nodes: int, devices_per_node: int) -> tuple[int, ...]:
     """Turn a validated ``mesh_shape`` into concrete sizes whose product is the world size (else a ValueError)."""
     shape = validate_mesh_shape(mesh_shape)
     if shape is None:
@@ -139,12 +137,7 @@ def build_device_mesh(device_type: str, shape: Sequence[int], names: Sequence[st
     return _torch_init_device_mesh(device_type, shape, mesh_dim_names=tuple(names or dim_names_for(shape)))
 
 
-def init_device_mesh(
-    device_type: str | None = None,
-    mesh_shape: Sequence[int] = (),
-    *,
-    mesh_dim_names: Sequence[str] | None = None,
-) -> DeviceMesh:
+def init_device_mesh(device_type: str | None = None, mesh_shape: Sequence[int] = (), *, mesh_dim_names: Sequence[str] | None = None) -> DeviceMesh:
     """The seed's ``init_device_mesh(device_type, mesh_shape, mesh_dim_names=...)``.
 
     ``device_type=None`` picks the current accelerator (or the CPU); names default to
@@ -222,10 +215,6 @@ class MeshLayout:
         return (LIGHTNING_DP_DIM,) if self.lightning_names else dim_names_for(self.dp)
 
     @property
-    def tp_name(self) -> str:
-        return LIGHTNING_TP_DIM if self.lightning_names else TP_DIM
-
-    @property
     def names(self) -> tuple[str, ...]:
         """Dim names of the root mesh, outermost first."""
         if self.lightning_names:
@@ -268,16 +257,12 @@ def resolve_layout(
     tp, ep, pp = validate_parallel_sizes(tensor_parallel_size, expert_parallel_size, pipeline_parallel_size)
     if data_parallel_size is not None:
         return _lightning_layout(data_parallel_size, tp, world_size)
-    if world_size % tp:
-        raise ValueError(
-            f"tensor_parallel_size={tp} does not divide the world size {world_size} ({num_nodes} node(s) x "
-            f"{devices_per_node} device(s)). Choose a TP size that divides the devices per node, e.g. 2."
-        )
-    if world_size % pp:
-        raise ValueError(
-            f"pipeline_parallel_size={pp} does not divide the world size {world_size} ({num_nodes} node(s) x "
-            f"{devices_per_node} device(s)). Choose a number of stages that divides it, e.g. 2."
-        )
+    for name, size, choice in (("tensor_parallel_size", tp, "a TP size that divides the devices per node"), ("pipeline_parallel_size", pp, "a number of stages that divides it")):
+        if world_size % size:
+            raise ValueError(
+                f"{name}={size} does not divide the world size {world_size} ({num_nodes} node(s) x "
+                f"{devices_per_node} device(s)). Choose {choice}, e.g. 2."
+            )
     dp_world = world_size // tp // pp
     if mesh_shape is not None and (tp > 1 or pp > 1):
         _check_composed_product(validate_mesh_shape(mesh_shape), world_size=world_size, tp=tp, ep=ep, pp=pp)
@@ -306,8 +291,7 @@ def _lightning_layout(data_parallel_size: int | str, tp: int, world_size: int) -
         raise ValueError(
             f"HSDPStrategy(data_parallel_size={data_parallel_size!r}, tensor_parallel_size={tp}) needs "
             f"data_parallel_size x tensor_parallel_size == world size {world_size}"
-            + ("" if world_size % tp else f"; set data_parallel_size={world_size // tp} or 'auto'")
-            + (f"; {tp} does not divide {world_size}: choose a tensor_parallel_size that does" if world_size % tp else "")
+            + (f"; {tp} does not divide {world_size}: choose a tensor_parallel_size that does" if world_size % tp else f"; set data_parallel_size={world_size // tp} or 'auto'")
             + "."
         )
     return MeshLayout(dp=(dp,), tp=tp, lightning_names=True)
@@ -327,15 +311,8 @@ def check_data_parallel_size(value: object, *, mesh_shape: object, expert_parall
         )
     if isinstance(value, int) and value < 1:
         raise ValueError(f"HSDPStrategy(data_parallel_size=...) expects an int >= 1 or 'auto'; got {value}.")
-    clashes = [
-        f"{name}={v!r}"
-        for name, v, default in (
-            ("mesh_shape", mesh_shape, None),
-            ("expert_parallel_size", expert_parallel_size, 1),
-            ("pipeline_parallel_size", pipeline_parallel_size, 1),
-        )
-        if v != default
-    ]
+    given = {"mesh_shape": (mesh_shape, None), "expert_parallel_size": (expert_parallel_size, 1), "pipeline_parallel_size": (pipeline_parallel_size, 1)}
+    clashes = [f"{name}={v!r}" for name, (v, default) in given.items() if v != default]
     if clashes:
         raise ValueError(
             f"HSDPStrategy(data_parallel_size={value!r}) builds Lightning ModelParallelStrategy's 2-D mesh "
@@ -402,7 +379,7 @@ class ParallelMesh:
 
     @property
     def tp(self) -> DeviceMesh | None:
-        return self.world[self.layout.tp_name] if self.layout.tp > 1 else None
+        return self.world[LIGHTNING_TP_DIM if self.layout.lightning_names else TP_DIM] if self.layout.tp > 1 else None
 
     @property
     def ep(self) -> DeviceMesh | None:
@@ -476,34 +453,3 @@ def describe(mesh: DeviceMesh) -> str:
     dims = ", ".join(f"{name}={size}" for name, size in zip(mesh.mesh_dim_names or (), mesh.shape))
     return f"{kind} mesh ({dims}) on {mesh.device_type}"
 
-
-__all__ = [
-    "DP_DIM",
-    "EP_DIM",
-    "LIGHTNING_DP_DIM",
-    "LIGHTNING_TP_DIM",
-    "MODEL_PARALLEL_DIM_NAMES",
-    "TP_DIM_NAMES",
-    "EXPERT_SHARD_DIM",
-    "MeshLayout",
-    "PP_DIM",
-    "ParallelMesh",
-    "TP_DIM",
-    "build_parallel_mesh",
-    "check_data_parallel_size",
-    "resolve_layout",
-    "validate_parallel_sizes",
-    "FSDP_DIM_NAMES",
-    "HSDP_DIM_NAMES",
-    "INFER",
-    "REPLICATE_DIM",
-    "SHARD_DIM",
-    "build_device_mesh",
-    "default_device_type",
-    "describe",
-    "dim_names_for",
-    "init_device_mesh",
-    "resolve_mesh_shape",
-    "set_collective_timeout",
-    "validate_mesh_shape",
-]

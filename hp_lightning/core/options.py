@@ -121,12 +121,10 @@ def _check_placement(placement: Any) -> Optional[dict[str, int]]:
         return None
     if not isinstance(placement, Mapping):
         raise TypeError(f"HSDPStrategy(shard_placement=...) expects a mapping of parameter-name glob to dim; got {type(placement).__name__}. Example: {{'*.w2.weight': 1}}.")
-    out = {}
     for pattern, dim in placement.items():
         if not isinstance(pattern, str) or isinstance(dim, bool) or not isinstance(dim, int):
             raise TypeError(f"HSDPStrategy(shard_placement=...) maps strings to ints; got {pattern!r}: {dim!r}.")
-        out[pattern] = dim
-    return out
+    return dict(placement)
 
 
 def _check_prefetch(prefetch: Any) -> int:
@@ -199,8 +197,7 @@ class _OptionGroup:
     def _normalize(self, done: Mapping[str, Any]) -> dict[str, Any]:
         """This group's fields, checked and normalized (``done``: the groups before it, for combined checks).
 
-        Raises:
-            TypeError / ValueError: naming the option, what it expects, what it got.
+        A TypeError / ValueError names the option, what it expects, what it got.
         """
         return {}
 

@@ -41,9 +41,8 @@ def normalize_precision(value: Any, front_end: str = "Trainer") -> str:
     """
     flag = PRECISION_ALIASES.get(value, value)
     if flag not in SUPPORTED_PRECISION:
-        hint = ""
-        if flag in ("16-mixed", "16", 16):
-            hint = " fp16 mixed precision needs a sharded gradient scaler; use 'bf16-mixed' (same memory, no scaler)."
+        fp16 = flag in ("16-mixed", "16", 16)
+        hint = " fp16 mixed precision needs a sharded gradient scaler; use 'bf16-mixed' (same memory, no scaler)." if fp16 else ""
         raise ValueError(
             f"HSDPStrategy supports precision {sorted(SUPPORTED_PRECISION)}; got {value!r}.{hint} "
             f"Set {front_end}(precision='bf16-mixed') or '32-true'."

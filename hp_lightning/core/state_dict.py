@@ -70,9 +70,7 @@ def _listing(keys: Sequence[str], limit: int = 8) -> str:
     return f"{keys[:limit]}{f' and {len(keys) - limit} more' if len(keys) > limit else ''}"
 
 
-def check_model_keys(
-    expected: Mapping[str, Shape], stored: Mapping[str, Shape], *, strict: bool, source: str
-) -> tuple[list[str], list[str]]:
+def check_model_keys(expected: Mapping[str, Shape], stored: Mapping[str, Shape], *, strict: bool, source: str) -> tuple[list[str], list[str]]:
     """Compare a checkpoint's model entries with the model's; return (missing, unexpected).
 
     Raises:
@@ -101,11 +99,7 @@ def check_model_keys(
     missing = sorted(expected.keys() - stored.keys())
     unexpected = sorted(stored.keys() - expected.keys())
     if strict and (missing or unexpected):
-        parts = []
-        if missing:
-            parts.append(f"missing keys {_listing(missing)}")
-        if unexpected:
-            parts.append(f"unexpected keys {_listing(unexpected)}")
+        parts = [f"{what} keys {_listing(keys)}" for what, keys in (("missing", missing), ("unexpected", unexpected)) if keys]
         raise ValueError(
             f"Checkpoint {source} does not match the model (strict loading): {'; '.join(parts)}. Load a "
             f"checkpoint of this model, or set `self.strict_loading = False` in the LightningModule (or "
@@ -170,9 +164,7 @@ def names_to_positions(optimizer_state: Mapping[str, Any], names: list[list[str]
     return {"state": {index[k]: v for k, v in optimizer_state["state"].items()}, "param_groups": groups}
 
 
-def check_optimizer_state(
-    expected: Mapping[str, Any], stored_state_keys: Mapping[Any, Sequence[str]], stored_groups: int, *, index: int, source: str
-) -> None:
+def check_optimizer_state(expected: Mapping[str, Any], stored_state_keys: Mapping[Any, Sequence[str]], stored_groups: int, *, index: int, source: str) -> None:
     """Check that a checkpoint holds, for every parameter, the state entries this optimizer keeps.
 
     Args:

@@ -5,19 +5,10 @@ units overlap communication with compute but issue many small collectives; one b
 gathers the whole model at once. The usual choice, and the automatic one here, is one unit per
 transformer block.
 
-Units are named by:
-
-* a class (``MyBlock``) or a dotted class path as a string (``"my_pkg.model.MyBlock"``);
-* a bare class name (``"MyBlock"``) found among the model's submodules;
-* a module-name glob (``"model.layers.*"``), matched against ``named_modules()`` names; only
-  the outermost matches count, so ``"layers.*"`` selects the layers, not their sublayers.
-
-With nothing named, the units are the classes in HF's ``_no_split_modules`` when the model has
-it, else the repeated blocks of its containers (``nn.ModuleList``, ``nn.Sequential``,
-``nn.ModuleDict``, nested at any depth); see :func:`auto_units`. Large embeddings and a large
-output head (with the final norm) then become units of their own (:func:`side_units`). A plan
-that ends with no unit at all gathers the whole model on every rank: :func:`zero_units_warning`
-says so at setup.
+Units are named by a class, a dotted class path, a bare class name or a module-name glob
+(:func:`select_modules`; only the outermost matches of a glob count). With nothing named:
+:func:`auto_units`, then :func:`side_units` for large embeddings and a large output head. A plan
+with no unit at all gathers the whole model on every rank: :func:`zero_units_warning` says so.
 """
 
 from __future__ import annotations
@@ -50,7 +41,8 @@ def _import_class(path: str) -> type | None:
     return obj if isinstance(obj, type) else None
 
 
-def _as_spec_list(specs: UnitSpec | Sequence[UnitSpec] | None, option: str) -> list[UnitSpec]:
+def validate_unit_specs(specs: UnitSpec | Sequence[UnitSpec] | None, option: str = "shard_modules") -> list[UnitSpec]:
+    """Check types and that dotted class paths (``pkg.Class``) import, without a model (runs before launch)."""
     if specs is None:
         return []
     if isinstance(specs, (str, type)):
@@ -71,12 +63,6 @@ def _as_spec_list(specs: UnitSpec | Sequence[UnitSpec] | None, option: str) -> l
             raise TypeError(f"{option} classes must be nn.Module subclasses; got {spec.__name__}.")
         if isinstance(spec, str) and not spec.strip():
             raise ValueError(f"{option} contains an empty string; remove it or name a class or module.")
-    return out
-
-
-def validate_unit_specs(specs: UnitSpec | Sequence[UnitSpec] | None, option: str = "shard_modules") -> list[UnitSpec]:
-    """Check types and that dotted class paths (``pkg.Class``) import, without a model (runs before launch)."""
-    out = _as_spec_list(specs, option)
     for spec in out:
         if isinstance(spec, str) and not _is_glob(spec) and "." in spec and spec.rpartition(".")[2][:1].isupper():
             if _import_class(spec) is None:
@@ -232,8 +218,6 @@ def _split_ties(model: nn.Module, units: Sequence[nn.Module]) -> list[tuple[list
         names_of.setdefault(id(param), []).append(name)
     split = []
     for names in names_of.values():
-        if len(names) < 2:
-            continue
         pairs = [(name, manager(name)) for name in names]
         managers = {unit for _, unit in pairs}
         if len(managers) > 1:
@@ -251,13 +235,10 @@ def keep_ties_together(model: nn.Module, units: Sequence[nn.Module]) -> list[nn.
     tie is split. The cost is that unit's parameters staying gathered with the root's.
     """
     kept = list(units)
-    while True:
-        split = _split_ties(model, kept)
-        if not split:
-            return kept
-        lookup = dict(model.named_modules(remove_duplicate=False))
-        drop = lookup[split[0][1]]
-        kept = [u for u in kept if u is not drop]
+    lookup = dict(model.named_modules(remove_duplicate=False))
+    while split := _split_ties(model, kept):
+        kept = [u for u in kept if u is not lookup[split[0][1]]]
+    return kept
 
 
 def refuse_split_ties(model: nn.Module, units: Sequence[nn.Module], option: str = "shard_modules") -> None:
@@ -391,7 +372,5 @@ def select_params(model: nn.Module, patterns: Sequence[str] | None, option: str)
                 f"{option} pattern {pattern!r} matches no parameter of {type(model).__name__}; names look "
                 f"like {[n for n, _ in named][:6]}. Use a glob such as 'head.*' or '*.bias'."
             )
-        for n, p in hits:
-            if not any(p is q for _, q in out):
-                out.append((n, p))
+        out += [(n, p) for n, p in hits if not any(p is q for _, q in out)]
     return out
