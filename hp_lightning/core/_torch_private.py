@@ -48,11 +48,7 @@ TESTED_TORCH = tested_range(VERIFIED_TORCH)
 
 
 class MissingPrivateNameError(ImportError):
-    """A private torch or Lightning name a feature needs is absent from the installed version.
-
-    Raised at the first use of that feature (never at ``import hp_lightning``), naming the name,
-    the feature and the versions hp_lightning is tested with.
-    """
+    """A private torch or Lightning name a feature needs is absent: raised at the feature's first use, never at import."""
 
 
 @dataclass(frozen=True)

@@ -224,10 +224,9 @@ class StepAgreement:
     must make the same calls in the same order (the front ends do).
 
     Args:
-        group: a host-side group over every training rank (:func:`host_group`); None: the default
-            group, or no collective at all with one process.
-        device: where the exchanged tensor lives: the CPU (default) for a gloo group; the
-            accelerator only for a default group that cannot carry host tensors.
+        group: a host-side group over every training rank (:func:`host_group`); None: the default group.
+        device: where the exchanged tensor lives: the CPU (default); the accelerator only for a
+            default group that cannot carry host tensors.
     """
 
     def __init__(self, group: Optional[dist.ProcessGroup] = None, device: Optional[torch.device] = None) -> None:

@@ -7,10 +7,8 @@ group ranks, bytes and dtype, and counts the ``send``/``recv`` that ``CommDebugM
 (pipeline stages). What is counted is what is issued at the call: the tensor collectives an object
 collective (``all_gather_object``, ...) pickles through, and those DTensor issues inside one of its
 ops (a redistribution, clipping's norm), are not counted, nor ``barrier``. :class:`HostReads`
-counts each read of a tensor's value into Python (on an accelerator, a host-device
-synchronization). :class:`HeapSampler` measures the CPU's malloc heap and RSS. A dispatch or
-function mode sees its own thread only. Tests assert on them; benchmarks and the planner's
-``--validate`` report them.
+counts each read of a tensor's value into Python (on an accelerator, a host-device sync);
+:class:`HeapSampler` measures the CPU's malloc heap and RSS. Each mode sees its own thread only.
 """
 
 from __future__ import annotations

@@ -162,8 +162,7 @@ class ShardingSummary:
         lines.insert(1, "  ".join("-" * w for w in widths))
         out = [f"Sharding report ({self.mesh})", *lines]
         if self.unsharded_params:
-            total = sum(self.unsharded_params.values())
-            out.append(f"not sharded (replicate / ignored): {len(self.unsharded_params)} tensors, {total:,} bytes on every rank")
+            out.append(f"not sharded (replicate / ignored): {len(self.unsharded_params)} tensors, {sum(self.unsharded_params.values()):,} bytes on every rank")
         out.append(f"total on this rank: {self.local_bytes:,} bytes of parameters")
         if self.stages:
             out.append(stage_table(self.stages))
@@ -182,9 +181,9 @@ def _min_max_over_ranks(values: list[int], device: torch.device, group: Any = No
     return [-v for v in result[n:]], result[:n]
 
 
+#: A unit whose trainable parameters hold at most this share of its elements is frozen-base training
+#: (adapters beside frozen weights): the mixed-unit warning is not given for it.
 ADAPTER_SHARE = 0.1
-"""A unit whose trainable parameters hold at most this share of its elements is frozen-base training
-(adapters beside frozen weights): the mixed-unit warning is not given for it."""
 
 
 def summarize(

@@ -12,11 +12,9 @@ Composed meshes (:class:`MeshLayout`) order their named dims outermost to innerm
 
 TP is innermost, so a TP group is consecutive ranks (one node). EP is carved out of the shard
 dim, as torchtitan does: the ``ep`` ranks are data-parallel ranks too (each sees its own batch),
-and ``shard`` is the flattened ``(expert_shard, ep)``. Dense parameters shard over
-``(replicate, shard)``; experts are split over ``ep`` and shard over ``(replicate, expert_shard)``.
-A size-1 ``pp``/``tp``/``ep`` dim is left out, so plain FSDP/HSDP meshes are exactly the 1-D/2-D
-ones. ``pp`` is outermost: each pipeline stage is a block of consecutive ranks holding a whole
-data-parallel mesh of its own, and only activations cross between stages.
+and ``shard`` is the flattened ``(expert_shard, ep)``; experts shard over ``(replicate,
+expert_shard)``. ``pp`` is outermost: each stage is a block of consecutive ranks with a whole
+data-parallel mesh of its own. A size-1 ``pp``/``tp``/``ep`` dim is left out.
 """
 
 from __future__ import annotations

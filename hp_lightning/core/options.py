@@ -293,14 +293,9 @@ class ParallelOptions(_OptionGroup):
         if mesh_shape is None and getattr(self, "fault_tolerance", None) is not None:
             mesh_shape = [world_size]  # a replica group shards over all its ranks; the groups replicate
         return resolve_layout(
-            mesh_shape,
-            world_size=world_size,
-            num_nodes=num_nodes,
-            devices_per_node=devices_per_node,
-            tensor_parallel_size=self.tensor_parallel_size,
-            expert_parallel_size=self.expert_parallel_size,
-            pipeline_parallel_size=self.pipeline_parallel_size,
-            data_parallel_size=self.data_parallel_size,
+            mesh_shape, world_size=world_size, num_nodes=num_nodes, devices_per_node=devices_per_node,
+            tensor_parallel_size=self.tensor_parallel_size, expert_parallel_size=self.expert_parallel_size,
+            pipeline_parallel_size=self.pipeline_parallel_size, data_parallel_size=self.data_parallel_size,
         )
 
 
@@ -592,8 +587,7 @@ def _check_fault_tolerance(value: Any, done: Mapping[str, Any]) -> Optional[Faul
     config = FaultTolerance.from_value(value)
     if config is None:
         return None
-    sizes = {name: done.get(name, 1) for name in ("tensor_parallel_size", "expert_parallel_size", "pipeline_parallel_size")}
-    composed = [f"{name}={size}" for name, size in sizes.items() if size != 1]
+    composed = [f"{name}={done[name]}" for name in ("tensor_parallel_size", "expert_parallel_size", "pipeline_parallel_size") if done.get(name, 1) != 1]
     if done.get("data_parallel_size") is not None:
         composed.append(f"data_parallel_size={done['data_parallel_size']!r}")
     mesh = done.get("mesh_shape")

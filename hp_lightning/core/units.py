@@ -179,8 +179,7 @@ def auto_units(model: nn.Module) -> list[nn.Module]:
     for _, module in [("", model), *named]:
         no_split.update(getattr(module, "_no_split_modules", None) or ())
     if no_split:
-        units = [m for _, m in named if user_class(m).__name__ in no_split and _has_params(m)]
-        units = keep_ties_together(model, units)
+        units = keep_ties_together(model, [m for _, m in named if user_class(m).__name__ in no_split and _has_params(m)])
         if units:
             return bottom_up(model, units)
     block_names: list[str] = []
