@@ -100,9 +100,8 @@ class UnitReport:
 class StageReport:
     """One pipeline stage as cut at setup: the same on every rank, whichever stage the rank holds.
 
-    Bytes are the whole stage's parameters before sharding (each stage's ranks hold
-    ``1 / shard size`` of them): what balancing the stages compares. The per-unit table next to it
-    covers only the units of the reporting rank's own stage, sharded.
+    Bytes are the whole stage's parameters before sharding: what balancing the stages compares (the
+    per-unit table next to it covers only the reporting rank's own stage, sharded).
 
     Attributes:
         pipeline_rank: the pipeline rank that runs it (loop or V placement with virtual stages).
@@ -266,10 +265,9 @@ def summarize(
 def live_gradient_bytes(model: nn.Module) -> int:
     """Bytes of gradient storage ``model`` holds right now on this rank.
 
-    Counts sharded gradients (a DTensor's local shard), the full-size gradients a unit
-    accumulates while gradient sync is off, HSDP partial reductions waiting for their
-    all-reduce, and plain gradients of replicate / ignored parameters. Each storage is counted
-    once, by its full size (views into one flat buffer share it).
+    Counts sharded gradients (a DTensor's local shard), what FSDP2 holds outside ``param.grad``
+    (:func:`~hp_lightning.core._torch_private.held_gradients`) and plain gradients of replicate /
+    ignored parameters. Each storage is counted once, by its full size (views share it).
     """
     seen: dict[tuple[str, int], int] = {}
     grads = [param.grad for param in model.parameters() if param.grad is not None]

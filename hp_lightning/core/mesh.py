@@ -127,12 +127,16 @@ def default_device_type() -> str:
     return devices.current_accelerator_type()
 
 
-def build_device_mesh(device_type: str, shape: Sequence[int], names: Sequence[str] | None = None) -> DeviceMesh:
-    """Create a mesh over the default process group (a collective call); ``names`` default to the data-parallel dims'."""
-    shape = tuple(shape)
+def build_device_mesh(device_type: str, shape: Sequence[int]) -> DeviceMesh:
+    """Create the data-parallel mesh over the default process group (a collective call)."""
+    return _build_mesh(device_type, tuple(shape), dim_names_for(shape))
+
+
+def _build_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
+    """A mesh over the default process group (a collective call); a ValueError when the shape does not match the world."""
     if math.prod(shape) != dist.get_world_size():
         raise ValueError(f"A mesh of shape {list(shape)} needs world size {math.prod(shape)}; the process group has {dist.get_world_size()}.")
-    return _torch_init_device_mesh(device_type, shape, mesh_dim_names=tuple(names or dim_names_for(shape)))
+    return _torch_init_device_mesh(device_type, shape, mesh_dim_names=names)
 
 
 def init_device_mesh(device_type: str | None = None, mesh_shape: Sequence[int] = (), *, mesh_dim_names: Sequence[str] | None = None) -> DeviceMesh:
@@ -417,9 +421,7 @@ class ParallelMesh:
 
 def build_parallel_mesh(device_type: str, layout: MeshLayout) -> ParallelMesh:
     """Create the root mesh for ``layout`` (a collective call) and its sub-meshes."""
-    if not layout.composed:
-        return ParallelMesh(build_device_mesh(device_type, layout.dp), layout)
-    mesh = ParallelMesh(build_device_mesh(device_type, layout.shape, layout.names), layout)
+    mesh = ParallelMesh(_build_mesh(device_type, layout.shape, layout.names), layout)
     mesh.dp  # noqa: B018 - flattened dims are created on every rank together, here
     if layout.tp > 1 or layout.pp > 1:
         mesh.dp_group  # noqa: B018
