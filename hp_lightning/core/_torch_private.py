@@ -431,11 +431,8 @@ def held_gradients(unit: nn.Module) -> list[torch.Tensor]:
 
 
 def fake_tensor_mode() -> Any:
-    """A ``FakeTensorMode`` in which tensors have shapes and dtypes but no storage.
-
-    Real tensors (torchmetrics' scalar states, constants a model keeps) may enter it: they are
-    converted on first use instead of refused.
-    """
+    """A ``FakeTensorMode`` in which tensors have shapes and dtypes but no storage; real tensors entering it
+    (torchmetrics' scalar states, constants a model keeps) are converted on first use instead of refused."""
     return _private("torch._subclasses.fake_tensor", "FakeTensorMode")(allow_non_fake_inputs=True)
 
 

@@ -38,9 +38,8 @@ TIED_REPLICA_ATTR = "_hp_tied_replica"
 
 def _grads(parameters: ParamsLike, *, counted_once: bool = False) -> list[torch.Tensor]:
     """The gradients to scale; with ``counted_once``, those the norm counts (tied replicas left out)."""
-    if isinstance(parameters, torch.Tensor):
-        parameters = [parameters]
-    return [p.grad for p in parameters if p.grad is not None and not (counted_once and getattr(p, TIED_REPLICA_ATTR, False))]
+    params = [parameters] if isinstance(parameters, torch.Tensor) else parameters
+    return [p.grad for p in params if p.grad is not None and not (counted_once and getattr(p, TIED_REPLICA_ATTR, False))]
 
 
 def _grouped(tensors: list[_T], key: Callable[[_T], Any]) -> dict[Any, list[_T]]:

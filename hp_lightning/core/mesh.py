@@ -259,7 +259,10 @@ def resolve_layout(
     tp, ep, pp = validate_parallel_sizes(tensor_parallel_size, expert_parallel_size, pipeline_parallel_size)
     if data_parallel_size is not None:
         return _lightning_layout(data_parallel_size, tp, world_size)
-    for name, size, choice in (("tensor_parallel_size", tp, "a TP size that divides the devices per node"), ("pipeline_parallel_size", pp, "a number of stages that divides it")):
+    for name, size, choice in (
+        ("tensor_parallel_size", tp, "a TP size that divides the devices per node"),
+        ("pipeline_parallel_size", pp, "a number of stages that divides it"),
+    ):
         if world_size % size:
             raise ValueError(
                 f"{name}={size} does not divide the world size {world_size} ({num_nodes} node(s) x "
@@ -292,9 +295,9 @@ def _lightning_layout(data_parallel_size: int | str, tp: int, world_size: int) -
     if not isinstance(dp, int) or dp * tp != world_size:
         raise ValueError(
             f"HSDPStrategy(data_parallel_size={data_parallel_size!r}, tensor_parallel_size={tp}) needs "
-            f"data_parallel_size x tensor_parallel_size == world size {world_size}"
-            + (f"; {tp} does not divide {world_size}: choose a tensor_parallel_size that does" if world_size % tp else f"; set data_parallel_size={world_size // tp} or 'auto'")
-            + "."
+            f"data_parallel_size x tensor_parallel_size == world size {world_size}; "
+            + (f"{tp} does not divide {world_size}: choose a tensor_parallel_size that does." if world_size % tp
+               else f"set data_parallel_size={world_size // tp} or 'auto'.")
         )
     return MeshLayout(dp=(dp,), tp=tp, lightning_names=True)
 
