@@ -1,17 +1,11 @@
 """Every private torch name hp_lightning touches, behind one small function each, resolved honestly.
 
 torch's public API does not cover these needs (each function says which one); when a torch upgrade
-renames one, this file is the only place to change. It knows the torch releases it was verified on
-(:data:`VERIFIED_TORCH`, each name's :attr:`PrivateName.verified`), and two guards hold it to them:
-
-* :func:`missing_private_names` resolves every name for real, attribute by attribute (an attribute
-  torch sets per instance is looked up on a real instance: a unit sharded on a one-rank fake process
-  group, run forward and backward), and ``tests/unit/test_private_apis.py``, which CI runs on every
-  verified release, fails with its list;
-* on a torch outside :data:`TESTED_TORCH`, ``import hp_lightning`` still works, and the first use
-  of a feature that needs a missing name raises :class:`MissingPrivateNameError` naming the name,
-  the feature, the releases it was verified on and the tested range (nothing here is resolved
-  strictly at import, and nothing falls back silently to doing less).
+renames one, this file is the only place to change. Two guards hold it to the releases it was
+verified on (:data:`VERIFIED_TORCH`): :func:`missing_private_names` resolves every name for real
+(``tests/unit/test_private_apis.py`` runs it on each of them), and on another torch ``import
+hp_lightning`` still works while the first use of a feature that needs a missing name raises
+:class:`MissingPrivateNameError` naming it (nothing falls back silently to doing less).
 """
 
 from __future__ import annotations
@@ -54,11 +48,7 @@ TESTED_TORCH = tested_range(VERIFIED_TORCH)
 
 
 class MissingPrivateNameError(ImportError):
-    """A private torch or Lightning name a feature needs is absent from the installed version.
-
-    Raised at the first use of that feature (never at ``import hp_lightning``), naming the name,
-    the feature and the versions hp_lightning is tested with.
-    """
+    """A private torch or Lightning name a feature needs is absent: raised at the feature's first use, never at import."""
 
 
 @dataclass(frozen=True)
@@ -66,14 +56,11 @@ class PrivateName:
     """One private name: ``module`` then ``path`` (dotted attributes), and what needs it.
 
     Attributes:
-        module: the module it is reached from.
-        path: attributes from the module on (``"FSDPParamGroup.post_forward_mesh_info"``).
         feature: what in hp_lightning needs it, in a user's words (the error says it).
-        per_instance: the attributes after the first (a class) are set on each instance (in
-            ``__init__`` or later), so they are checked on a real instance of that class (see
-            :func:`missing_private_names`).
-        verified: the releases of its library it was resolved on (a subset of that library's
-            verified releases where a release lacks it and the code takes another route there).
+        per_instance: the attributes after the first (a class) are set on each instance, so they
+            are checked on a real instance of that class (see :func:`missing_private_names`).
+        verified: the releases of its library it was resolved on (a subset where a release lacks
+            it and the code takes another route there).
     """
 
     module: str
@@ -151,15 +138,8 @@ def missing_error(entry: PrivateName, *, tested: str = TESTED_TORCH, version: Op
 
 
 def resolve(module_path: str, attribute_path: str) -> Any:
-    """The object at ``module_path`` + ``attribute_path``, each attribute looked up for real.
-
-    Raises:
-        AttributeError / ImportError: the module or one attribute on the way is missing.
-    """
-    obj: Any = importlib.import_module(module_path)
-    for part in attribute_path.split("."):
-        obj = getattr(obj, part)
-    return obj
+    """The object at ``module_path`` + ``attribute_path``, each attribute looked up for real (else ImportError / AttributeError)."""
+    return functools.reduce(getattr, attribute_path.split("."), importlib.import_module(module_path))
 
 
 def _resolve(module_path: str, attribute_path: str) -> bool:
@@ -207,10 +187,8 @@ def _declared(owner: str, attribute: str) -> None:
     """Check once that torch's class ``owner`` (``module.Class``) still declares the per-instance ``attribute``.
 
     For an attribute torch sets only after some event (``FSDPParam._unsharded_param``, at the unit's
-    first all-gather): its absence from an instance then means "not yet", never "renamed".
-
-    Raises:
-        MissingPrivateNameError: the class no longer declares it (a renamed attribute would otherwise read as "not yet").
+    first all-gather): its absence from an instance then means "not yet", never "renamed" (that is
+    a :class:`MissingPrivateNameError` here).
     """
     module, _, cls_name = owner.rpartition(".")
     cls = _private(module, cls_name)
@@ -254,9 +232,6 @@ def _instances() -> list[Any]:
 
     A two-unit model sharded on a one-rank fake process group, run forward and backward with
     gradient sync off (so that the accumulation state exists too).
-
-    Raises:
-        RuntimeError: a process group exists already (run the check in a process without one).
     """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -289,10 +264,8 @@ def missing_private_names(names: Sequence[PrivateName] = _PRIVATE_NAMES) -> list
 
     Class-level names are looked up attribute by attribute from their module; a ``per_instance``
     name's class (the first attribute of its path) from its module, the rest on a real instance of
-    that class (:func:`_instances`, built on a fake process group).
-
-    Raises:
-        RuntimeError: when per-instance names are checked in a process that has a process group.
+    that class (:func:`_instances`, built on a fake process group: a RuntimeError in a process
+    that has a process group).
     """
     missing: list[str] = []
     instances: Optional[list[Any]] = None
@@ -356,10 +329,8 @@ def wrap_as_forward(root: nn.Module, method_name: str) -> None:
     post-forward leaves the root's group idle and the outer one then reshards it, although the
     root keeps its parameters after forward, so backward would all-gather the root (embeddings,
     head) a second time every micro-batch. Re-entering the forward state before the outer
-    post-forward keeps one all-gather per micro-batch.
-
-    Raises:
-        MissingPrivateNameError: this torch lacks a name it needs (said here, at wrapping, not mid-step).
+    post-forward keeps one all-gather per micro-batch. A missing private name is said here, at
+    wrapping, not mid-step.
     """
     idle, forward = _private(f"{_FSDP}._fsdp_common", "TrainingState.IDLE"), _private(f"{_FSDP}._fsdp_common", "TrainingState.FORWARD")
     state = fsdp_state(root)
@@ -427,8 +398,7 @@ def managed_params(unit: nn.Module) -> list[tuple[Any, Any, Any]]:
     """``(sharded parameter, mp_policy, offload_policy)`` for every parameter ``unit`` itself manages.
 
     FSDP2 keeps these on its (private) parameter groups and parameters; there is no public listing.
-    The mixed-precision policy is the parameter's own (torch 2.15 resolves one per parameter; on 2.13
-    and 2.14 it is the group's), the offload policy the group's.
+    The mixed-precision policy is the parameter's own, the offload policy the group's.
     """
     out = []
     for group in param_groups(unit):
@@ -449,8 +419,7 @@ def held_gradients(unit: nn.Module) -> list[torch.Tensor]:
         held.append(_field(group, _GROUP, "_partial_reduce_output"))
         for fsdp_param in _field(group, _GROUP, "fsdp_params"):
             held.append(_field(fsdp_param, _PARAM, "unsharded_accumulated_grad"))
-            # Set at the unit's first all-gather: before it, there is no unsharded gradient either
-            # (absent from an instance means "not yet" only while the class still declares it).
+            # Set at the unit's first all-gather (see _declared): before it, no unsharded gradient either.
             _declared(_PARAM, "_unsharded_param")
             unsharded = getattr(fsdp_param, "_unsharded_param", None)
             if unsharded is not None:
@@ -462,11 +431,8 @@ def held_gradients(unit: nn.Module) -> list[torch.Tensor]:
 
 
 def fake_tensor_mode() -> Any:
-    """A ``FakeTensorMode`` in which tensors have shapes and dtypes but no storage.
-
-    Real tensors (torchmetrics' scalar states, constants a model keeps) may enter it: they are
-    converted on first use instead of refused.
-    """
+    """A ``FakeTensorMode`` in which tensors have shapes and dtypes but no storage; real tensors entering it
+    (torchmetrics' scalar states, constants a model keeps) are converted on first use instead of refused."""
     return _private("torch._subclasses.fake_tensor", "FakeTensorMode")(allow_non_fake_inputs=True)
 
 

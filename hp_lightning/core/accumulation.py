@@ -30,12 +30,7 @@ ACCUMULATION_MODES = ("skip", "every", "defer_all_reduce")
 
 
 def check_mode(mode: Any, owner: str = "accumulation_mode") -> str:
-    """Validate an accumulation mode string (case-insensitive) and return it lower-cased.
-
-    Raises:
-        TypeError: when ``mode`` is not a string.
-        ValueError: when it is not one of :data:`ACCUMULATION_MODES`.
-    """
+    """Validate an accumulation mode string (case-insensitive, one of :data:`ACCUMULATION_MODES`) and return it lower-cased."""
     if not isinstance(mode, str):
         raise TypeError(f"{owner} expects one of {list(ACCUMULATION_MODES)} as a string; got {type(mode).__name__} {mode!r}.")
     if mode.lower() not in ACCUMULATION_MODES:
@@ -57,21 +52,13 @@ def no_gradient_sync(root: nn.Module, mode: str) -> Generator[None, None, None]:
     mode = check_mode(mode)
     # An HSDPModule carries its data-parallel mesh; a unit hp_lightning did not shard is left alone.
     mesh = getattr(root, "device_mesh", None)
-    if not isinstance(root, FSDPModule) or not isinstance(mesh, DeviceMesh) or mode == "every":
+    # "defer_all_reduce" on FSDP (a 1-D mesh): no all-reduce to defer.
+    if not isinstance(root, FSDPModule) or not isinstance(mesh, DeviceMesh) or mode == "every" or (mode == "defer_all_reduce" and mesh.ndim < 2):
         yield
         return
-    if mode == "defer_all_reduce":
-        if mesh.ndim < 2:  # FSDP: no all-reduce to defer
-            yield
-            return
-        root.set_requires_all_reduce(False)
-        try:
-            yield
-        finally:
-            root.set_requires_all_reduce(True)
-        return
-    root.set_requires_gradient_sync(False)
+    set_sync = root.set_requires_all_reduce if mode == "defer_all_reduce" else root.set_requires_gradient_sync
+    set_sync(False)
     try:
         yield
     finally:
-        root.set_requires_gradient_sync(True)
+        set_sync(True)

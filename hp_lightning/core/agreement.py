@@ -1,19 +1,17 @@
 """Settings every rank must share, compared once before they matter.
 
 :func:`check_rank_agreement` is one small all-gather. Settings that must be the same on every
-rank (mesh, units, precision, options, checkpoint to resume, versions, loop lengths) are
-compared at the point they take effect. If they differ, every rank raises
-:class:`RankDisagreementError` naming each differing setting and the ranks behind each value.
-Otherwise those ranks would run different collectives and hang, or train a model that is
-silently wrong. The settings compared are explicit dictionaries: :func:`setup_settings`
-(versions, mesh, the strategy's :class:`~hp_lightning.core.options.HSDPOptions`, precision,
-checkpoint folders, loop lengths), :func:`resume_settings` and :func:`sharding_settings`.
+rank are compared at the point they take effect (:func:`setup_settings`, :func:`resume_settings`,
+:func:`sharding_settings`). If they differ, every rank raises :class:`RankDisagreementError` naming
+each differing setting and the ranks behind each value. Otherwise those ranks would run different
+collectives and hang, or train a model that is silently wrong.
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib.metadata
+import itertools
 import json
 import math
 import sys
@@ -59,24 +57,14 @@ def _plain(value: Any) -> str:
 
 def _rank_ranges(ranks: Sequence[int]) -> str:
     """``[0, 1, 2, 5]`` → ``"ranks 0-2, 5"``."""
-    parts, start = [], None
-    ranks = sorted(ranks)
-    for i, r in enumerate(ranks):
-        if start is None:
-            start = r
-        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
-            parts.append(str(start) if start == r else f"{start}-{r}")
-            start = None
+    runs = [[r for _, r in run] for _, run in itertools.groupby(enumerate(sorted(ranks)), lambda ir: ir[1] - ir[0])]
+    parts = [str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}" for run in runs]
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(parts)
 
 
-def disagreement_message(
-    settings_per_rank: Sequence[Mapping[str, str]], stage: str, ranks: Optional[Sequence[int]] = None
-) -> Optional[str]:
+def disagreement_message(settings_per_rank: Sequence[Mapping[str, str]], stage: str, ranks: Optional[Sequence[int]] = None) -> Optional[str]:
     """The error text for settings that differ between ranks (``ranks``: their global ranks), or None when all agree."""
-    names: list[str] = []
-    for settings in settings_per_rank:
-        names += [n for n in settings if n not in names]
+    names = list(dict.fromkeys(name for settings in settings_per_rank for name in settings))
     lines = []
     differing = []
     for name in names:
@@ -112,9 +100,6 @@ def check_rank_agreement(settings: Mapping[str, Any], *, stage: str, group: Opti
         settings: setting name → value; values are compared as their text.
         stage: where the check runs, for the message (``"setup"``, ``"sharding"``).
         group: the ranks that must agree (None: the world; a pipeline stage's ranks under PP).
-
-    Raises:
-        RankDisagreementError: naming each differing setting with its values and ranks.
     """
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) < 2:
         return
@@ -128,47 +113,33 @@ def check_rank_agreement(settings: Mapping[str, Any], *, stage: str, group: Opti
     everyone: list[Any] = [None] * size
     dist.all_gather_object(everyone, mine, group=group)
     ranks = None if group is None else [dist.get_global_rank(group, i) for i in range(size)]
-    message = disagreement_message(everyone, stage, ranks)
-    if message is not None:
+    if (message := disagreement_message(everyone, stage, ranks)) is not None:
         raise RankDisagreementError(message)
 
 
 #: Trainer attributes that change which collectives run when (a difference hangs or desyncs ranks).
 TRAINER_LOOP_SETTINGS = (
-    "max_epochs",
-    "max_steps",
-    "min_steps",
-    "accumulate_grad_batches",
-    "gradient_clip_val",
-    "gradient_clip_algorithm",
-    "limit_train_batches",
-    "limit_val_batches",
-    "val_check_interval",
-    "check_val_every_n_epoch",
-    "num_sanity_val_steps",
+    "max_epochs", "max_steps", "min_steps", "accumulate_grad_batches", "gradient_clip_val", "gradient_clip_algorithm",
+    "limit_train_batches", "limit_val_batches", "val_check_interval", "check_val_every_n_epoch", "num_sanity_val_steps",
 )
 
 
-def setup_settings(
-    options: Mapping[str, Any], precision: Optional[str], trainer: Any, mesh_shape: Sequence[int]
-) -> dict[str, Any]:
+def setup_settings(options: Mapping[str, Any], precision: Optional[str], trainer: Any, mesh_shape: Sequence[int]) -> dict[str, Any]:
     """What must agree before the device mesh is built: versions, mesh, options, precision, paths, loops.
 
     Args:
         options: the strategy's options (:meth:`hp_lightning.core.options.HSDPOptions.settings`).
-        precision: the precision flag in effect.
         trainer: Lightning's Trainer, for the checkpoint paths and loop lengths (None: Fabric, left
             out); read by attribute (``checkpoint_callbacks``, the loop settings): no Lightning import.
-        mesh_shape: the mesh shape this rank resolved.
     """
     settings: dict[str, Any] = {
         "hp_lightning version": _package_version(),
         "torch version": str(torch.__version__),
         "lightning version": _installed_version("lightning"),
         "mesh shape": tuple(mesh_shape),
+        **options,
+        "precision": precision,
     }
-    settings.update(options)
-    settings["precision"] = precision
     if trainer is not None:
         # (The checkpoint to resume is compared later, when Lightning knows it: resume_settings.)
         dirpaths = [cb.dirpath for cb in getattr(trainer, "checkpoint_callbacks", []) if hasattr(cb, "dirpath")]
@@ -233,9 +204,6 @@ def host_group(timeout: Optional[Any] = None) -> Optional[dist.ProcessGroup]:
     A collective: every rank calls it, at the same point (the front ends do, at setup). Its own
     group, even when the default one is gloo too: a control all-reduce then never queues behind
     the gradient collectives of the default group, and with NCCL it never touches the device.
-
-    Args:
-        timeout: the group's collective timeout (None: torch's default).
     """
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
         return None
@@ -250,19 +218,15 @@ class StepAgreement:
     every rank's coming backward reach the same parameters?) is folded into a single all-reduce
     (MAX) of one int32 CPU tensor, ``[signal, flags...]``, over a host-side gloo group: reading the
     result is a host read of a host tensor, never a host-device synchronization, so the CPU keeps
-    running ahead of the accelerator as in a raw FSDP2 loop. The divergence check
-    (:mod:`hp_lightning.fully_shard.divergence`) exchanges its flags through :meth:`exchange`
-    before the backward that issues gradient collectives; the preemption decision at the window's
-    end (:meth:`step_signal`) reuses the signal agreed there, and only communicates itself when no
-    exchange happened in the step (divergence check off, a manual step without backward).
-
-    Every rank must make the same calls in the same order (the front ends do).
+    running ahead of the accelerator as in a raw FSDP2 loop. The divergence check exchanges its
+    flags through :meth:`exchange`; the preemption decision (:meth:`step_signal`) reuses the signal
+    agreed there, and only communicates itself when no exchange happened in the step. Every rank
+    must make the same calls in the same order (the front ends do).
 
     Args:
-        group: a host-side group over every training rank (:func:`host_group`); None: the default
-            group, or no collective at all with one process.
-        device: where the exchanged tensor lives: the CPU (default) for a gloo group; the
-            accelerator only for a default group that cannot carry host tensors.
+        group: a host-side group over every training rank (:func:`host_group`); None: the default group.
+        device: where the exchanged tensor lives: the CPU (default); the accelerator only for a
+            default group that cannot carry host tensors.
     """
 
     def __init__(self, group: Optional[dist.ProcessGroup] = None, device: Optional[torch.device] = None) -> None:
@@ -286,12 +250,9 @@ class StepAgreement:
         return dist.is_available() and dist.is_initialized() and dist.get_world_size(self.group) > 1
 
     def exchange(self, flags: Sequence[int] = ()) -> list[int]:
-        """All-reduce (MAX) this rank's signal and ``flags``; return the reduced flags (a collective).
+        """All-reduce (MAX) this rank's signal and ``flags`` (small non-negative integers, as many on every rank).
 
-        Also records the agreed signal for this step's :meth:`step_signal`.
-
-        Args:
-            flags: small non-negative integers, as many on every rank.
+        Returns the reduced flags (a collective); records the agreed signal for this step's :meth:`step_signal`.
         """
         values = [int(self.local_signal()), *flags]
         if self._peers():

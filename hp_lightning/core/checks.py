@@ -1,11 +1,8 @@
 """The checks of option values that the options (:mod:`hp_lightning.core.options`) and the APIs above share.
 
-Each value a user writes once (``HSDPStrategy(param_dtype="bf16")``, ``fully_shard(...,
-mp_policy=build_mp_policy("bf16"))``, a TP plan in YAML, a pipeline schedule name) is checked by
-one function, here, at the bottom of the package: the options validate at construction (before
-any process group exists) without importing the layers that later use the values
-(:mod:`hp_lightning.fully_shard`, :mod:`hp_lightning.parallel`), and those layers re-export these
-names where users have always imported them.
+Each kind of value (a dtype, a TP plan, a pipeline schedule) is checked by one function, here, at the
+bottom of the package: the options validate at construction without importing the layers that later
+use the values (:mod:`hp_lightning.fully_shard`, :mod:`hp_lightning.parallel`), which re-export these names.
 """
 
 from __future__ import annotations
@@ -28,23 +25,6 @@ from torch.distributed.pipelining import (
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
-__all__ = [
-    "AUTO",
-    "DTYPE_NAMES",
-    "REDUCE_OPS",
-    "SCHEDULES",
-    "SCHEDULE_SPECS",
-    "TP_STYLES",
-    "ArgumentTypeError",
-    "ScheduleSpec",
-    "StyleSpec",
-    "check_schedule",
-    "parse_dtype",
-    "validate_scaling_factor",
-    "validate_split_points",
-    "validate_tp_plan",
-]
-
 
 class ArgumentTypeError(TypeError, ValueError):
     """An argument of the wrong type: a ``TypeError`` that ``except ValueError`` also catches.
@@ -60,31 +40,15 @@ class ArgumentTypeError(TypeError, ValueError):
 
 #: Accepted spellings of the floating dtypes FSDP computes or reduces in.
 DTYPE_NAMES: dict[str, torch.dtype] = {
-    "bf16": torch.bfloat16,
-    "bfloat16": torch.bfloat16,
-    "fp16": torch.float16,
-    "float16": torch.float16,
-    "half": torch.float16,
-    "fp32": torch.float32,
-    "float32": torch.float32,
-    "float": torch.float32,
-    "32": torch.float32,
-    "fp64": torch.float64,
-    "float64": torch.float64,
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
+    "fp32": torch.float32, "float32": torch.float32, "float": torch.float32, "32": torch.float32,
+    "fp64": torch.float64, "float64": torch.float64,
 }
 
 
 def parse_dtype(value: str | torch.dtype | None, *, name: str) -> torch.dtype | None:
-    """Turn ``"bf16"`` / ``torch.bfloat16`` / ``None`` into a ``torch.dtype`` (or None).
-
-    Args:
-        value: a dtype, one of :data:`DTYPE_NAMES`, or None (inherit).
-        name: the option's name, for the error message.
-
-    Raises:
-        TypeError: for anything that is not a string, a dtype or None.
-        ValueError: for an unknown string or a non-floating dtype.
-    """
+    """Turn ``"bf16"`` / ``torch.bfloat16`` / ``None`` (inherit) into a floating ``torch.dtype`` (or None); ``name``: the option, for the error."""
     if value is None:
         return None
     if isinstance(value, torch.dtype):
@@ -109,12 +73,7 @@ REDUCE_OPS = ("avg", "sum")
 
 
 def validate_scaling_factor(factor: Any, owner: str) -> float | None:
-    """Check a gradient scaling factor: a finite number > 0, or None (no scaling).
-
-    Raises:
-        TypeError: for anything but a real number or None (bools included).
-        ValueError: for zero, negative, NaN or infinite factors.
-    """
+    """Check a gradient scaling factor: a finite number > 0 (not a bool), or None (no scaling)."""
     if factor is None:
         return None
     if isinstance(factor, bool) or not isinstance(factor, (int, float)):
@@ -144,12 +103,7 @@ TP_STYLES: dict[str, Callable[[], ParallelStyle]] = {
 }
 
 def validate_tp_plan(plan: Any, owner: str = "HSDPStrategy(tp_plan=...)") -> dict[str, StyleSpec] | None:
-    """Check a plan's form (a mapping of non-empty glob → style name or ParallelStyle), before any process exists.
-
-    Raises:
-        TypeError: not a mapping, or keys/values of the wrong type.
-        ValueError: an unknown style name.
-    """
+    """Check a plan's form (a mapping of non-empty glob → known style name or ParallelStyle), before any process exists."""
     if plan is None:
         return None
     if not isinstance(plan, Mapping):
@@ -216,7 +170,6 @@ class ScheduleSpec:
     """What a schedule needs: torch's class, whether it takes a list of stages, their placement.
 
     Attributes:
-        cls: torch's schedule class.
         multi: the class takes a list of this rank's stages (``PipelineScheduleMulti``).
         style: ``"loop"`` or ``"v"`` (see the module docstring).
         stages_per_rank: the ``pipeline_stages_per_rank`` values it runs with (None: any >= 1).
@@ -244,12 +197,7 @@ SCHEDULES: dict[str, type] = {name: spec.cls for name, spec in SCHEDULE_SPECS.it
 
 
 def check_schedule(schedule: str, pp: int, stages_per_rank: int, microbatches: int) -> None:
-    """Refuse a schedule that cannot run with these sizes (before any process group exists).
-
-    Raises:
-        ValueError: a stage count per rank the schedule does not take, or a micro-batch count
-            it cannot split into rounds (naming the sizes and a fix).
-    """
+    """Refuse a schedule that cannot run with these sizes: stages per rank or micro-batches (before any process group exists)."""
     if pp <= 1:
         return
     spec = SCHEDULE_SPECS[schedule]

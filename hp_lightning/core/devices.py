@@ -43,11 +43,7 @@ VISIBLE_DEVICES_ENV: dict[str, str] = {CUDA: "CUDA_VISIBLE_DEVICES", NPU: "ASCEN
 
 
 def default_backend(device_type: str) -> str:
-    """Return the process-group backend for ``device_type`` (gloo, nccl or hccl).
-
-    Raises:
-        ValueError: for a device type with no known backend.
-    """
+    """The process-group backend for ``device_type`` (gloo, nccl or hccl); a ValueError for an unknown type."""
     try:
         return DEFAULT_BACKENDS[device_type]
     except KeyError:
@@ -60,14 +56,9 @@ def default_backend(device_type: str) -> str:
 def process_group_backend(device_type: str, *, host_collectives: bool = False) -> str:
     """The ``backend`` argument of ``init_process_group`` for ranks on ``device_type``.
 
-    Args:
-        device_type: the ranks' device type.
-        host_collectives: also serve collectives on host tensors (gloo) next to the device's
-            backend, as in ``"cpu:gloo,cuda:nccl"``; needed when state lives on the host (CPU
-            offload). Without it NCCL / HCCL refuse CPU tensors.
-
-    Raises:
-        ValueError: for a device type with no known backend.
+    ``host_collectives``: also serve collectives on host tensors (gloo) next to the device's backend,
+    as in ``"cpu:gloo,cuda:nccl"``; needed when state lives on the host (CPU offload): NCCL / HCCL
+    refuse CPU tensors.
     """
     backend = default_backend(device_type)
     if not host_collectives or not is_accelerator(device_type):
@@ -87,8 +78,7 @@ def cpu_device() -> torch.device:
 
 def install_hint(device_type: str) -> str:
     """How to install the package that provides ``device_type`` ('' when torch itself does)."""
-    entry = OPTIONAL_DEVICE_PACKAGES.get(device_type)
-    return entry[1] if entry is not None else ""
+    return OPTIONAL_DEVICE_PACKAGES.get(device_type, ("", ""))[1]
 
 
 def import_device_package(device_type: str) -> None:
@@ -100,11 +90,9 @@ def import_device_package(device_type: str) -> None:
             toolkit that is missing or not sourced); the original error is chained.
     """
     entry = OPTIONAL_DEVICE_PACKAGES.get(device_type)
-    if entry is None:
+    if entry is None or sys.modules.get(entry[0]) is not None:
         return
     package, hint = entry
-    if sys.modules.get(package) is not None:
-        return
     if importlib.util.find_spec(package) is None:
         raise ModuleNotFoundError(
             f"Device type {device_type!r} needs the {package!r} package, which is not installed. "
@@ -123,13 +111,7 @@ def import_device_package(device_type: str) -> None:
 
 
 def device_module(device_type: str) -> ModuleType | None:
-    """Return ``torch.<device_type>`` (``torch.cuda``, ``torch.npu``), or None for the CPU.
-
-    ``torch.npu`` only exists once ``torch_npu`` is imported, so it is imported here on demand.
-
-    Raises:
-        ModuleNotFoundError / ImportError: see :func:`import_device_package`.
-    """
+    """Return ``torch.<device_type>`` (``torch.cuda``, ``torch.npu``), or None for the CPU; imports ``torch_npu`` on demand."""
     if not is_accelerator(device_type):
         return None
     import_device_package(device_type)
@@ -154,9 +136,7 @@ def device_count(device_type: str) -> int:
         module = device_module(device_type)
     except ImportError:
         return 0
-    if module is None or not module.is_available():
-        return 0
-    return int(module.device_count())
+    return int(module.device_count()) if module is not None and module.is_available() else 0
 
 
 def npu_available() -> bool:
@@ -193,9 +173,7 @@ def empty_cache(device: torch.device) -> None:
 def max_memory_allocated(device: torch.device) -> int | None:
     """Peak bytes the allocator handed out on ``device``; None where no allocator tracks it."""
     module = device_module(device.type)
-    if module is None:
-        return None
-    return int(module.max_memory_allocated(device))
+    return None if module is None else int(module.max_memory_allocated(device))
 
 
 def reset_peak_memory(device: torch.device) -> None:
@@ -212,9 +190,7 @@ def memory_stats(device: torch.device) -> dict[str, Any]:
     mirrors them for NPUs.
     """
     module = device_module(device.type)
-    if module is None:
-        return {}
-    return dict(module.memory_stats(device))
+    return {} if module is None else dict(module.memory_stats(device))
 
 
 def barrier_device_ids(device: torch.device) -> list[int] | None:
@@ -223,14 +199,9 @@ def barrier_device_ids(device: torch.device) -> list[int] | None:
     With an index the barrier runs on that device instead of whatever device is current
     (which may be device 0 on every rank); on the CPU, None lets gloo use the host.
     """
-    if not is_accelerator(device.type) or device.index is None:
-        return None
-    return [device.index]
+    return None if not is_accelerator(device.type) or device.index is None else [device.index]
 
 
 def current_accelerator_type() -> str:
     """The first device type of :data:`DEVICE_TYPES` with a device present (the CPU when none is)."""
-    for device_type in DEVICE_TYPES:
-        if device_count(device_type) > 0:
-            return device_type
-    return CPU
+    return next((device_type for device_type in DEVICE_TYPES if device_count(device_type) > 0), CPU)

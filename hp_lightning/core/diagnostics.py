@@ -1,30 +1,14 @@
-"""Counting collectives where they are issued, with torch's ``CommDebugMode``.
+"""What a training step costs out of sight: collectives, host reads, CPU memory.
 
-:class:`CollectiveCounter` is torch's public :class:`~torch.distributed.tensor.debug.CommDebugMode`:
-a dispatch mode that sees each ``torch.distributed`` collective as its ``c10d`` op (FSDP2's
-all-gathers and reduce-scatters, our all-reduces, Lightning's broadcasts) and each of DTensor's
-functional collectives as its ``_c10d_functional`` op. It records each call's kind, process group
-ranks, bytes and dtype as well, and counts the point-to-point ``send``/``recv`` that
-``CommDebugMode`` leaves out (pipeline stages). Tests assert on it; benchmarks report it; users
-can put it around a step to see what their configuration communicates.
-
-What is counted is what is issued at the call: the tensor collectives an object collective
-(``all_gather_object``, ...) pickles through, and those DTensor issues inside one of its ops (a
-redistribution, clipping's norm), are not counted, nor ``barrier``. A dispatch mode sees its own
-thread only.
-
-Calls can be bucketed: :meth:`CollectiveCounter.mark` opens a bucket (say, one per micro-batch,
-from a callback's ``on_train_batch_start``) and every call until the next mark belongs to it,
-the loop's own calls between batches included.
-
-:class:`HostReads` counts the other hidden cost of a training step: each read of a tensor's
-value into Python (``.item()``, ``.tolist()``, ``.cpu()``, ``.numpy()``, ``bool(t)``, ...),
-which on an accelerator is a host-device synchronization, attributed to the line of a chosen
-package (hp_lightning by default) that caused it.
-
-:class:`HeapSampler` measures memory on the CPU, where tensors come from malloc: the bytes glibc's
-malloc has handed out (and the RSS), sampled on a thread and at chosen points. The benchmarks
-and the planner's ``--validate`` measure with it.
+:class:`CollectiveCounter` is torch's public :class:`~torch.distributed.tensor.debug.CommDebugMode`,
+a dispatch mode that sees each ``torch.distributed`` collective as its ``c10d`` op and each of
+DTensor's functional collectives as its ``_c10d_functional`` op; it records each call's kind,
+group ranks, bytes and dtype, and counts the ``send``/``recv`` that ``CommDebugMode`` leaves out
+(pipeline stages). What is counted is what is issued at the call: the tensor collectives an object
+collective (``all_gather_object``, ...) pickles through, and those DTensor issues inside one of its
+ops (a redistribution, clipping's norm), are not counted, nor ``barrier``. :class:`HostReads`
+counts each read of a tensor's value into Python (on an accelerator, a host-device sync);
+:class:`HeapSampler` measures the CPU's malloc heap and RSS. Each mode sees its own thread only.
 """
 
 from __future__ import annotations
@@ -53,29 +37,17 @@ from hp_lightning.core._torch_private import resolve_process_group
 #: Communication op (an op overload's ``name()``) -> the kind it is counted as. ``c10d`` ops are
 #: the ``torch.distributed`` calls; ``_c10d_functional`` ops are DTensor's.
 KINDS: dict[str, str] = {
-    "c10d::allgather_": "all_gather",
-    "c10d::_allgather_base_": "all_gather",
-    "c10d::allgather_into_tensor_coalesced_": "all_gather",
-    "c10d::reduce_scatter_": "reduce_scatter",
-    "c10d::_reduce_scatter_base_": "reduce_scatter",
-    "c10d::reduce_scatter_tensor_coalesced_": "reduce_scatter",
-    "c10d::allreduce_": "all_reduce",
-    "c10d::allreduce_coalesced_": "all_reduce",
+    "c10d::allgather_": "all_gather", "c10d::_allgather_base_": "all_gather", "c10d::allgather_into_tensor_coalesced_": "all_gather",
+    "c10d::reduce_scatter_": "reduce_scatter", "c10d::_reduce_scatter_base_": "reduce_scatter", "c10d::reduce_scatter_tensor_coalesced_": "reduce_scatter",
+    "c10d::allreduce_": "all_reduce", "c10d::allreduce_coalesced_": "all_reduce",
     "c10d::broadcast_": "broadcast",
-    "c10d::alltoall_": "all_to_all",
-    "c10d::alltoall_base_": "all_to_all",
-    "c10d::send": "send",
-    "c10d::recv_": "recv",
-    "_c10d_functional::all_reduce": "all_reduce",
-    "_c10d_functional::all_reduce_": "all_reduce",
-    "_c10d_functional::all_reduce_coalesced": "all_reduce",
-    "_c10d_functional::all_gather_into_tensor": "all_gather",
-    "_c10d_functional::all_gather_into_tensor_coalesced": "all_gather",
-    "_c10d_functional::reduce_scatter_tensor": "reduce_scatter",
-    "_c10d_functional::reduce_scatter_tensor_coalesced": "reduce_scatter",
+    "c10d::alltoall_": "all_to_all", "c10d::alltoall_base_": "all_to_all",
+    "c10d::send": "send", "c10d::recv_": "recv",
+    "_c10d_functional::all_reduce": "all_reduce", "_c10d_functional::all_reduce_": "all_reduce", "_c10d_functional::all_reduce_coalesced": "all_reduce",
+    "_c10d_functional::all_gather_into_tensor": "all_gather", "_c10d_functional::all_gather_into_tensor_coalesced": "all_gather",
+    "_c10d_functional::reduce_scatter_tensor": "reduce_scatter", "_c10d_functional::reduce_scatter_tensor_coalesced": "reduce_scatter",
     "_c10d_functional::all_to_all_single": "all_to_all",
-    "_c10d_functional::broadcast": "broadcast",
-    "_c10d_functional::broadcast_": "broadcast",
+    "_c10d_functional::broadcast": "broadcast", "_c10d_functional::broadcast_": "broadcast",
 }
 
 #: The object collectives: the tensor collectives they pickle through are theirs, not calls of the user's.
@@ -118,7 +90,6 @@ class CollectiveCounter(CommDebugMode):
     def __init__(self) -> None:
         super().__init__()
         self.calls: list[CollectiveCall] = []
-        self.paused = False
         #: Called with each recorded call, in issue order (e.g. to interleave with compute events).
         self.listeners: list[Callable[[CollectiveCall], None]] = []
         #: The label calls are recorded under (set by :meth:`mark`).
@@ -135,16 +106,11 @@ class CollectiveCounter(CommDebugMode):
         # DTensor's ops run as they are (CommDebugMode hands them back to look inside): the
         # collectives DTensor issues inside an op are not counted, those it issues at a call are.
         kind = KINDS.get(func.name()) if func.namespace in ("c10d", "_c10d_functional") else None
-        if kind is not None and not self.paused and not _inside(_OBJECT_COLLECTIVES):
+        if kind is not None and not _inside(_OBJECT_COLLECTIVES):
             self.comm_counts[func.overloadpacket] += 1
             tensor = _largest_tensor(args)
-            call = CollectiveCall(
-                kind,
-                _ranks(kind, args),
-                0 if tensor is None else tensor.numel() * tensor.element_size(),
-                None if tensor is None else tensor.dtype,
-                self.bucket,
-            )
+            size = 0 if tensor is None else tensor.numel() * tensor.element_size()
+            call = CollectiveCall(kind, _ranks(kind, args), size, None if tensor is None else tensor.dtype, self.bucket)
             self.calls.append(call)
             for listener in self.listeners:
                 listener(call)
@@ -154,7 +120,7 @@ class CollectiveCounter(CommDebugMode):
         self.calls.clear()
 
     def mark(self, label: Any) -> None:
-        """Record the calls from now on under ``label`` (until the next mark)."""
+        """Record the calls from now on under ``label`` (until the next mark), e.g. one bucket per micro-batch."""
         self.bucket = label
 
     def buckets(self) -> dict[Any, list[CollectiveCall]]:
@@ -241,24 +207,14 @@ class HostReads(TorchFunctionMode):
     Each read (:data:`HOST_READS`, and ``.to("cpu")``) is attributed to the first frame outside
     torch that led to it (a read inside a torch function called from hp_lightning counts for
     hp_lightning's line); reads whose caller is elsewhere (Lightning, the user, an optimizer
-    Lightning steps) are not recorded. On CPU these
-    reads cost nothing, but the same lines on an accelerator each wait for the device: this is
-    the way to find them without one. Only the calling thread is observed.
-
-    Example::
-
-        with HostReads() as reads:
-            trainer.fit(model)
-        reads.by_site()  # {"hp_lightning/core/agreement.py:123 tolist": 4, ...}
-
-    Args:
-        package: the folder whose code is counted (default: hp_lightning's).
+    Lightning steps) are not recorded. On CPU these reads cost nothing, but the same lines on an
+    accelerator each wait for the device: this is the way to find them without one.
     """
 
+    #: The folder whose code is counted (default: hp_lightning's).
     package: str = _PACKAGE
     #: (kind, "path/relative/to/package/parent:line") per read, in order.
     reads: list[tuple[str, str]] = field(default_factory=list)
-    paused: bool = False
 
     def __post_init__(self) -> None:
         super().__init__()
@@ -268,15 +224,11 @@ class HostReads(TorchFunctionMode):
         kind = HOST_READS.get(func)
         if kind is None and func is torch.Tensor.to and _to_host(args, kwargs):
             kind = "to(cpu)"
-        if kind is not None and not self.paused:
-            site = self._site()
-            if site is not None:
-                self.reads.append((kind, site))
+        if kind is not None and (site := self._site()) is not None:
+            self.reads.append((kind, site))
         return func(*args, **kwargs)
 
     def _site(self) -> str | None:
-        # The first frame outside torch made the read: count it when it is the package's (a read
-        # inside torch.optim called by Lightning is Lightning's, not hp_lightning's).
         frame: FrameType | None = sys._getframe(2)
         while frame is not None and frame.f_code.co_filename.startswith(_TORCH):
             frame = frame.f_back
@@ -286,13 +238,6 @@ class HostReads(TorchFunctionMode):
 
     def count(self) -> int:
         return len(self.reads)
-
-    def by_site(self) -> Counter[str]:
-        """``"file:line kind"`` -> how many reads it made."""
-        return Counter(f"{site} {kind}" for kind, site in self.reads)
-
-    def reset(self) -> None:
-        self.reads.clear()
 
 
 def _to_host(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
@@ -332,17 +277,15 @@ def heap_reader() -> Callable[[], int] | None:
     return read
 
 
-def _rss_reader() -> Callable[[], int]:
-    page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
-    def read() -> int:
-        try:
-            with open("/proc/self/statm", "rb") as f:
-                return int(f.read().split()[1]) * page
-        except (OSError, IndexError, ValueError):
-            return 0
 
-    return read
+def _rss() -> int:
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * _PAGE
+    except (OSError, IndexError, ValueError):
+        return 0
 
 
 def release_freed_memory() -> None:
@@ -364,18 +307,12 @@ class HeapSampler:
     communication threads, which ``torch.profiler``'s per-thread trace misses; the price is that
     a peak shorter than the interval can be missed. Samples are ``(time.time_ns(), heap, rss)``;
     ``rss=False`` skips reading ``/proc/self/statm`` (a file read per sample) and records 0.
-
-    Example::
-
-        with HeapSampler() as heap:
-            start = time.time_ns(); train_step(); heap.sample()
-        heap.heap_peak(start, time.time_ns())
     """
 
     def __init__(self, interval_s: float = 0.0005, *, rss: bool = True) -> None:
         self.interval_s = interval_s
         self.read_heap = heap_reader()
-        self.read_rss = _rss_reader() if rss else (lambda: 0)
+        self.read_rss = _rss if rss else (lambda: 0)
         self.samples: list[tuple[int, int, int]] = []
         self.heap_before = 0
         self.rss_before = 0

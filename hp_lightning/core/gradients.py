@@ -20,14 +20,15 @@ is computed per kind and combined:
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
-from typing import Optional, Union
+from collections.abc import Callable, Iterable
+from typing import Any, Optional, TypeVar, Union
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 ParamsLike = Union[torch.Tensor, Iterable[torch.Tensor]]
+_T = TypeVar("_T", bound=torch.Tensor)
 
 
 #: Marks a pipeline stage's copy of a tied parameter that another stage's copy already counts
@@ -37,16 +38,15 @@ TIED_REPLICA_ATTR = "_hp_tied_replica"
 
 def _grads(parameters: ParamsLike, *, counted_once: bool = False) -> list[torch.Tensor]:
     """The gradients to scale; with ``counted_once``, those the norm counts (tied replicas left out)."""
-    if isinstance(parameters, torch.Tensor):
-        parameters = [parameters]
-    return [p.grad for p in parameters if p.grad is not None and not (counted_once and getattr(p, TIED_REPLICA_ATTR, False))]
+    params = [parameters] if isinstance(parameters, torch.Tensor) else parameters
+    return [p.grad for p in params if p.grad is not None and not (counted_once and getattr(p, TIED_REPLICA_ATTR, False))]
 
 
-def _group_by_mesh(grads: list[DTensor]) -> list[list[DTensor]]:
-    groups: dict[object, list[DTensor]] = {}
-    for g in grads:
-        groups.setdefault(g.device_mesh, []).append(g)
-    return list(groups.values())
+def _grouped(tensors: list[_T], key: Callable[[_T], Any]) -> dict[Any, list[_T]]:
+    groups: dict[Any, list[_T]] = {}
+    for t in tensors:
+        groups.setdefault(key(t), []).append(t)
+    return groups
 
 
 def total_grad_norm(
@@ -56,15 +56,12 @@ def total_grad_norm(
     across: Optional[dist.ProcessGroup] = None,
     same_params: Optional[dist.ProcessGroup] = None,
 ) -> torch.Tensor:
-    """The global ``norm_type``-norm of all gradients, the same on every rank.
+    """The global ``norm_type``-norm of all gradients, the same on every rank (see the module docstring).
 
-    ``across``: ranks holding the rest of the model (a pipeline's other stages, each with its own
-    parameters): their norms are combined too, as torchtitan does for PP. ``same_params``: ranks
-    holding the same parameters (data-parallel): their plain-gradient norms are averaged, so
-    that ignored parameters do not give each rank its own norm (one scalar all-reduce).
-
-    Raises:
-        RuntimeError: with ``error_if_nonfinite=True`` when the norm is NaN or infinite.
+    ``across``: ranks holding the rest of the model (a pipeline's other stages): their norms are
+    combined too, as torchtitan does for PP. ``same_params``: the data-parallel group the plain
+    part is averaged over (one scalar all-reduce). ``error_if_nonfinite``: a RuntimeError when the
+    norm is NaN or infinite.
     """
     norm_type = float(norm_type)
     grads = _grads(parameters, counted_once=True)
@@ -72,25 +69,20 @@ def total_grad_norm(
         return torch.tensor(0.0)
     partial_norms = []
     plain = [g for g in grads if not isinstance(g, DTensor)]
-    for group in _group_by_mesh([g for g in grads if isinstance(g, DTensor)]):
+    for group in _grouped([g for g in grads if isinstance(g, DTensor)], lambda g: g.device_mesh).values():
         norm = torch.nn.utils.get_total_norm(group, norm_type=norm_type, foreach=None)
         partial_norms.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).float())
     if plain or same_params is not None:
         norm = torch.nn.utils.get_total_norm(plain, norm_type=norm_type, foreach=None).float() if plain else torch.zeros(())
-        if same_params is not None:  # after the shards' collectives, on every rank, with or without plain gradients
-            norm = _averaged(norm, norm_type, same_params)
+        if same_params is not None and dist.get_world_size(same_params) > 1:  # after the shards' collectives, on every rank
+            norm = _combined(norm, norm_type, same_params, mean=True)
         partial_norms.append(norm)
     partial_norms = partial_norms or [torch.zeros(())]  # a stage without gradients still joins `across`
     device = partial_norms[0].device
     stacked = torch.stack([n.to(device) for n in partial_norms])
     total = stacked.max() if math.isinf(norm_type) else torch.linalg.vector_norm(stacked, norm_type)
     if across is not None:
-        if math.isinf(norm_type):
-            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=across)
-        else:
-            total = total**norm_type
-            dist.all_reduce(total, group=across)
-            total = total ** (1.0 / norm_type)
+        total = _combined(total, norm_type, across)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(
             f"The total norm of order {norm_type} of the gradients is non-finite ({total.item()}), so they "
@@ -100,16 +92,14 @@ def total_grad_norm(
     return total
 
 
-def _averaged(norm: torch.Tensor, norm_type: float, group: dist.ProcessGroup) -> torch.Tensor:
-    """The mean over ``group`` of ``norm``'s ``norm_type``-th power, as a norm again (the max for inf)."""
-    if dist.get_world_size(group) == 1:
-        return norm
+def _combined(norm: torch.Tensor, norm_type: float, group: dist.ProcessGroup, mean: bool = False) -> torch.Tensor:
+    """The sum (``mean``: the mean) over ``group`` of ``norm``'s ``norm_type``-th power, as a norm again (the max for inf)."""
     if math.isinf(norm_type):
         dist.all_reduce(norm, op=dist.ReduceOp.MAX, group=group)
         return norm
     powered = norm**norm_type
     dist.all_reduce(powered, group=group)  # a sum: gloo has no average
-    return (powered / dist.get_world_size(group)) ** (1.0 / norm_type)
+    return (powered / dist.get_world_size(group) if mean else powered) ** (1.0 / norm_type)
 
 
 def clip_grad_norm_(
@@ -121,9 +111,7 @@ def clip_grad_norm_(
     same_params: Optional[dist.ProcessGroup] = None,
 ) -> torch.Tensor:
     """Scale gradients in place so their global norm is at most ``max_norm``; return the norm before."""
-    if isinstance(parameters, torch.Tensor):
-        parameters = [parameters]
-    parameters = list(parameters)
+    parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     total = total_grad_norm(parameters, norm_type, error_if_nonfinite, across, same_params)
     grads = _grads(parameters)
     if not grads:
@@ -132,16 +120,9 @@ def clip_grad_norm_(
     # Scale the local storage: a DTensor's shard is a plain tensor, so one foreach call per
     # device/dtype serves both kinds without mixing DTensor and Tensor arguments.
     local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
-    for device, group in _by_device(local).items():
+    for device, group in _grouped(local, lambda t: t.device).items():
         torch._foreach_mul_(group, coefficient.to(device))
     return total
-
-
-def _by_device(tensors: list[torch.Tensor]) -> dict[torch.device, list[torch.Tensor]]:
-    out: dict[torch.device, list[torch.Tensor]] = {}
-    for t in tensors:
-        out.setdefault(t.device, []).append(t)
-    return out
 
 
 def clip_grad_value_(parameters: ParamsLike, clip_value: float) -> None:

@@ -29,13 +29,11 @@ def unit_names(root: nn.Module) -> dict[int, str]:
     """
     names = {id(m): (name or "<root>") for name, m in root.named_modules()}
     by_state: dict[int, list[nn.Module]] = {}
-    for module in root.modules():
-        if isinstance(module, FSDPModule):
-            by_state.setdefault(id(fsdp_state(module)), []).append(module)
+    for module in sharding_units(root):
+        by_state.setdefault(id(fsdp_state(module)), []).append(module)
     for members in by_state.values():
-        if len(members) > 1:
-            joined = "+".join(names[id(m)] for m in members)
-            names.update({id(m): joined for m in members})
+        joined = "+".join(names[id(m)] for m in members)
+        names.update({id(m): joined for m in members})
     return names
 
 
@@ -102,14 +100,11 @@ class UnitReport:
 class StageReport:
     """One pipeline stage as cut at setup: the same on every rank, whichever stage the rank holds.
 
-    Bytes are the whole stage's parameters before sharding (each stage's ranks hold
-    ``1 / shard size`` of them): what balancing the stages compares. The per-unit table next to it
-    covers only the units of the reporting rank's own stage, sharded.
+    Bytes are the whole stage's parameters before sharding: what balancing the stages compares (the
+    per-unit table next to it covers only the reporting rank's own stage, sharded).
 
     Attributes:
-        index: the stage's index among ``P x V``.
         pipeline_rank: the pipeline rank that runs it (loop or V placement with virtual stages).
-        param_bytes: bytes of its parameters, each counted once.
         units: its units that hold state, in model order.
         everywhere: its units with nothing in their ``state_dict`` (a loss, rotary tables), which the
             cut leaves on every stage.
@@ -157,16 +152,8 @@ class ShardingSummary:
         rows = [head]
         for u in self.units:
             rows.append((
-                u.name,
-                str(u.tensors),
-                f"{u.elements:,}",
-                f"{u.local_bytes:,}",
-                f"{u.min_bytes:,}..{u.max_bytes:,}",
-                u.placements,
-                u.compute_dtype,
-                u.reduce_dtype,
-                devices.CPU if u.offload else "-",
-                "yes" if u.reshard_after_forward else "no",
+                u.name, str(u.tensors), f"{u.elements:,}", f"{u.local_bytes:,}", f"{u.min_bytes:,}..{u.max_bytes:,}",
+                u.placements, u.compute_dtype, u.reduce_dtype, devices.CPU if u.offload else "-", "yes" if u.reshard_after_forward else "no",
                 f"{','.join(u.forward_prefetch) or '-'} / {','.join(u.backward_prefetch) or '-'}",
             ))
         widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
@@ -174,8 +161,7 @@ class ShardingSummary:
         lines.insert(1, "  ".join("-" * w for w in widths))
         out = [f"Sharding report ({self.mesh})", *lines]
         if self.unsharded_params:
-            total = sum(self.unsharded_params.values())
-            out.append(f"not sharded (replicate / ignored): {len(self.unsharded_params)} tensors, {total:,} bytes on every rank")
+            out.append(f"not sharded (replicate / ignored): {len(self.unsharded_params)} tensors, {sum(self.unsharded_params.values()):,} bytes on every rank")
         out.append(f"total on this rank: {self.local_bytes:,} bytes of parameters")
         if self.stages:
             out.append(stage_table(self.stages))
@@ -194,9 +180,9 @@ def _min_max_over_ranks(values: list[int], device: torch.device, group: Any = No
     return [-v for v in result[n:]], result[:n]
 
 
+#: A unit whose trainable parameters hold at most this share of its elements is frozen-base training
+#: (adapters beside frozen weights): the mixed-unit warning is not given for it.
 ADAPTER_SHARE = 0.1
-"""A unit whose trainable parameters hold at most this share of its elements is frozen-base training
-(adapters beside frozen weights): the mixed-unit warning is not given for it."""
 
 
 def summarize(
@@ -212,7 +198,6 @@ def summarize(
     """The per-unit report of a sharded model. A collective: every rank must call it.
 
     Args:
-        root: the sharded root.
         units: the sharding units, root first (see :func:`units_in_order`).
         mesh: the data-parallel mesh.
         unsharded_names: replicate / ignored parameter names (listed apart, with their bytes).
@@ -225,40 +210,26 @@ def summarize(
     partial: list[dict[str, Any]] = []
     trainable_share: list[float] = []  # per unit: the trainable parameters' share of its elements
     for unit in units:
-        tensors = elements = local = frozen = trainable = trainable_elements = 0
-        placements: set[str] = set()
-        compute: set[str] = set()
-        reduce: set[str] = set()
-        offload = False
-        for param, mp_policy, offload_policy in managed_params(unit):
-            offload = offload or isinstance(offload_policy, CPUOffloadPolicy)
-            shard = param.to_local()
-            tensors += 1
-            elements += param.numel()
-            local += shard.numel() * shard.element_size()
-            placements.add(_placements(param))
-            frozen += not param.requires_grad
-            trainable += bool(param.requires_grad)
-            trainable_elements += param.numel() if param.requires_grad else 0
-            compute_dtype = mp_policy.param_dtype or param.dtype
-            compute.add(_dtype(compute_dtype))
-            reduce.add(_dtype(mp_policy.reduce_dtype or compute_dtype))
+        managed = managed_params(unit)  # (sharded parameter, mp_policy, offload_policy)
+        params = [param for param, _, _ in managed]
+        trainable = [param for param in params if param.requires_grad]
+        elements = sum(param.numel() for param in params)
         partial.append(dict(
             name=names.get(id(unit), type(unit).__name__),
-            tensors=tensors,
+            tensors=len(params),
             elements=elements,
-            local_bytes=local,
-            placements=" | ".join(sorted(placements)) or "-",
-            compute_dtype="/".join(sorted(compute)) or "-",
-            reduce_dtype="/".join(sorted(reduce)) or "-",
-            offload=offload,
+            local_bytes=sum(shard.numel() * shard.element_size() for shard in (param.to_local() for param in params)),
+            placements=" | ".join(sorted({_placements(param) for param in params})) or "-",
+            compute_dtype="/".join(sorted({_dtype(mp.param_dtype or param.dtype) for param, mp, _ in managed})) or "-",
+            reduce_dtype="/".join(sorted({_dtype(mp.reduce_dtype or mp.param_dtype or param.dtype) for param, mp, _ in managed})) or "-",
+            offload=any(isinstance(offload, CPUOffloadPolicy) for _, _, offload in managed),
             reshard_after_forward=reshards_after_forward(unit),
             forward_prefetch=tuple(dict.fromkeys(names.get(id(m), "?") for m in prefetch_targets(unit, "forward"))),
             backward_prefetch=tuple(dict.fromkeys(names.get(id(m), "?") for m in prefetch_targets(unit, "backward"))),
-            frozen=frozen,
-            trainable=trainable,
+            frozen=len(params) - len(trainable),
+            trainable=len(trainable),
         ))
-        trainable_share.append(trainable_elements / elements if elements else 0.0)
+        trainable_share.append(sum(param.numel() for param in trainable) / elements if elements else 0.0)
     lows, highs = _min_max_over_ranks([p["local_bytes"] for p in partial], device, group)
     rows = [UnitReport(min_bytes=lo, max_bytes=hi, **p) for p, lo, hi in zip(partial, lows, highs)]
 
@@ -277,8 +248,7 @@ def summarize(
                 f"unit of their own (shard_modules) so their gathers can be tuned apart, or keep them whole with "
                 f"ignored_params if they are small."
             )
-    shard_size = mesh.shape[-1]
-    if shard_size == 1:
+    if mesh.shape[-1] == 1:
         warnings.append(
             f"{describe(mesh)} shards nothing: its shard axis has size 1, so every rank holds the whole "
             f"model and FSDP only adds overhead. Use mesh_shape=[R, S] with S > 1 (e.g. S = devices per node)."
@@ -295,26 +265,15 @@ def summarize(
 def live_gradient_bytes(model: nn.Module) -> int:
     """Bytes of gradient storage ``model`` holds right now on this rank.
 
-    Counts sharded gradients (a DTensor's local shard), the full-size gradients a unit
-    accumulates while gradient sync is off, HSDP partial reductions waiting for their
-    all-reduce, and plain gradients of replicate / ignored parameters. Each storage is counted
-    once, by its full size (views into one flat buffer share it).
+    Counts sharded gradients (a DTensor's local shard), what FSDP2 holds outside ``param.grad``
+    (:func:`~hp_lightning.core._torch_private.held_gradients`) and plain gradients of replicate /
+    ignored parameters. Each storage is counted once, by its full size (views share it).
     """
     seen: dict[tuple[str, int], int] = {}
-
-    def add(tensor: Optional[torch.Tensor]) -> None:
-        if tensor is None:
-            return
-        if isinstance(tensor, DTensor):
-            tensor = tensor.to_local()
-        storage = tensor.untyped_storage()
-        if storage.nbytes() == 0:
-            return
-        seen[(str(tensor.device), storage.data_ptr())] = storage.nbytes()
-
-    for param in model.parameters():
-        add(param.grad)
-    for unit in sharding_units(model):
-        for tensor in held_gradients(unit):
-            add(tensor)
+    grads = [param.grad for param in model.parameters() if param.grad is not None]
+    for tensor in [*grads, *(held for unit in sharding_units(model) for held in held_gradients(unit))]:
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        storage = local.untyped_storage()
+        if storage.nbytes():
+            seen[(str(local.device), storage.data_ptr())] = storage.nbytes()
     return sum(seen.values())

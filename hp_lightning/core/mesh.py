@@ -12,15 +12,14 @@ Composed meshes (:class:`MeshLayout`) order their named dims outermost to innerm
 
 TP is innermost, so a TP group is consecutive ranks (one node). EP is carved out of the shard
 dim, as torchtitan does: the ``ep`` ranks are data-parallel ranks too (each sees its own batch),
-and ``shard`` is the flattened ``(expert_shard, ep)``. Dense parameters shard over
-``(replicate, shard)``; experts are split over ``ep`` and shard over ``(replicate, expert_shard)``.
-A size-1 ``pp``/``tp``/``ep`` dim is left out, so plain FSDP/HSDP meshes are exactly the 1-D/2-D
-ones. ``pp`` is outermost: each pipeline stage is a block of consecutive ranks holding a whole
-data-parallel mesh of its own, and only activations cross between stages.
+and ``shard`` is the flattened ``(expert_shard, ep)``; experts shard over ``(replicate,
+expert_shard)``. ``pp`` is outermost: each stage is a block of consecutive ranks with a whole
+data-parallel mesh of its own. A size-1 ``pp``/``tp``/``ep`` dim is left out.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -68,10 +67,6 @@ def validate_mesh_shape(mesh_shape: Sequence[int] | None) -> tuple[int, ...] | N
 
     Accepts None (automatic HSDP ``(num_nodes, devices_per_node)``), ``(N,)`` (FSDP) or ``(R, S)``
     (HSDP), where at most one size may be -1 (inferred from the world size).
-
-    Raises:
-        TypeError: when it is not a list/tuple of ints.
-        ValueError: for 0-D or >2-D shapes, sizes < 1 other than -1, or more than one -1.
     """
     if mesh_shape is None:
         return None
@@ -99,33 +94,22 @@ def validate_mesh_shape(mesh_shape: Sequence[int] | None) -> tuple[int, ...] | N
     return shape
 
 
-def resolve_mesh_shape(
-    mesh_shape: Sequence[int] | None, *, world_size: int, num_nodes: int, devices_per_node: int
-) -> tuple[int, ...]:
-    """Turn a validated ``mesh_shape`` into concrete sizes whose product is the world size.
-
-    Raises:
-        ValueError: when the sizes cannot multiply to ``world_size``.
-    """
+def resolve_mesh_shape(mesh_shape: Sequence[int] | None, *, world_size: int, num_nodes: int, devices_per_node: int) -> tuple[int, ...]:
+    """Turn a validated ``mesh_shape`` into concrete sizes whose product is the world size (else a ValueError)."""
     shape = validate_mesh_shape(mesh_shape)
     if shape is None:
         shape = (num_nodes, devices_per_node)
     if INFER in shape:
-        known = 1
-        for size in shape:
-            if size != INFER:
-                known *= size
+        known = math.prod(size for size in shape if size != INFER)
         if world_size % known:
             raise ValueError(
                 f"mesh_shape {list(shape)} cannot cover world size {world_size}: {known} does not divide it. "
                 f"Choose sizes whose product is {world_size}."
             )
         shape = tuple(world_size // known if size == INFER else size for size in shape)
-    product = 1
-    for size in shape:
-        product *= size
+    product = math.prod(shape)
     if product != world_size:
-        names = " x ".join(HSDP_DIM_NAMES if len(shape) == 2 else FSDP_DIM_NAMES)
+        names = " x ".join(dim_names_for(shape))
         raise ValueError(
             f"mesh_shape {list(shape)} needs {names} == world size {world_size}; got {product}. "
             f"Use sizes that multiply to {world_size} (for example [{num_nodes}, {world_size // max(num_nodes, 1)}]), "
@@ -144,27 +128,18 @@ def default_device_type() -> str:
 
 
 def build_device_mesh(device_type: str, shape: Sequence[int]) -> DeviceMesh:
-    """Create the data-parallel mesh over the default process group (a collective call).
-
-    Raises:
-        ValueError: when the shape does not match the initialized world size.
-    """
-    shape = tuple(shape)
-    world = dist.get_world_size()
-    product = 1
-    for size in shape:
-        product *= size
-    if product != world:
-        raise ValueError(f"A mesh of shape {list(shape)} needs world size {product}; the process group has {world}.")
-    return _torch_init_device_mesh(device_type, shape, mesh_dim_names=dim_names_for(shape))
+    """Create the data-parallel mesh over the default process group (a collective call)."""
+    return _build_mesh(device_type, tuple(shape), dim_names_for(shape))
 
 
-def init_device_mesh(
-    device_type: str | None = None,
-    mesh_shape: Sequence[int] = (),
-    *,
-    mesh_dim_names: Sequence[str] | None = None,
-) -> DeviceMesh:
+def _build_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
+    """A mesh over the default process group (a collective call); a ValueError when the shape does not match the world."""
+    if math.prod(shape) != dist.get_world_size():
+        raise ValueError(f"A mesh of shape {list(shape)} needs world size {math.prod(shape)}; the process group has {dist.get_world_size()}.")
+    return _torch_init_device_mesh(device_type, shape, mesh_dim_names=names)
+
+
+def init_device_mesh(device_type: str | None = None, mesh_shape: Sequence[int] = (), *, mesh_dim_names: Sequence[str] | None = None) -> DeviceMesh:
     """The seed's ``init_device_mesh(device_type, mesh_shape, mesh_dim_names=...)``.
 
     ``device_type=None`` picks the current accelerator (or the CPU); names default to
@@ -225,10 +200,7 @@ class MeshLayout:
 
     @property
     def dp_size(self) -> int:
-        size = 1
-        for s in self.dp:
-            size *= s
-        return size
+        return math.prod(self.dp)
 
     @property
     def world_size(self) -> int:
@@ -242,13 +214,7 @@ class MeshLayout:
     @property
     def dp_names(self) -> tuple[str, ...]:
         """The root mesh's data-parallel dims (what FSDP shards over)."""
-        if self.lightning_names:
-            return (LIGHTNING_DP_DIM,)
-        return HSDP_DIM_NAMES if len(self.dp) == 2 else FSDP_DIM_NAMES
-
-    @property
-    def tp_name(self) -> str:
-        return LIGHTNING_TP_DIM if self.lightning_names else TP_DIM
+        return (LIGHTNING_DP_DIM,) if self.lightning_names else dim_names_for(self.dp)
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -289,25 +255,19 @@ def resolve_layout(
     ``mesh_shape`` describes the data-parallel dims only: their product is the world size divided
     by ``tensor_parallel_size`` and ``pipeline_parallel_size``; None is HSDP
     ``(num_nodes, devices_per_node / tp)`` (FSDP over ``world / pp`` ranks under PP).
-
-    Raises:
-        ValueError: TP that does not divide the world (or a node's devices, by default), PP that does
-            not divide the world, data-parallel sizes that do not cover the rest, or EP that does
-            not divide the shard dim.
     """
     tp, ep, pp = validate_parallel_sizes(tensor_parallel_size, expert_parallel_size, pipeline_parallel_size)
     if data_parallel_size is not None:
         return _lightning_layout(data_parallel_size, tp, world_size)
-    if world_size % tp:
-        raise ValueError(
-            f"tensor_parallel_size={tp} does not divide the world size {world_size} ({num_nodes} node(s) x "
-            f"{devices_per_node} device(s)). Choose a TP size that divides the devices per node, e.g. 2."
-        )
-    if world_size % pp:
-        raise ValueError(
-            f"pipeline_parallel_size={pp} does not divide the world size {world_size} ({num_nodes} node(s) x "
-            f"{devices_per_node} device(s)). Choose a number of stages that divides it, e.g. 2."
-        )
+    for name, size, choice in (
+        ("tensor_parallel_size", tp, "a TP size that divides the devices per node"),
+        ("pipeline_parallel_size", pp, "a number of stages that divides it"),
+    ):
+        if world_size % size:
+            raise ValueError(
+                f"{name}={size} does not divide the world size {world_size} ({num_nodes} node(s) x "
+                f"{devices_per_node} device(s)). Choose {choice}, e.g. 2."
+            )
     dp_world = world_size // tp // pp
     if mesh_shape is not None and (tp > 1 or pp > 1):
         _check_composed_product(validate_mesh_shape(mesh_shape), world_size=world_size, tp=tp, ep=ep, pp=pp)
@@ -330,19 +290,14 @@ def resolve_layout(
 
 
 def _lightning_layout(data_parallel_size: int | str, tp: int, world_size: int) -> MeshLayout:
-    """Lightning ``ModelParallelStrategy``'s ``(data_parallel, tensor_parallel)`` mesh for this world.
-
-    Raises:
-        ValueError: when ``data_parallel_size x tensor_parallel_size`` is not the world size.
-    """
+    """Lightning ``ModelParallelStrategy``'s ``(data_parallel, tensor_parallel)`` mesh for this world."""
     dp = world_size // tp if data_parallel_size == "auto" else data_parallel_size
     if not isinstance(dp, int) or dp * tp != world_size:
         raise ValueError(
             f"HSDPStrategy(data_parallel_size={data_parallel_size!r}, tensor_parallel_size={tp}) needs "
-            f"data_parallel_size x tensor_parallel_size == world size {world_size}"
-            + ("" if world_size % tp else f"; set data_parallel_size={world_size // tp} or 'auto'")
-            + (f"; {tp} does not divide {world_size}: choose a tensor_parallel_size that does" if world_size % tp else "")
-            + "."
+            f"data_parallel_size x tensor_parallel_size == world size {world_size}; "
+            + (f"{tp} does not divide {world_size}: choose a tensor_parallel_size that does." if world_size % tp
+               else f"set data_parallel_size={world_size // tp} or 'auto'.")
         )
     return MeshLayout(dp=(dp,), tp=tp, lightning_names=True)
 
@@ -350,9 +305,7 @@ def _lightning_layout(data_parallel_size: int | str, tp: int, world_size: int) -
 def check_data_parallel_size(value: object, *, mesh_shape: object, expert_parallel_size: int, pipeline_parallel_size: int) -> int | str | None:
     """Check ``data_parallel_size`` (Lightning ``ModelParallelStrategy``'s argument) before any process exists.
 
-    Raises:
-        TypeError: anything but None, ``"auto"`` or an int >= 1.
-        ValueError: a size below 1, or together with ``mesh_shape``, EP or PP (Lightning's 2-D mesh has neither).
+    Lightning's 2-D mesh has no ``mesh_shape``, EP or PP: together with any of them it is an error.
     """
     if value is None:
         return None
@@ -363,15 +316,8 @@ def check_data_parallel_size(value: object, *, mesh_shape: object, expert_parall
         )
     if isinstance(value, int) and value < 1:
         raise ValueError(f"HSDPStrategy(data_parallel_size=...) expects an int >= 1 or 'auto'; got {value}.")
-    clashes = [
-        f"{name}={v!r}"
-        for name, v, default in (
-            ("mesh_shape", mesh_shape, None),
-            ("expert_parallel_size", expert_parallel_size, 1),
-            ("pipeline_parallel_size", pipeline_parallel_size, 1),
-        )
-        if v != default
-    ]
+    given = {"mesh_shape": (mesh_shape, None), "expert_parallel_size": (expert_parallel_size, 1), "pipeline_parallel_size": (pipeline_parallel_size, 1)}
+    clashes = [f"{name}={v!r}" for name, (v, default) in given.items() if v != default]
     if clashes:
         raise ValueError(
             f"HSDPStrategy(data_parallel_size={value!r}) builds Lightning ModelParallelStrategy's 2-D mesh "
@@ -383,14 +329,8 @@ def check_data_parallel_size(value: object, *, mesh_shape: object, expert_parall
 
 
 def _check_composed_product(shape: tuple[int, ...], *, world_size: int, tp: int, ep: int, pp: int) -> None:
-    """Check ``prod(mesh_shape) x tp x pp == world`` (EP lies inside the shard dim), naming every size.
-
-    Raises:
-        ValueError: with the numbers and both ways out: resize ``mesh_shape`` or the parallel sizes.
-    """
-    known = 1
-    for size in shape:
-        known *= size if size != INFER else 1
+    """Check ``prod(mesh_shape) x tp x pp == world`` (EP lies inside the shard dim); the error names both ways out."""
+    known = math.prod(size for size in shape if size != INFER)
     infers = INFER in shape
     if world_size % (tp * pp):
         raise ValueError(
@@ -417,10 +357,7 @@ def _check_composed_product(shape: tuple[int, ...], *, world_size: int, tp: int,
 
 @dataclass(frozen=True, eq=False)
 class ParallelMesh:
-    """The root mesh and the sub-meshes each technique runs on.
-
-    Without TP/EP the root *is* the data-parallel mesh (1-D or 2-D), exactly as before.
-    """
+    """The root mesh and the sub-meshes each technique runs on (without TP/EP/PP the root *is* the data-parallel mesh)."""
 
     world: DeviceMesh
     layout: MeshLayout
@@ -447,7 +384,7 @@ class ParallelMesh:
 
     @property
     def tp(self) -> DeviceMesh | None:
-        return self.world[self.layout.tp_name] if self.layout.tp > 1 else None
+        return self.world[LIGHTNING_TP_DIM if self.layout.lightning_names else TP_DIM] if self.layout.tp > 1 else None
 
     @property
     def ep(self) -> DeviceMesh | None:
@@ -487,12 +424,7 @@ class ParallelMesh:
 
 def build_parallel_mesh(device_type: str, layout: MeshLayout) -> ParallelMesh:
     """Create the root mesh for ``layout`` (a collective call) and its sub-meshes."""
-    if not layout.composed:
-        return ParallelMesh(build_device_mesh(device_type, layout.dp), layout)
-    if layout.world_size != dist.get_world_size():
-        raise ValueError(f"A mesh of shape {list(layout.shape)} needs world size {layout.world_size}; the process group has {dist.get_world_size()}.")
-    world = _torch_init_device_mesh(device_type, layout.shape, mesh_dim_names=layout.names)
-    mesh = ParallelMesh(world, layout)
+    mesh = ParallelMesh(_build_mesh(device_type, layout.shape, layout.names), layout)
     mesh.dp  # noqa: B018 - flattened dims are created on every rank together, here
     if layout.tp > 1 or layout.pp > 1:
         mesh.dp_group  # noqa: B018
@@ -524,34 +456,3 @@ def describe(mesh: DeviceMesh) -> str:
     dims = ", ".join(f"{name}={size}" for name, size in zip(mesh.mesh_dim_names or (), mesh.shape))
     return f"{kind} mesh ({dims}) on {mesh.device_type}"
 
-
-__all__ = [
-    "DP_DIM",
-    "EP_DIM",
-    "LIGHTNING_DP_DIM",
-    "LIGHTNING_TP_DIM",
-    "MODEL_PARALLEL_DIM_NAMES",
-    "TP_DIM_NAMES",
-    "EXPERT_SHARD_DIM",
-    "MeshLayout",
-    "PP_DIM",
-    "ParallelMesh",
-    "TP_DIM",
-    "build_parallel_mesh",
-    "check_data_parallel_size",
-    "resolve_layout",
-    "validate_parallel_sizes",
-    "FSDP_DIM_NAMES",
-    "HSDP_DIM_NAMES",
-    "INFER",
-    "REPLICATE_DIM",
-    "SHARD_DIM",
-    "build_device_mesh",
-    "default_device_type",
-    "describe",
-    "dim_names_for",
-    "init_device_mesh",
-    "resolve_mesh_shape",
-    "set_collective_timeout",
-    "validate_mesh_shape",
-]

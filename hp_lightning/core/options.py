@@ -1,37 +1,20 @@
 """The strategy options, written once: small frozen dataclasses grouped by owner, one flat constructor.
 
-Each group is a frozen, keyword-only dataclass whose fields carry their documentation
-(``option(default, doc)``; :func:`field_docs` reads it). :class:`HSDPOptions` is every group at once, with
-flat fields: ``HSDPOptions(mesh_shape=[2, 4], cpu_offload=True)`` is the constructor users, YAML
-and both front ends share, and an ``HSDPOptions`` is also an instance of each group, so code that
-needs only the checkpoint options can take a :class:`CheckpointOptions`.
-
-=====================  ============================================================
-group                  owner
-=====================  ============================================================
-:class:`ParallelOptions`   the mesh and its sizes (:mod:`hp_lightning.core.mesh`), TP, EP
-:class:`ShardingOptions`   the recipe: units, placements, reduction, accumulation, init
-:class:`PrecisionOptions`  dtypes of compute and reduction
-:class:`CheckpointOptions` what a save writes and a resume reads
-:class:`FaultOptions`      timeouts, watchdog, preemption, divergence check
-:class:`PipelineOptions`   how the model is cut into stages and scheduled
-=====================  ============================================================
+Each group (:data:`OPTION_GROUPS`: parallel sizes, sharding recipe, precision, checkpoints, faults,
+pipeline) is a frozen, keyword-only dataclass. :class:`HSDPOptions` is every group at once, with flat
+fields: ``HSDPOptions(mesh_shape=[2, 4], cpu_offload=True)`` is the constructor users, YAML and both
+front ends share, and an ``HSDPOptions`` is also an instance of each group, so code that needs only
+the checkpoint options can take a :class:`CheckpointOptions`.
 
 Every value is checked and normalized at construction (in ``Trainer(...)`` / ``Fabric(...)``,
 before any process or group exists). :meth:`HSDPOptions.layout` resolves the mesh sizes once for
-a world; :class:`~hp_lightning.recipe.parallelize.ShardingPlan` is these options as the recipe applies them; :meth:`HSDPOptions.settings`
-is what every rank must agree on before the mesh is built.
+a world; :meth:`HSDPOptions.settings` is what every rank must agree on before the mesh is built.
 
-Each field is declared once, with ``option(default, doc)``: its annotation is what the resolved
-options hold (``options.param_dtype`` is a ``torch.dtype``), ``accepts=`` (when it differs) what a
-user may pass (``"bf16"`` or a ``torch.dtype``), and ``doc`` its documentation, kept at run time
-(no source is read: a ``.pyc``-only install has its ``--help`` too).
-
-Adding an option: a field with its docstring in the group that owns it (with a check in that
-group's ``_normalize`` when it needs one), and the code that uses it; then ``make generate``
-(``scripts/generate.py``) writes what derives from the fields: the type checkers' view of the
-constructors (:mod:`hp_lightning.core.option_inputs`), ``docs/configuration.md``,
-``examples/configs/full_options.yaml``'s new keys and ``tests/golden/frontends.json``.
+Each field is declared once, with :func:`option`: its annotation is what the resolved options hold
+(``options.param_dtype`` is a ``torch.dtype``), ``accepts=`` what a user may pass, ``doc`` its
+documentation, kept at run time (a ``.pyc``-only install has its ``--help`` too). Adding an option:
+a field in the group that owns it (with a check in that group's ``_normalize``), the code that uses
+it, then ``make generate`` (``scripts/generate.py``), which writes what derives from the fields.
 """
 
 from __future__ import annotations
@@ -138,12 +121,10 @@ def _check_placement(placement: Any) -> Optional[dict[str, int]]:
         return None
     if not isinstance(placement, Mapping):
         raise TypeError(f"HSDPStrategy(shard_placement=...) expects a mapping of parameter-name glob to dim; got {type(placement).__name__}. Example: {{'*.w2.weight': 1}}.")
-    out = {}
     for pattern, dim in placement.items():
         if not isinstance(pattern, str) or isinstance(dim, bool) or not isinstance(dim, int):
             raise TypeError(f"HSDPStrategy(shard_placement=...) maps strings to ints; got {pattern!r}: {dim!r}.")
-        out[pattern] = dim
-    return out
+    return dict(placement)
 
 
 def _check_prefetch(prefetch: Any) -> int:
@@ -216,8 +197,7 @@ class _OptionGroup:
     def _normalize(self, done: Mapping[str, Any]) -> dict[str, Any]:
         """This group's fields, checked and normalized (``done``: the groups before it, for combined checks).
 
-        Raises:
-            TypeError / ValueError: naming the option, what it expects, what it got.
+        A TypeError / ValueError names the option, what it expects, what it got.
         """
         return {}
 
@@ -308,23 +288,14 @@ class ParallelOptions(_OptionGroup):
         }
 
     def layout(self, *, world_size: int, num_nodes: int, devices_per_node: int) -> MeshLayout:
-        """The sizes of every mesh dim for this world: resolved once, then carried to the mesh and the recipe.
-
-        Raises:
-            ValueError: sizes that cannot cover the world, naming which to change.
-        """
+        """The sizes of every mesh dim for this world: resolved once, then carried to the mesh and the recipe."""
         mesh_shape: Optional[Sequence[int]] = self.mesh_shape
         if mesh_shape is None and getattr(self, "fault_tolerance", None) is not None:
             mesh_shape = [world_size]  # a replica group shards over all its ranks; the groups replicate
         return resolve_layout(
-            mesh_shape,
-            world_size=world_size,
-            num_nodes=num_nodes,
-            devices_per_node=devices_per_node,
-            tensor_parallel_size=self.tensor_parallel_size,
-            expert_parallel_size=self.expert_parallel_size,
-            pipeline_parallel_size=self.pipeline_parallel_size,
-            data_parallel_size=self.data_parallel_size,
+            mesh_shape, world_size=world_size, num_nodes=num_nodes, devices_per_node=devices_per_node,
+            tensor_parallel_size=self.tensor_parallel_size, expert_parallel_size=self.expert_parallel_size,
+            pipeline_parallel_size=self.pipeline_parallel_size, data_parallel_size=self.data_parallel_size,
         )
 
 
@@ -616,8 +587,7 @@ def _check_fault_tolerance(value: Any, done: Mapping[str, Any]) -> Optional[Faul
     config = FaultTolerance.from_value(value)
     if config is None:
         return None
-    sizes = {name: done.get(name, 1) for name in ("tensor_parallel_size", "expert_parallel_size", "pipeline_parallel_size")}
-    composed = [f"{name}={size}" for name, size in sizes.items() if size != 1]
+    composed = [f"{name}={done[name]}" for name in ("tensor_parallel_size", "expert_parallel_size", "pipeline_parallel_size") if done.get(name, 1) != 1]
     if done.get("data_parallel_size") is not None:
         composed.append(f"data_parallel_size={done['data_parallel_size']!r}")
     mesh = done.get("mesh_shape")
@@ -714,10 +684,8 @@ class HSDPOptions(PipelineOptions, FaultOptions, CheckpointOptions, PrecisionOpt
 
     An instance of every group (:data:`OPTION_GROUPS`); fields in the groups' order. Each field's
     meaning is its docstring (:func:`field_docs`). It takes what a user may pass
-    (:func:`input_types`) and holds the normalized values (:func:`field_types`).
-
-    Raises:
-        TypeError / ValueError: on construction, for any field of the wrong type or value.
+    (:func:`input_types`), raising TypeError / ValueError on construction for a wrong one, and
+    holds the normalized values (:func:`field_types`).
     """
 
     if TYPE_CHECKING:  # what type checkers read; at run time the dataclass's own __init__ (the same keywords)

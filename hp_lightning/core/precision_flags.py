@@ -35,20 +35,14 @@ PRECISION_ALIASES: dict[Any, str] = {"32": "32-true", 32: "32-true", "bf16": "bf
 
 
 def normalize_precision(value: Any, front_end: str = "Trainer") -> str:
-    """Return the canonical flag for ``value`` or raise a ValueError that lists the choices.
+    """Return the canonical flag for ``value`` (``"bf16-mixed"``, ``"32"``, ``32``, ...) or raise a ValueError that lists the choices.
 
-    Args:
-        value: a precision flag as the user wrote it (``"bf16-mixed"``, ``"32"``, ``32``, ...).
-        front_end: ``"Trainer"`` or ``"Fabric"``: the call the error message tells the user to fix.
-
-    Raises:
-        ValueError: for any flag not in :data:`SUPPORTED_PRECISION` (or an alias of one).
+    ``front_end``: ``"Trainer"`` or ``"Fabric"``, the call the error message tells the user to fix.
     """
     flag = PRECISION_ALIASES.get(value, value)
     if flag not in SUPPORTED_PRECISION:
-        hint = ""
-        if flag in ("16-mixed", "16", 16):
-            hint = " fp16 mixed precision needs a sharded gradient scaler; use 'bf16-mixed' (same memory, no scaler)."
+        fp16 = flag in ("16-mixed", "16", 16)
+        hint = " fp16 mixed precision needs a sharded gradient scaler; use 'bf16-mixed' (same memory, no scaler)." if fp16 else ""
         raise ValueError(
             f"HSDPStrategy supports precision {sorted(SUPPORTED_PRECISION)}; got {value!r}.{hint} "
             f"Set {front_end}(precision='bf16-mixed') or '32-true'."

@@ -3,12 +3,10 @@
 A signal handler runs on the main thread between two bytecodes, wherever that thread is. Any
 collective started from it (Lightning's own SIGTERM handler broadcasts a flag) pairs with
 whatever the other ranks happen to be doing, and the job hangs. So here the handler only
-records the signal. The ranks agree at a point they all reach in step, once per optimizer step:
-the signal rides in the step's one control collective
-(:class:`~hp_lightning.core.agreement.StepAgreement`: an all-reduce, MAX, of a small int32 host
-tensor on a gloo group, shared with the divergence check), so it costs no collective of its own
-and no host-device synchronization. A signal that reached one rank only (torchrun forwarding to
-one worker, a SIGTERM to the launcher alone) so stops every rank at the same batch, where a
+records the signal. The ranks agree once per optimizer step, in the step's one control
+collective (:class:`~hp_lightning.core.agreement.StepAgreement`), so it costs no collective of its
+own and no host-device synchronization. A signal that reached one rank only (torchrun forwarding
+to one worker, a SIGTERM to the launcher alone) so stops every rank at the same batch, where a
 checkpoint can be saved collectively before leaving.
 """
 
@@ -37,14 +35,11 @@ class Preempted(SystemExit):
 
 
 class PreemptionWatch:
-    """Records preemption signals without acting on them; the step's agreement reads :attr:`received`.
-
-    Args:
-        signals: the signals that mean "the job must stop" (SIGTERM; a scheduler's warning signal).
-    """
+    """Records preemption signals without acting on them; the step's agreement reads :attr:`received`."""
 
     def __init__(self, signals: tuple[int, ...] = (signal.SIGTERM,)) -> None:
-        #: The signals :meth:`install` takes over (a front end may add a scheduler's requeue signal).
+        #: The signals that mean "the job must stop", which :meth:`install` takes over (SIGTERM; a
+        #: front end may add a scheduler's warning or requeue signal).
         self.signals = signals
         #: The last preemption signal received by this process (0: none).
         self.received = 0
@@ -53,8 +48,7 @@ class PreemptionWatch:
     def install(self, on_signal: Optional[Callable[[int], None]] = None) -> bool:
         """Make this the handler of :attr:`signals` (main thread only); True when installed.
 
-        Args:
-            on_signal: called after recording, from the handler (must not communicate).
+        ``on_signal`` is called after recording, from the handler (it must not communicate).
         """
         if threading.current_thread() is not threading.main_thread():
             return False

@@ -70,9 +70,7 @@ def _listing(keys: Sequence[str], limit: int = 8) -> str:
     return f"{keys[:limit]}{f' and {len(keys) - limit} more' if len(keys) > limit else ''}"
 
 
-def check_model_keys(
-    expected: Mapping[str, Shape], stored: Mapping[str, Shape], *, strict: bool, source: str
-) -> tuple[list[str], list[str]]:
+def check_model_keys(expected: Mapping[str, Shape], stored: Mapping[str, Shape], *, strict: bool, source: str) -> tuple[list[str], list[str]]:
     """Compare a checkpoint's model entries with the model's; return (missing, unexpected).
 
     Raises:
@@ -101,11 +99,7 @@ def check_model_keys(
     missing = sorted(expected.keys() - stored.keys())
     unexpected = sorted(stored.keys() - expected.keys())
     if strict and (missing or unexpected):
-        parts = []
-        if missing:
-            parts.append(f"missing keys {_listing(missing)}")
-        if unexpected:
-            parts.append(f"unexpected keys {_listing(unexpected)}")
+        parts = [f"{what} keys {_listing(keys)}" for what, keys in (("missing", missing), ("unexpected", unexpected)) if keys]
         raise ValueError(
             f"Checkpoint {source} does not match the model (strict loading): {'; '.join(parts)}. Load a "
             f"checkpoint of this model, or set `self.strict_loading = False` in the LightningModule (or "
@@ -118,11 +112,7 @@ def check_model_keys(
 
 
 def optimizer_param_names(model: nn.Module, optimizer: Optimizer) -> list[list[str]]:
-    """Parameter names of each of the optimizer's param groups, in the optimizer's order.
-
-    Raises:
-        ValueError: for an optimizer parameter that is not a parameter of ``model``.
-    """
+    """Parameter names of each of the optimizer's param groups, in the optimizer's order (each must be ``model``'s)."""
     names = {id(p): n for n, p in model.named_parameters()}  # a tied parameter by its first name, as torch's state-dict API
     groups = []
     for index, group in enumerate(optimizer.param_groups):
@@ -147,10 +137,7 @@ def positions_to_names(optimizer_state: Mapping[str, Any], names: list[list[str]
     """Re-key a native ``optimizer.state_dict()`` (integer ids) by parameter name, matching by position.
 
     Plain PyTorch and single-device Lightning checkpoints number parameters in the optimizer's
-    order; the same order in this run's optimizer gives each number its name.
-
-    Raises:
-        ValueError: when the param groups differ in number or size.
+    order; the same order in this run's optimizer (param groups of the same sizes) gives each number its name.
     """
     groups = optimizer_state.get("param_groups", [])
     sizes = [len(g.get("params", [])) for g in groups]
@@ -177,19 +164,13 @@ def names_to_positions(optimizer_state: Mapping[str, Any], names: list[list[str]
     return {"state": {index[k]: v for k, v in optimizer_state["state"].items()}, "param_groups": groups}
 
 
-def check_optimizer_state(
-    expected: Mapping[str, Any], stored_state_keys: Mapping[Any, Sequence[str]], stored_groups: int, *, index: int, source: str
-) -> None:
+def check_optimizer_state(expected: Mapping[str, Any], stored_state_keys: Mapping[Any, Sequence[str]], stored_groups: int, *, index: int, source: str) -> None:
     """Check that a checkpoint holds, for every parameter, the state entries this optimizer keeps.
 
     Args:
         expected: this run's optimizer state dict (initialized, keyed by name).
         stored_state_keys: per parameter name, the entries the checkpoint holds (``exp_avg`` ...).
-        stored_groups: number of param groups in the checkpoint.
-
-    Raises:
-        ValueError: a different number of param groups, or state entries this optimizer needs
-            that the checkpoint lacks (another optimizer class saved it).
+        stored_groups: number of param groups in the checkpoint (it must be this optimizer's).
     """
     groups = len(expected["param_groups"])
     if stored_groups != groups:

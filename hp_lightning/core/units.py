@@ -5,19 +5,10 @@ units overlap communication with compute but issue many small collectives; one b
 gathers the whole model at once. The usual choice, and the automatic one here, is one unit per
 transformer block.
 
-Units are named by:
-
-* a class (``MyBlock``) or a dotted class path as a string (``"my_pkg.model.MyBlock"``);
-* a bare class name (``"MyBlock"``) found among the model's submodules;
-* a module-name glob (``"model.layers.*"``), matched against ``named_modules()`` names; only
-  the outermost matches count, so ``"layers.*"`` selects the layers, not their sublayers.
-
-With nothing named, the units are the classes in HF's ``_no_split_modules`` when the model has
-it, else the repeated blocks of its containers (``nn.ModuleList``, ``nn.Sequential``,
-``nn.ModuleDict``, nested at any depth); see :func:`auto_units`. Large embeddings and a large
-output head (with the final norm) then become units of their own (:func:`side_units`). A plan
-that ends with no unit at all gathers the whole model on every rank: :func:`zero_units_warning`
-says so at setup.
+Units are named by a class, a dotted class path, a bare class name or a module-name glob
+(:func:`select_modules`; only the outermost matches of a glob count). With nothing named:
+:func:`auto_units`, then :func:`side_units` for large embeddings and a large output head. A plan
+with no unit at all gathers the whole model on every rank: :func:`zero_units_warning` says so.
 """
 
 from __future__ import annotations
@@ -50,7 +41,8 @@ def _import_class(path: str) -> type | None:
     return obj if isinstance(obj, type) else None
 
 
-def _as_spec_list(specs: UnitSpec | Sequence[UnitSpec] | None, option: str) -> list[UnitSpec]:
+def validate_unit_specs(specs: UnitSpec | Sequence[UnitSpec] | None, option: str = "shard_modules") -> list[UnitSpec]:
+    """Check types and that dotted class paths (``pkg.Class``) import, without a model (runs before launch)."""
     if specs is None:
         return []
     if isinstance(specs, (str, type)):
@@ -71,17 +63,6 @@ def _as_spec_list(specs: UnitSpec | Sequence[UnitSpec] | None, option: str) -> l
             raise TypeError(f"{option} classes must be nn.Module subclasses; got {spec.__name__}.")
         if isinstance(spec, str) and not spec.strip():
             raise ValueError(f"{option} contains an empty string; remove it or name a class or module.")
-    return out
-
-
-def validate_unit_specs(specs: UnitSpec | Sequence[UnitSpec] | None, option: str = "shard_modules") -> list[UnitSpec]:
-    """Check types and that dotted class paths import, without a model (runs before launch).
-
-    Raises:
-        TypeError: for items that are neither classes nor strings.
-        ValueError: for a dotted path that looks like a class (``pkg.Class``) but does not import.
-    """
-    out = _as_spec_list(specs, option)
     for spec in out:
         if isinstance(spec, str) and not _is_glob(spec) and "." in spec and spec.rpartition(".")[2][:1].isupper():
             if _import_class(spec) is None:
@@ -121,19 +102,11 @@ def select_modules(
             before the cut: a spec is written against the whole model, so one that selects only
             other stages' modules selects nothing here, and only a spec that matches nothing in
             the whole model is a mistake.
-
-    Raises:
-        ValueError: for a spec that matches nothing, listing what was available.
     """
     named: list[tuple[str, nn.Module]] = [(name, module) for name, module in model.named_modules() if name]
     by_name = dict(named)
     classes = [(name, type(module)) for name, module in named]
     chosen: list[nn.Module] = []
-
-    def add(module: nn.Module) -> None:
-        if not any(module is m for m in chosen):
-            chosen.append(module)
-
     for spec in validate_unit_specs(specs, option):
         matched = [by_name[n] for n in _matching_names(classes, spec)]
         if not matched and not (whole_model is not None and _matching_names(whole_model, spec)):
@@ -144,8 +117,7 @@ def select_modules(
                 f"classes: {available}; module names start with {sample}. Use a class, a dotted class "
                 f"path, a class name from that list, or a glob such as 'model.layers.*'."
             )
-        for m in matched:
-            add(m)
+        chosen += [m for m in matched if not any(m is c for c in chosen)]
     if option == "shard_modules":  # activation checkpointing wraps modules; ties do not matter there
         refuse_split_ties(model, chosen, option)
     return bottom_up(model, chosen)
@@ -177,7 +149,11 @@ def _has_submodules_with_params(module: nn.Module) -> bool:
 
 
 def _container_blocks(container: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The repeated blocks among a container's children (see :func:`auto_units`)."""
+    """The repeated blocks among a container's children.
+
+    In a ``ModuleList`` all children of one type are blocks; elsewhere the children whose type
+    repeats and that have layers of their own (so an MLP's ``Linear`` s stay together).
+    """
     children = [(name, child) for name, child in container.named_children() if _has_params(child)]
     # Lists and dicts are searched, never chosen (they have no forward); a Sequential is a block.
     blocks = [(n, c) for n, c in children if not isinstance(c, (nn.ModuleList, nn.ModuleDict))]
@@ -185,9 +161,8 @@ def _container_blocks(container: nn.Module) -> list[tuple[str, nn.Module]]:
     for name, child in blocks:
         by_type.setdefault(user_class(child), []).append((name, child))
     if isinstance(container, nn.ModuleList) and len(blocks) == len(children) >= 2 and len(by_type) == 1:
-        return blocks  # the historical rule: a list of >= 2 same-typed modules (leaf layers included)
-    # Otherwise a type that repeats, and is a block (has layers of its own): a Sequential of blocks
-    # between an embedding and a head, a ModuleDict of encoders; not nn.Sequential(Linear, ReLU, Linear).
+        return blocks  # a list of >= 2 same-typed modules (leaf layers included)
+    # A Sequential of blocks between an embedding and a head, a ModuleDict of encoders; not nn.Sequential(Linear, ReLU, Linear).
     return [
         (n, c) for group in by_type.values() if len(group) >= 2 for n, c in group if _has_submodules_with_params(c)
     ]
@@ -196,11 +171,7 @@ def _container_blocks(container: nn.Module) -> list[tuple[str, nn.Module]]:
 def auto_units(model: nn.Module) -> list[nn.Module]:
     """Units chosen without user input: HF ``_no_split_modules`` classes, else repeated blocks.
 
-    Repeated blocks are found in every container: ``nn.ModuleList``, ``nn.Sequential`` and
-    ``nn.ModuleDict``, at any depth (lists and dicts of containers are searched, never chosen;
-    an ``nn.Sequential`` of layers can itself be a block). In a
-    ``ModuleList`` all children of one type are blocks (as before); elsewhere the children whose
-    type repeats and that have layers of their own (so an MLP's ``Linear`` s stay together). The
+    Repeated blocks (:func:`_container_blocks`) are found in every container, at any depth. The
     walk is pre-order, and the inside of a chosen block is not searched again: a block is one unit.
     """
     named = [(name, module) for name, module in model.named_modules() if name]
@@ -208,8 +179,7 @@ def auto_units(model: nn.Module) -> list[nn.Module]:
     for _, module in [("", model), *named]:
         no_split.update(getattr(module, "_no_split_modules", None) or ())
     if no_split:
-        units = [m for _, m in named if user_class(m).__name__ in no_split and _has_params(m)]
-        units = keep_ties_together(model, units)
+        units = keep_ties_together(model, [m for _, m in named if user_class(m).__name__ in no_split and _has_params(m)])
         if units:
             return bottom_up(model, units)
     block_names: list[str] = []
@@ -247,8 +217,6 @@ def _split_ties(model: nn.Module, units: Sequence[nn.Module]) -> list[tuple[list
         names_of.setdefault(id(param), []).append(name)
     split = []
     for names in names_of.values():
-        if len(names) < 2:
-            continue
         pairs = [(name, manager(name)) for name in names]
         managers = {unit for _, unit in pairs}
         if len(managers) > 1:
@@ -266,21 +234,14 @@ def keep_ties_together(model: nn.Module, units: Sequence[nn.Module]) -> list[nn.
     tie is split. The cost is that unit's parameters staying gathered with the root's.
     """
     kept = list(units)
-    while True:
-        split = _split_ties(model, kept)
-        if not split:
-            return kept
-        lookup = dict(model.named_modules(remove_duplicate=False))
-        drop = lookup[split[0][1]]
-        kept = [u for u in kept if u is not drop]
+    lookup = dict(model.named_modules(remove_duplicate=False))
+    while split := _split_ties(model, kept):
+        kept = [u for u in kept if u is not lookup[split[0][1]]]
+    return kept
 
 
 def refuse_split_ties(model: nn.Module, units: Sequence[nn.Module], option: str = "shard_modules") -> None:
-    """Refuse user-named units that split a tied parameter (before any collective runs).
-
-    Raises:
-        ValueError: naming both modules of the first such tie, the unit to drop, and the fix.
-    """
+    """Refuse user-named units that split a tied parameter (before any collective runs), naming both modules and the fix."""
     split = _split_ties(model, units)
     if not split:
         return
@@ -361,11 +322,6 @@ def side_units(model: nn.Module, blocks: Sequence[nn.Module]) -> list[list[nn.Mo
     return groups
 
 
-def _user_class_name(module: nn.Module) -> str:
-    """The user's class name, not the wrapper ``fully_shard`` swaps in (``FSDPMyModel``)."""
-    return user_class(module).__name__
-
-
 def _size(num_bytes: int) -> str:
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if num_bytes >= scale:
@@ -375,12 +331,12 @@ def _size(num_bytes: int) -> str:
 
 def zero_units_warning(model: nn.Module, world_size: int) -> str:
     """What a plan without sharding units costs, and how to name the blocks (the setup warning)."""
-    total = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
+    total = _bytes([model])
     candidates: dict[str, list[int]] = {}  # class -> [count, parameters]
     for module in model.modules():
         if module is model or isinstance(module, CONTAINERS) or not _has_submodules_with_params(module):
             continue
-        entry = candidates.setdefault(_user_class_name(module), [0, 0])
+        entry = candidates.setdefault(user_class(module).__name__, [0, 0])
         entry[0] += 1
         entry[1] += sum(p.numel() for p in module.parameters())
     # Blocks are parts of the model: classes holding well under all of it, the most numerous first.
@@ -389,7 +345,7 @@ def zero_units_warning(model: nn.Module, world_size: int) -> str:
     ranked = sorted(parts, key=lambda c: (-candidates[c][0], -candidates[c][1]))[:3]
     example = ranked[0] if ranked else "MyBlock"
     return (
-        f"{_user_class_name(model)} has no sharding units: found no repeated blocks (in nn.ModuleList, nn.Sequential "
+        f"{user_class(model).__name__} has no sharding units: found no repeated blocks (in nn.ModuleList, nn.Sequential "
         f"or nn.ModuleDict) and no Hugging Face _no_split_modules, so the whole model is one unit. Every rank then "
         f"all-gathers all parameters ({_size(total)}) for the entire forward and backward, so sharding over "
         f"{world_size} ranks saves optimizer and gradient memory only, not parameter memory. Name the blocks: "
@@ -399,12 +355,7 @@ def zero_units_warning(model: nn.Module, world_size: int) -> str:
 
 
 def select_params(model: nn.Module, patterns: Sequence[str] | None, option: str) -> list[tuple[str, nn.Parameter]]:
-    """Parameters whose names match any of the glob ``patterns``; each pattern must match one.
-
-    Raises:
-        TypeError: when ``patterns`` is not a list of strings.
-        ValueError: for a pattern that matches no parameter.
-    """
+    """Parameters whose names match any of the glob ``patterns`` (a list of strings); each pattern must match one."""
     if patterns is None:
         return []
     if isinstance(patterns, str) or not isinstance(patterns, Iterable):
@@ -420,7 +371,5 @@ def select_params(model: nn.Module, patterns: Sequence[str] | None, option: str)
                 f"{option} pattern {pattern!r} matches no parameter of {type(model).__name__}; names look "
                 f"like {[n for n, _ in named][:6]}. Use a glob such as 'head.*' or '*.bias'."
             )
-        for n, p in hits:
-            if not any(p is q for _, q in out):
-                out.append((n, p))
+        out += [(n, p) for n, p in hits if not any(p is q for _, q in out)]
     return out
