@@ -12,7 +12,8 @@ from __future__ import annotations
 import importlib
 import json
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -140,7 +141,7 @@ class ModelSpec:
         cls = _import(self.class_path)
         where = f"{self.label or self.class_path}"
         try:
-            with torch.device("meta"), warnings.catch_warnings(action="ignore"):
+            with torch.device("meta"), no_warnings():
                 module = cls(**dict(self.init_args))
                 if isinstance(module, pl.LightningModule):
                     module.configure_model()
@@ -265,9 +266,17 @@ def resolve_model(model: Any, init_args: Mapping[str, Any] | None = None, *, mod
     )
 
 
+@contextmanager
+def no_warnings() -> Iterator[None]:
+    """Warnings ignored inside (Python 3.10 has no ``warnings.catch_warnings(action=...)``)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
 def step_loss(module: pl.LightningModule, batch: tuple[Tensor, Tensor]) -> Tensor:
     """The loss of one micro-batch as the Trainer computes it (``training_step``; ``self.log``'s warning without a Trainer silenced)."""
-    with warnings.catch_warnings(action="ignore"):
+    with no_warnings():
         out = module.training_step(batch, 0)
     loss = out["loss"] if isinstance(out, Mapping) else out
     if not isinstance(loss, Tensor):

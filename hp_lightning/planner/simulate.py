@@ -9,7 +9,6 @@ cannot pair, are added from the stage's output shape.
 
 from __future__ import annotations
 
-import warnings
 import weakref
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -37,7 +36,7 @@ from hp_lightning.core.options import HSDPOptions
 from hp_lightning.fully_shard.divergence import _unit_slots
 from hp_lightning.parallel.pipeline import hold_gathered, plan_cut
 from hp_lightning.planner.candidates import PRECISIONS, Candidate, Cluster, ModelFacts, Workload
-from hp_lightning.planner.model import ModelBuildError, ModelSpec, step_loss
+from hp_lightning.planner.model import ModelBuildError, ModelSpec, no_warnings, step_loss
 from hp_lightning.recipe.parallelize import ShardingPlan, parallelize
 
 if TYPE_CHECKING:
@@ -200,7 +199,7 @@ def simulate_rank(
     options = HSDPOptions(**args)
     plan = ShardingPlan.of(options, device_type=devices.CPU)
     fake = fake_tensor_mode()
-    with fake_process_group(rank, cluster.world_size), warnings.catch_warnings(action="ignore"):
+    with fake_process_group(rank, cluster.world_size), no_warnings():
         # The strategy's own steps: the mesh sizes from the options, the stage cut, the recipe, the pipeline's gathering.
         layout = options.layout(world_size=cluster.world_size, num_nodes=cluster.nodes, devices_per_node=cluster.devices)
         mesh = build_parallel_mesh(devices.CPU, layout)
