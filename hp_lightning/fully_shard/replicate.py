@@ -13,9 +13,11 @@ they are handed to it as ``ignored_params`` and reduced here, with public torch.
 * the result honours FSDP2's controls (gradient sync, the HSDP all-reduce toggle, reduce op,
   scaling factor) over the whole data-parallel domain.
 
-``to_empty()`` and ``.to()`` across device types replace the parameter objects the hooks sit on;
-the unit calls :meth:`ReplicatedParamSync.follow_replaced` after every ``_apply`` to hook the new
-ones (else the replicas would drift apart silently).
+``to_empty()`` and ``.to()`` across device types replace the parameter objects the hooks sit on, and
+so does a user who assigns a new ``nn.Parameter`` by hand: the unit calls
+:meth:`ReplicatedParamSync.follow_replaced` after every ``_apply`` and before every forward to hook the
+new ones (else the replicas would drift apart silently). Per forward that is one attribute read per
+replicate parameter.
 """
 
 from __future__ import annotations
@@ -68,6 +70,8 @@ class ReplicatedParamSync:
             roots = [module] if isinstance(module, nn.Module) else list(module)
             where = {id(p): (owner, name) for root in roots for owner in root.modules() for name, p in owner._parameters.items() if p is not None}
             self._owners = [where.get(id(p)) for p in self.params]
+            for root in roots:
+                root.register_forward_pre_hook(lambda *_: self.follow_replaced())
         for param in self.params:
             self._hook(param)
 

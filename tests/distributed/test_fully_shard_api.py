@@ -104,6 +104,13 @@ def api_worker(mesh_shape: list[int]) -> dict:
     model.set_reduce_op_type("avg")
     model.set_gradient_scaling_factor(None)
 
+    # A replicate param replaced by hand after sharding (a new nn.Parameter, not through .to()):
+    # its gradient is still averaged over every rank, not left local.
+    model = build(mesh)
+    model.head.bias = torch.nn.Parameter(model.head.bias.detach().clone())
+    step(model, x, y)
+    out["hand_replaced"] = _full_grads(model)
+
     # Training: replicate params identical across ranks and equal to the reference; ignored
     # params drift apart (each rank keeps its own gradient).
     model = build(mesh)
@@ -191,6 +198,7 @@ def test_fully_shard_api(mesh_shape):
     for rank, res in enumerate(results):
         # avg equals the single-process full-batch gradient; sum is avg x DP size.
         _close(res["avg"], ref)
+        _close(res["hand_replaced"], ref)
         _close(res["sum"], res["avg"], scale=world, rtol=1e-6)
         _close(res["avg_half"], res["avg"], scale=0.5, rtol=1e-6)
         _close(res["avg_restored"], res["avg"], rtol=1e-6)
