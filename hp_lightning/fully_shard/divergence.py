@@ -60,7 +60,7 @@ class _Slot:
     attr: str
 
 
-def _unit_slots(root: nn.Module, units: Sequence[nn.Module], replicated: Iterable[str]) -> list[_Slot]:
+def checked_slots(root: nn.Module, units: Sequence[nn.Module], replicated: Iterable[str]) -> list[_Slot]:
     """Every checked parameter, in a fixed order (identical on every rank)."""
     names = {id(m): name for name, m in root.named_modules()}
     owner: dict[int, str] = {}
@@ -115,7 +115,7 @@ class DivergenceCheck:
     """
 
     def __init__(self, root: nn.Module, units: Sequence[nn.Module], replicated: Iterable[str], device_type: str, agreement: StepAgreement | None = None) -> None:
-        self.slots = _unit_slots(root, [u for u in units if u is not root], replicated)
+        self.slots = checked_slots(root, [u for u in units if u is not root], replicated)
         self.device_type = device_type
         self.agreement = agreement
         self.enabled = True

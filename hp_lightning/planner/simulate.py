@@ -33,7 +33,7 @@ from hp_lightning.core.accumulation import no_gradient_sync
 from hp_lightning.core.diagnostics import CollectiveCall, CollectiveCounter
 from hp_lightning.core.mesh import build_parallel_mesh
 from hp_lightning.core.options import HSDPOptions
-from hp_lightning.fully_shard.divergence import _unit_slots
+from hp_lightning.fully_shard.divergence import checked_slots
 from hp_lightning.parallel.pipeline import hold_gathered, plan_cut
 from hp_lightning.planner.candidates import PRECISIONS, Candidate, Cluster, ModelFacts, Workload
 from hp_lightning.planner.model import ModelBuildError, ModelSpec, no_warnings, step_loss
@@ -296,7 +296,7 @@ def divergence_slots(module: nn.Module, replicated: list[str]) -> int:
     :mod:`hp_lightning.fully_shard.divergence`'s own rule: its per-step control all-reduce carries
     two flags per such parameter and the preemption signal.
     """
-    return len(_unit_slots(module, [], replicated))
+    return len(checked_slots(module, [], replicated))
 
 
 def _tokens(workload: Workload, batch: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
