@@ -150,3 +150,69 @@ def test_torchrun_records_come_from_torchs_error_handler_and_never_tie_with_thei
 
     monkeypatch.delenv("TORCHELASTIC_ERROR_FILE")
     _record_for_torchrun(ValueError("outside torchrun"))  # nothing to write, nothing raised
+
+
+def _local_peer_watch(monkeypatch, *, pidfds: bool):
+    """A rank-0 watch over one real local peer process (a sleeping child), on an in-memory store."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from hp_lightning.core.watchdog import liveness
+    from hp_lightning.core.watchdog.failure_board import FailureBoard
+    from hp_lightning.core.watchdog.liveness import MainThreadMonitor, PeerLiveness
+    from hp_lightning.core.watchdog.polling import Poller
+    from hp_lightning.core.watchdog.processes import StopSignal, _machine_key, _start_ticks
+    from hp_lightning.core.watchdog.reports import _ProcessInfo
+
+    if not pidfds:
+        monkeypatch.setattr(liveness, "_open_exit_fd", lambda info: None)
+    pid_reads = []
+    real_is_running = liveness._is_running
+    monkeypatch.setattr(liveness, "_is_running", lambda info: pid_reads.append(info.pid) or real_is_running(info))
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    board = FailureBoard(dist.HashStore(), rank=0, world_size=2, deadline=5.0, store_host_rank=None)
+    machine = _machine_key()
+    board.store.set("proc/1", _ProcessInfo(socket.gethostname(), machine, child.pid, _start_ticks(child.pid)).to_wire())
+    me = _ProcessInfo(socket.gethostname(), machine, os.getpid(), _start_ticks(os.getpid()))
+    peers = PeerLiveness(board, me, local_ranks=[0, 1], heartbeat_timeout=60.0)
+    peers.learn_local_peers()
+    assert list(peers.local) == [1]
+    stopping = StopSignal()
+    poller = Poller(board, peers, MainThreadMonitor(60.0), None, poll_interval=30.0, stopping=stopping)  # type: ignore[arg-type]
+    return child, peers, poller, stopping, pid_reads
+
+
+@pytest.mark.parametrize("pidfds", [True, False], ids=["pidfd", "proc-polling"])
+def test_a_local_peers_exit_or_a_stop_ends_the_wait_at_once_and_pidfds_need_no_clock(monkeypatch, pidfds):
+    """The watchdog's wait between polls: with pidfds it sleeps on them (no /proc read in between)."""
+    import threading
+    import time
+
+    child, peers, poller, stopping, pid_reads = _local_peer_watch(monkeypatch, pidfds=pidfds)
+    try:
+        assert peers.exits_signalled() is pidfds
+        # A stop wakes the wait (its poll interval is 30 s) at once.
+        threading.Timer(1.0, stopping.set).start()
+        start = time.monotonic()
+        assert poller._wait_for_next_poll() is True
+        assert 0.9 < time.monotonic() - start < 2.0
+        # With pidfds, nothing read /proc during that second; the fallback reads it every 0.1 s.
+        assert len(pid_reads) <= 1 if pidfds else len(pid_reads) >= 5
+        stopping.clear()
+        # The peer's death (a zombie: not reaped yet) ends the wait at once, for a poll to name it.
+        threading.Timer(0.5, child.kill).start()
+        start = time.monotonic()
+        assert poller._wait_for_next_poll() is False
+        assert time.monotonic() - start < 2.0
+        with open(f"/proc/{child.pid}/stat") as stat:
+            assert stat.read().rsplit(") ", 1)[1].startswith("Z")  # ended, not reaped: the launcher's case
+        assert peers.first_dead_local_peer() is not None
+        # The ended peer's pidfd is closed (it would stay readable); the next waits poll /proc.
+        assert not peers.exits_signalled()
+        assert poller._wait_for_next_poll() is False
+    finally:
+        child.kill()
+        child.wait()
+        peers.close()

@@ -10,6 +10,7 @@ traceback) and ``left/<rank>`` (a rank finished normally).
 from __future__ import annotations
 
 import os
+import queue
 import threading
 import time
 from datetime import timedelta
@@ -22,6 +23,37 @@ from hp_lightning.core.watchdog.reports import FailureReport, _ProcessInfo
 
 #: How often a rank checks on a peer it is waiting for (seconds).
 _FINE_POLL = 0.1
+
+
+class _CallThread:
+    """A daemon thread that runs store calls one at a time, for callers that wait with a deadline."""
+
+    def __init__(self, store: dist.Store) -> None:
+        self._store = store
+        self._calls: queue.SimpleQueue[tuple[Callable[[dist.Store], Any], list[Any], threading.Event]] = queue.SimpleQueue()
+        self._lock = threading.Lock()  # one call in flight: a caller's deadline covers its own call only
+        threading.Thread(target=self._serve, name="hp_lightning-store-calls", daemon=True).start()
+
+    def run(self, call: Callable[[dist.Store], Any], deadline: float) -> Optional[tuple[str, Any]]:
+        """``("ok", result)`` or ``("error", exception)``; None when the call took longer than ``deadline`` s."""
+        if not self._lock.acquire(timeout=deadline):
+            return None
+        try:
+            outcome: list[Any] = []
+            done = threading.Event()
+            self._calls.put((call, outcome, done))
+            return outcome[0] if done.wait(deadline) else None
+        finally:
+            self._lock.release()
+
+    def _serve(self) -> None:
+        while True:
+            call, outcome, done = self._calls.get()
+            try:
+                outcome.append(("ok", call(self._store)))
+            except BaseException as exc:  # noqa: BLE001 - handed to the calling thread
+                outcome.append(("error", exc))
+            done.set()
 
 
 class FailureBoard:
@@ -46,6 +78,8 @@ class FailureBoard:
         self.known: Optional[FailureReport] = None
         #: The store refused, dropped or stopped answering a call.
         self.lost = False
+        self._caller: Optional[_CallThread] = None
+        self._caller_lock = threading.Lock()
 
     @classmethod
     def connect(
@@ -65,27 +99,24 @@ class FailureBoard:
         """Run ``call(store)`` with a deadline of :attr:`deadline` seconds.
 
         A TCPStore client waits without end for a server process that is frozen (SIGSTOP, a
-        hung host) while its socket stays open; so each call runs on a short-lived daemon thread
-        and a call past the deadline counts as the store having stopped answering.
+        hung host) while its socket stays open; so calls run on a daemon thread of their own, and a
+        call past the deadline counts as the store having stopped answering (that thread is then
+        abandoned to its wait, and the next call gets a new one).
 
         Raises:
             _StoreUnreachable: the store refused, dropped or did not answer the call in time.
         """
-        store = self.store
-        outcome: list[Any] = []
-        done = threading.Event()
-
-        def run() -> None:
-            try:
-                outcome.append(("ok", call(store)))
-            except BaseException as exc:  # noqa: BLE001 - handed to the calling thread
-                outcome.append(("error", exc))
-            done.set()
-
-        threading.Thread(target=run, name="hp_lightning-store-call", daemon=True).start()
-        if not done.wait(self.deadline):
+        with self._caller_lock:
+            if self._caller is None:
+                self._caller = _CallThread(self.store)
+            caller = self._caller
+        outcome = caller.run(call, self.deadline)
+        if outcome is None:
+            with self._caller_lock:
+                if self._caller is caller:
+                    self._caller = None
             raise _StoreUnreachable(TimeoutError(f"the store call timed out after {self.deadline:g} s"))
-        kind, value = outcome[0]
+        kind, value = outcome
         if kind == "error":
             if isinstance(value, (RuntimeError, OSError, ValueError)):
                 raise _StoreUnreachable(value) from value

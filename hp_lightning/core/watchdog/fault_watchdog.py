@@ -21,7 +21,7 @@ from hp_lightning.core.watchdog.exits import _quiet_signals, _say
 from hp_lightning.core.watchdog.failure_board import FailureBoard
 from hp_lightning.core.watchdog.liveness import MainThreadMonitor, PeerLiveness
 from hp_lightning.core.watchdog.polling import Poller
-from hp_lightning.core.watchdog.processes import _machine_key, _start_ticks
+from hp_lightning.core.watchdog.processes import StopSignal, _machine_key, _start_ticks
 from hp_lightning.core.watchdog.reports import _ProcessInfo, check_seconds
 
 #: Sequence number of watchdog sessions in this process (fit, then test, ...).
@@ -56,7 +56,7 @@ class FaultWatchdog:
         )
         self.rank = 0
         self.world_size = 1
-        self._stopping = threading.Event()
+        self._stopping = StopSignal()
         self._exit_lock = threading.RLock()
         self._main_thread = MainThreadMonitor(self.heartbeat_timeout)
         self._active = False

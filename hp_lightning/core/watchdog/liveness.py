@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from typing import Optional
 
 from hp_lightning.core.watchdog.failure_board import _FINE_POLL, FailureBoard
-from hp_lightning.core.watchdog.processes import _describe_stack, _inside_torch, _is_running
+from hp_lightning.core.watchdog.processes import _describe_stack, _inside_torch, _is_running, _open_exit_fd
 from hp_lightning.core.watchdog.reports import _GONE, FailureReport, _ProcessInfo
 
 
@@ -38,6 +38,8 @@ class PeerLiveness:
         self._candidates = [r for r in local_ranks if r != self.rank and 0 <= r < self.world_size]
         #: Ranks confirmed on this host and pid namespace, with their process.
         self.local: dict[int, _ProcessInfo] = {}
+        #: A pidfd per local rank still running (see :meth:`exits_signalled`).
+        self._exit_fds: dict[int, int] = {}
         self._watched: Optional[int] = (self.rank + 1) % self.world_size
         self._watched_beat = (-1, time.monotonic())
 
@@ -57,6 +59,27 @@ class PeerLiveness:
                 self._candidates.remove(rank)
                 if info.machine == self._me.machine:
                     self.local[rank] = info
+                    fd = _open_exit_fd(info)
+                    if fd is not None:
+                        self._exit_fds[rank] = fd
+
+    def exits_signalled(self) -> bool:
+        """Whether every local peer's end wakes a wait on :meth:`exit_fds` (else its pid is polled)."""
+        return len(self._exit_fds) == len(self.local)
+
+    def exit_fds(self) -> list[int]:
+        return list(self._exit_fds.values())
+
+    def forget_exit_fds(self, fds: Iterable[int]) -> None:
+        """Close pidfds that turned readable: their processes ended, and they would stay readable."""
+        ended = set(fds)
+        for rank, fd in list(self._exit_fds.items()):
+            if fd in ended:
+                os.close(self._exit_fds.pop(rank))
+
+    def close(self) -> None:
+        """Close every pidfd (the session ended)."""
+        self.forget_exit_fds(self._exit_fds.values())
 
     def find_dead_local_peer(self) -> Optional[FailureReport]:
         """A local peer whose process ended without finishing normally, as a ``"gone"`` report."""
@@ -65,6 +88,8 @@ class PeerLiveness:
                 continue
             if self._board.has_left(rank):
                 del self.local[rank]  # finished normally
+                if rank in self._exit_fds:
+                    os.close(self._exit_fds.pop(rank))
                 continue
             return FailureReport(rank, "gone", _GONE, info.host, info.pid, self.rank, time.time())
         return None

@@ -13,7 +13,7 @@ from hp_lightning.core.watchdog.departure import Departure
 from hp_lightning.core.watchdog.exits import _say
 from hp_lightning.core.watchdog.failure_board import _FINE_POLL, FailureBoard
 from hp_lightning.core.watchdog.liveness import MainThreadMonitor, PeerLiveness
-from hp_lightning.core.watchdog.processes import _StoreUnreachable
+from hp_lightning.core.watchdog.processes import StopSignal, _StoreUnreachable
 
 
 class Poller:
@@ -21,7 +21,7 @@ class Poller:
 
     def __init__(
         self, board: FailureBoard, peers: PeerLiveness, main_thread: MainThreadMonitor, departure: Departure, *,
-        poll_interval: float, stopping: threading.Event,
+        poll_interval: float, stopping: StopSignal,
     ) -> None:
         self._board, self._peers, self._main_thread, self._departure = board, peers, main_thread, departure
         self.rank = board.rank
@@ -40,20 +40,31 @@ class Poller:
     def _wait_for_next_poll(self) -> bool:
         """Wait one poll interval, cut short when a local peer's process has ended; True once ``stopping`` is set.
 
-        A dead local process is seen by a ``/proc`` read (no store call) every :data:`_FINE_POLL`
-        seconds, so it is named within a fine poll, not a whole one: under Lightning's launcher, rank
-        0's parent process SIGKILLs every rank on its own 5 s poll once a child dies, and the
-        watchdog's report should come first.
+        A dead local process is named at once, not at the next poll: under Lightning's launcher,
+        rank 0's parent process SIGKILLs every rank on its own 5 s poll once a child dies, and the
+        watchdog's report should come first. Where every local peer has a pidfd the wait sleeps on
+        them (an exit or a stop wakes it, nothing else); otherwise, and once a peer has ended, its
+        pid is read in ``/proc`` every :data:`_FINE_POLL` seconds (no store call either way).
         """
         deadline = time.monotonic() + self._poll_interval
         while (left := deadline - time.monotonic()) > 0:
-            if self._stopping.wait(min(_FINE_POLL, left)):
+            if self._peers.exits_signalled():
+                self._peers.forget_exit_fds(self._stopping.wait(left, self._peers.exit_fds()))
+            else:
+                self._stopping.wait(min(_FINE_POLL, left))
+            if self._stopping.is_set():
                 return True
             if self._peers.first_dead_local_peer() is not None:
                 return False
         return self._stopping.is_set()
 
     def _run(self) -> None:
+        try:
+            self._poll_until_stopped()
+        finally:
+            self._peers.close()
+
+    def _poll_until_stopped(self) -> None:
         while not self._wait_for_next_poll():
             try:
                 self._tick()

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import os
+import select
 import socket
+import threading
 import traceback
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any, Optional
 
@@ -47,6 +50,70 @@ def _start_ticks(pid: int) -> Optional[int]:
 
 def _is_running(info: _ProcessInfo) -> bool:
     return _start_ticks(info.pid) == info.start_ticks
+
+
+def _open_exit_fd(info: _ProcessInfo) -> Optional[int]:
+    """A pidfd of ``info``'s process: readable once it ends (as a zombie too), so a wait needs no clock.
+
+    None where there are no pidfds (not Linux, a kernel before 5.3) or the process is already gone
+    (checked after opening, so the fd cannot belong to a recycled pid): the caller polls ``/proc``.
+    """
+    pidfd_open = getattr(os, "pidfd_open", None)
+    if pidfd_open is None:
+        return None
+    try:
+        fd: int = pidfd_open(info.pid)
+    except OSError:
+        return None
+    if not _is_running(info):
+        os.close(fd)
+        return None
+    return fd
+
+
+class StopSignal:
+    """A :class:`threading.Event` whose waiter may also wake on file descriptors turning readable.
+
+    :meth:`set` writes to a pipe the waiter polls with the descriptors, so a stop ends a wait on
+    pidfds at once instead of at its timeout.
+    """
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self._read_end, self._write_end = os.pipe()
+        os.set_blocking(self._read_end, False)
+        os.set_blocking(self._write_end, False)
+
+    def set(self) -> None:
+        self._event.set()
+        try:
+            os.write(self._write_end, b"x")
+        except BlockingIOError:  # the pipe is full of earlier wake-ups: the waiter wakes anyway
+            pass
+
+    def clear(self) -> None:
+        self._event.clear()
+        try:
+            while os.read(self._read_end, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self, seconds: float, fds: Sequence[int] = ()) -> list[int]:
+        """Sleep up to ``seconds``, until :meth:`set` or until one of ``fds`` is readable; return the readable ones."""
+        if not fds:
+            self._event.wait(seconds)
+            return []
+        if self._event.is_set():
+            return []
+        poller = select.poll()
+        for fd in (self._read_end, *fds):
+            poller.register(fd, select.POLLIN)
+        ready = poller.poll(max(0, int(seconds * 1000)))
+        return [fd for fd, _ in ready if fd != self._read_end]
 
 
 def _connect_store(timeout: float) -> dist.Store:
