@@ -71,51 +71,6 @@ def _open_exit_fd(info: _ProcessInfo) -> Optional[int]:
     return fd
 
 
-class StopSignal:
-    """A :class:`threading.Event` whose waiter may also wake on file descriptors turning readable.
-
-    :meth:`set` writes to a pipe the waiter polls with the descriptors, so a stop ends a wait on
-    pidfds at once instead of at its timeout.
-    """
-
-    def __init__(self) -> None:
-        self._event = threading.Event()
-        self._read_end, self._write_end = os.pipe()
-        os.set_blocking(self._read_end, False)
-        os.set_blocking(self._write_end, False)
-
-    def set(self) -> None:
-        self._event.set()
-        try:
-            os.write(self._write_end, b"x")
-        except BlockingIOError:  # the pipe is full of earlier wake-ups: the waiter wakes anyway
-            pass
-
-    def clear(self) -> None:
-        self._event.clear()
-        try:
-            while os.read(self._read_end, 4096):
-                pass
-        except BlockingIOError:
-            pass
-
-    def is_set(self) -> bool:
-        return self._event.is_set()
-
-    def wait(self, seconds: float, fds: Sequence[int] = ()) -> list[int]:
-        """Sleep up to ``seconds``, until :meth:`set` or until one of ``fds`` is readable; return the readable ones."""
-        if not fds:
-            self._event.wait(seconds)
-            return []
-        if self._event.is_set():
-            return []
-        poller = select.poll()
-        for fd in (self._read_end, *fds):
-            poller.register(fd, select.POLLIN)
-        ready = poller.poll(max(0, int(seconds * 1000)))
-        return [fd for fd, _ in ready if fd != self._read_end]
-
-
 def _connect_store(timeout: float) -> dist.Store:
     """A store client of our own, so the watchdog never waits behind the main thread's store calls.
 
@@ -151,3 +106,52 @@ def _inside_torch(frame: Any) -> bool:
 
 def _describe_stack(frame: Any, limit: int = 8) -> str:
     return "".join(traceback.format_stack(frame, limit=limit)).rstrip()
+
+
+class StopSignal:
+    """A :class:`threading.Event` whose waiter may also wake on file descriptors turning readable.
+
+    :meth:`set` writes to a pipe the waiter polls with the descriptors, so a stop ends a wait on
+    pidfds at once instead of at its timeout. The pipe is made by the first such wait.
+    """
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self._pipe: Optional[tuple[int, int]] = None  # (read end, write end)
+
+    def set(self) -> None:
+        self._event.set()
+        if self._pipe is not None:
+            try:
+                os.write(self._pipe[1], b"x")
+            except BlockingIOError:  # the pipe is full of earlier wake-ups: the waiter wakes anyway
+                pass
+
+    def clear(self) -> None:
+        self._event.clear()
+        if self._pipe is not None:
+            try:
+                while os.read(self._pipe[0], 4096):
+                    pass
+            except BlockingIOError:
+                pass
+
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self, seconds: float, fds: Sequence[int] = ()) -> list[int]:
+        """Sleep up to ``seconds``, until :meth:`set` or until one of ``fds`` is readable; return the readable ones."""
+        if not fds:
+            self._event.wait(seconds)
+            return []
+        if self._pipe is None:
+            self._pipe = os.pipe()
+            for end in self._pipe:
+                os.set_blocking(end, False)
+        if self._event.is_set():  # checked after the pipe exists: a set() from now on writes to it
+            return []
+        poller = select.poll()
+        for fd in (self._pipe[0], *fds):
+            poller.register(fd, select.POLLIN)
+        ready = poller.poll(max(0, int(seconds * 1000)))
+        return [fd for fd, _ in ready if fd != self._pipe[0]]
