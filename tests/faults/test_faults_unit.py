@@ -216,3 +216,46 @@ def test_a_local_peers_exit_or_a_stop_ends_the_wait_at_once_and_pidfds_need_no_c
         child.kill()
         child.wait()
         peers.close()
+
+
+def test_store_calls_share_one_thread_that_a_hung_call_retires():
+    """FailureBoard.op: calls run on one daemon thread; a call past the deadline is the store unreachable,
+    callers queued behind it are answered at once, the next call gets a fresh thread, close() ends it."""
+    import threading
+    import time
+
+    from hp_lightning.core.watchdog.failure_board import FailureBoard
+    from hp_lightning.core.watchdog.processes import _StoreUnreachable
+
+    def store_threads() -> int:
+        return sum(t.name == "hp_lightning-store-calls" for t in threading.enumerate())
+
+    before = store_threads()
+    board = FailureBoard(dist.HashStore(), rank=0, world_size=2, deadline=0.5, store_host_rank=None)
+    assert [board.op(lambda s: s.add("n", 1)) for _ in range(5)] == [1, 2, 3, 4, 5]
+    assert store_threads() == before + 1  # one thread for every call, not one per call
+    release = threading.Event()
+    queued: list[float] = []
+
+    def behind() -> None:
+        time.sleep(0.1)
+        start = time.monotonic()
+        with pytest.raises(_StoreUnreachable):
+            board.op(lambda s: s.add("n", 1))
+        queued.append(time.monotonic() - start)
+
+    waiter = threading.Thread(target=behind)
+    waiter.start()
+    start = time.monotonic()
+    with pytest.raises(_StoreUnreachable) as hung:
+        board.op(lambda s: release.wait(5))  # a frozen store server
+    assert 0.45 < time.monotonic() - start < 1.5 and hung.value.timed_out
+    waiter.join()
+    assert queued and queued[0] < 0.8  # answered when the hung call was declared, not a deadline later
+    assert board.op(lambda s: s.add("n", 1)) == 6  # a fresh thread
+    release.set()
+    board.close()
+    deadline = time.monotonic() + 5
+    while store_threads() > before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert store_threads() == before

@@ -26,34 +26,53 @@ _FINE_POLL = 0.1
 
 
 class _CallThread:
-    """A daemon thread that runs store calls one at a time, for callers that wait with a deadline."""
+    """A daemon thread that runs store calls one at a time, for callers that wait with a deadline.
+
+    A call gets its whole deadline once it runs (a slow but answering store is no failure). After a
+    call overruns it the thread counts as stuck: callers waiting behind it get None as soon as it
+    is declared, and the board starts a new thread for later calls.
+    """
+
+    _STOP = object()
 
     def __init__(self, store: dist.Store) -> None:
-        self._store = store
-        self._calls: queue.SimpleQueue[tuple[Callable[[dist.Store], Any], list[Any], threading.Event]] = queue.SimpleQueue()
+        self._store: Optional[dist.Store] = store
+        self._calls: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._lock = threading.Lock()  # one call in flight: a caller's deadline covers its own call only
+        self.stuck = False
         threading.Thread(target=self._serve, name="hp_lightning-store-calls", daemon=True).start()
 
     def run(self, call: Callable[[dist.Store], Any], deadline: float) -> Optional[tuple[str, Any]]:
-        """``("ok", result)`` or ``("error", exception)``; None when the call took longer than ``deadline`` s."""
+        """``("ok", result)`` or ``("error", exception)``; None when no answer came within ``deadline`` s."""
         if not self._lock.acquire(timeout=deadline):
             return None
         try:
+            if self.stuck:
+                return None
             outcome: list[Any] = []
             done = threading.Event()
             self._calls.put((call, outcome, done))
-            return outcome[0] if done.wait(deadline) else None
+            if done.wait(deadline):
+                return outcome[0]
+            self.stuck = True
+            self.close()  # it ends if the hung call ever returns
+            return None
         finally:
             self._lock.release()
 
+    def close(self) -> None:
+        """End the thread once the calls queued before have run (it drops the store client)."""
+        self._calls.put(self._STOP)
+
     def _serve(self) -> None:
-        while True:
-            call, outcome, done = self._calls.get()
+        while (request := self._calls.get()) is not self._STOP:
+            call, outcome, done = request
             try:
                 outcome.append(("ok", call(self._store)))
             except BaseException as exc:  # noqa: BLE001 - handed to the calling thread
                 outcome.append(("error", exc))
             done.set()
+        self._store = None
 
 
 class FailureBoard:
@@ -107,14 +126,11 @@ class FailureBoard:
             _StoreUnreachable: the store refused, dropped or did not answer the call in time.
         """
         with self._caller_lock:
-            if self._caller is None:
+            if self._caller is None or self._caller.stuck:
                 self._caller = _CallThread(self.store)
             caller = self._caller
         outcome = caller.run(call, self.deadline)
         if outcome is None:
-            with self._caller_lock:
-                if self._caller is caller:
-                    self._caller = None
             raise _StoreUnreachable(TimeoutError(f"the store call timed out after {self.deadline:g} s"))
         kind, value = outcome
         if kind == "error":
@@ -122,6 +138,13 @@ class FailureBoard:
                 raise _StoreUnreachable(value) from value
             raise value
         return value
+
+    def close(self) -> None:
+        """End this board's store-call thread (the session is over; a later call starts another)."""
+        with self._caller_lock:
+            if self._caller is not None:
+                self._caller.close()
+            self._caller = None
 
     def read(self) -> Optional[FailureReport]:
         """The failure that stands, if one is posted (no store call once it is known or the store is lost)."""

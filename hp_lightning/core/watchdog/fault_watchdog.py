@@ -91,6 +91,8 @@ class FaultWatchdog:
         self._stopping.clear()
         # Under torchrun the store lives in the agent; otherwise rank 0's process serves it.
         store_host_rank = None if elastic.uses_agent_store() else 0
+        board: Optional[FailureBoard] = None
+        peers: Optional[PeerLiveness] = None
         try:
             board = FailureBoard.connect(
                 f"hp_lightning/watchdog/{run}/{_generation}", me, rank=rank, world_size=world_size,
@@ -99,6 +101,10 @@ class FaultWatchdog:
             peers = PeerLiveness(board, me, local_ranks=local_ranks, heartbeat_timeout=self.heartbeat_timeout)
             peers.meet_local_peers()
         except Exception as exc:  # noqa: BLE001 - training goes on without the watchdog, loudly
+            if peers is not None:
+                peers.close()
+            if board is not None:
+                board.close()
             self._board = self._departure = self._causes = self._poller = None
             _say(f"rank {rank}: fault watchdog not started ({type(exc).__name__}: {exc}); a failed rank may leave the others waiting.")
             return
@@ -128,6 +134,8 @@ class FaultWatchdog:
         self._stopping.set()
         if self._poller is not None:
             self._poller.join(timeout=5 * self.poll_interval + 1)
+        if self._board is not None:
+            self._board.close()
         self._poller = None
 
     def _mark_exited(self) -> None:

@@ -75,11 +75,18 @@ class PeerLiveness:
         ended = set(fds)
         for rank, fd in list(self._exit_fds.items()):
             if fd in ended:
-                os.close(self._exit_fds.pop(rank))
+                self._close_exit_fd(rank)
+
+    def _close_exit_fd(self, rank: int) -> None:
+        # The poller and the main thread (a failure's cause search) may both get here for one rank.
+        fd = self._exit_fds.pop(rank, None)
+        if fd is not None:
+            os.close(fd)
 
     def close(self) -> None:
         """Close every pidfd (the session ended)."""
-        self.forget_exit_fds(self._exit_fds.values())
+        for rank in list(self._exit_fds):
+            self._close_exit_fd(rank)
 
     def find_dead_local_peer(self) -> Optional[FailureReport]:
         """A local peer whose process ended without finishing normally, as a ``"gone"`` report."""
@@ -87,9 +94,8 @@ class PeerLiveness:
             if _is_running(info):
                 continue
             if self._board.has_left(rank):
-                del self.local[rank]  # finished normally
-                if rank in self._exit_fds:
-                    os.close(self._exit_fds.pop(rank))
+                self.local.pop(rank, None)  # finished normally
+                self._close_exit_fd(rank)
                 continue
             return FailureReport(rank, "gone", _GONE, info.host, info.pid, self.rank, time.time())
         return None

@@ -44,12 +44,18 @@ class Poller:
         rank 0's parent process SIGKILLs every rank on its own 5 s poll once a child dies, and the
         watchdog's report should come first. Where every local peer has a pidfd the wait sleeps on
         them (an exit or a stop wakes it, nothing else); otherwise, and once a peer has ended, its
-        pid is read in ``/proc`` every :data:`_FINE_POLL` seconds (no store call either way).
+        pid is read in ``/proc`` every :data:`_FINE_POLL` seconds (no store call either way). An
+        exit seen on a pidfd is acted on a fine poll later: a script that ends in ``os._exit``
+        without stopping the watchdog (no ``fabric.teardown()``) looks like a killed rank, and this
+        rank, finishing a moment after it, would otherwise be stopped for it.
         """
         deadline = time.monotonic() + self._poll_interval
         while (left := deadline - time.monotonic()) > 0:
             if self._peers.exits_signalled():
-                self._peers.forget_exit_fds(self._stopping.wait(left, self._peers.exit_fds()))
+                ended = self._stopping.wait(left, self._peers.exit_fds())
+                self._peers.forget_exit_fds(ended)
+                if ended:  # seen a fine poll later, as the /proc poll saw it at the latest (see below)
+                    self._stopping.wait(min(_FINE_POLL, max(0.0, deadline - time.monotonic())))
             else:
                 self._stopping.wait(min(_FINE_POLL, left))
             if self._stopping.is_set():

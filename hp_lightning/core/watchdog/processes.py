@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import select
 import socket
@@ -153,5 +154,5 @@ class StopSignal:
         poller = select.poll()
         for fd in (self._pipe[0], *fds):
             poller.register(fd, select.POLLIN)
-        ready = poller.poll(max(0, int(seconds * 1000)))
+        ready = poller.poll(max(0, math.ceil(seconds * 1000)))
         return [fd for fd, _ in ready if fd != self._pipe[0]]
