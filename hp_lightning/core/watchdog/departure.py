@@ -61,13 +61,13 @@ class Departure:
             pass
 
     def _hold_store_if_mine(self) -> None:
-        """Let the others read the failure first where this rank's exit would cut them off (each then says why it stops).
+        """Let the others finish with the store first where this rank's exit would cut them off (each then says why it stops).
 
         Leaving takes the store down when it lives in this process; under torchrun's agent store the
         agent stops every other rank as soon as this one exits.
         """
         if self._board.store_host_rank in (self.rank, None):
-            self._board.hold_until_read(min(self._exit_grace, 3 * self._poll_interval + 1))
+            self._board.hold_until_left(min(self._exit_grace, 3 * self._poll_interval + 1))
 
     def end_if_lingering(self) -> None:
         """End a failed process that outlives its failure by ``exit_grace``.
@@ -117,18 +117,23 @@ class Departure:
         with self._exit_lock:
             # Tell a failed rank that lingers (its error caught) that the others are leaving for it;
             # now, while the store is surely up (it may live in the failed rank's process).
+            # A failed parent process (rank 0 under Lightning's launcher) is waited for by its pid, with
+            # no store call after this: say so now, or it would hold its store for this rank in vain.
+            waits_for_parent = failure.kind == "error" and self._is_parent(failure.rank)
             try:
                 self._board.note_stopping()
+                if waits_for_parent:
+                    self._board.note_left_for_failure()
             except _StoreUnreachable:
                 pass
             if failure.kind == "error" and not self._wait_for_end_of(failure.rank):
                 return
             cause = failure.describe()
             _record_for_torchrun(StoppedForPeerFailure(f"rank {self.rank}: stopped because {cause}"), _second_after(failure))
-            if not self._board.lost and self._peers.store_host_gone() is None:  # (a call to a gone store prints a warning)
+            if not waits_for_parent and not self._board.lost and self._peers.store_host_gone() is None:  # (a call to a gone store prints a warning)
                 try:
                     self._board.note_left_for_failure()
-                    self._hold_store_if_mine()  # else a rank that has not read the failure could only name this one as gone
+                    self._hold_store_if_mine()  # else a rank still reading the failure could only name this one as gone
                 except _StoreUnreachable:
                     pass
             self.exit_peer_failed(cause)
@@ -144,7 +149,7 @@ class Departure:
         """
         deadline = time.monotonic() + self._exit_grace
         info = self._peers.local.get(rank)
-        parent = info is not None and info.pid == os.getppid()
+        parent = self._is_parent(rank)
         while time.monotonic() < deadline:
             if self.failed_at is not None:
                 return False
@@ -159,6 +164,11 @@ class Departure:
                     return True
             time.sleep(_FINE_POLL)
         return self.failed_at is None
+
+    def _is_parent(self, rank: int) -> bool:
+        """Whether ``rank`` runs in this process's parent (rank 0 under Lightning's launcher)."""
+        info = self._peers.local.get(rank)
+        return info is not None and info.pid == os.getppid()
 
     def exit_peer_failed(self, cause: str) -> NoReturn:
         """Print one line naming ``cause`` and exit with :data:`PEER_FAILED_EXIT_CODE`."""

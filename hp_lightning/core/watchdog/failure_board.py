@@ -2,8 +2,8 @@
 
 Keys, under a prefix of the run and the watchdog session: ``proc/<rank>`` (where a rank runs),
 ``hb/<rank>`` (its heartbeat counter), ``failure`` (the first :class:`FailureReport`, set once by
-compare-and-set), ``read the failure`` (how many other ranks have read it), ``stopped`` and
-``left for the failure`` (ranks leaving for it), ``exited/<rank>`` (a failed rank has printed its
+compare-and-set), ``stopped`` and ``left for the failure`` (ranks leaving for it; the second
+counts a rank once it needs the store no more), ``exited/<rank>`` (a failed rank has printed its
 traceback) and ``left/<rank>`` (a rank finished normally).
 """
 
@@ -160,20 +160,21 @@ class FailureBoard:
         return self._learn(FailureReport.from_wire(self.op(lambda s: s.compare_set("failure", "", wire))))
 
     def _learn(self, standing: FailureReport) -> FailureReport:
-        """Keep the failure that stands; tell the failed rank that this rank knows of it (see :meth:`hold_until_read`)."""
-        if self.known is None and standing.rank != self.rank:
-            self.op(lambda s: s.add("read the failure", 1))
+        """Keep the failure that stands (for when the store is gone)."""
         self.known = standing
         return standing
 
-    def hold_until_read(self, seconds: float) -> None:
-        """Keep the store up, at most ``seconds``, until every other rank has read the failure.
+    def hold_until_left(self, seconds: float) -> None:
+        """Keep the store up, at most ``seconds``, until every other rank is done with it for the failure.
 
-        The others read it at their next poll, so the wait is bounded by a few polls (a frozen peer
-        does not hold it); see :meth:`~.departure.Departure._hold_store_if_mine` for why.
+        Done is :meth:`note_left_for_failure`, each rank's last store call: waiting only until the
+        others had *read* the failure let a rank's last calls meet a closed store (a C++ warning
+        "Connection reset by peer" in its output). The others get there within a few polls once the
+        failed rank's report is out, so the wait is short (a frozen peer holds it ``seconds`` at
+        most); see :meth:`~.departure.Departure._hold_store_if_mine` for why it is held at all.
         """
         deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline and int(self.store.add("read the failure", 0)) < self.world_size - 1:
+        while time.monotonic() < deadline and int(self.store.add("left for the failure", 0)) < self.world_size - 1:
             time.sleep(_FINE_POLL)
 
     def wait_for_processes(self, ranks: list[int], seconds: float) -> None:
@@ -226,7 +227,7 @@ class FailureBoard:
             return True
 
     def note_left_for_failure(self) -> None:
-        """This rank is about to exit for another's failure."""
+        """This rank is about to exit for another's failure and makes no more store calls."""
         self.op(lambda s: s.add("left for the failure", 1))
 
     def all_left_for_failure(self) -> bool:
