@@ -115,11 +115,11 @@ class Departure:
         ``atexit``: after its traceback, before its sockets close).
         """
         with self._exit_lock:
+            # A failed parent process (rank 0 under Lightning's launcher) is waited for by its pid, with
+            # no store call after the next ones: say so now, or it would hold its store for this rank in vain.
+            waits_for_parent = failure.kind == "error" and self._is_parent(failure.rank)
             # Tell a failed rank that lingers (its error caught) that the others are leaving for it;
             # now, while the store is surely up (it may live in the failed rank's process).
-            # A failed parent process (rank 0 under Lightning's launcher) is waited for by its pid, with
-            # no store call after this: say so now, or it would hold its store for this rank in vain.
-            waits_for_parent = failure.kind == "error" and self._is_parent(failure.rank)
             try:
                 self._board.note_stopping()
                 if waits_for_parent:
