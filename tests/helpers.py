@@ -15,6 +15,7 @@ environment and working directory, and nothing it does reaches the next test.
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import pickle
 import socket
@@ -72,6 +73,9 @@ def _child(fn: Callable[..., Any], rank: int, world: int, env: dict[str, str], o
     os.environ["LOCAL_RANK"] = str(rank % local_world)
     os.environ["NODE_RANK"] = str(rank // local_world)
     torch.set_num_threads(1)
+    # A rank killed by a signal (a gloo abort, a segfault) leaves every thread's Python stack here for the parent.
+    stacks = open(out + ".stacks", "w")  # noqa: SIM115 - open until os._exit
+    faulthandler.enable(file=stacks, all_threads=True)
     try:
         result = ("ok", fn(*args))
     except BaseException as exc:  # noqa: BLE001 - forwarded to the parent
@@ -110,6 +114,18 @@ def _finished(out: str) -> bool:
             return pickle.load(f)[0] == "ok"
     except (OSError, EOFError, pickle.UnpicklingError):
         return False
+
+
+def _signal_stacks(exitcode: int | None, out: str) -> str:
+    """What faulthandler wrote when a rank was ended by a signal other than the harness's own SIGKILL."""
+    if exitcode is None or exitcode >= 0 or exitcode == -9:
+        return ""
+    try:
+        with open(out + ".stacks") as f:
+            text = f.read().strip()
+    except OSError:
+        return ""
+    return f"\n  its threads when the signal came (faulthandler):\n{text[-6000:]}" if text else ""
 
 
 def run_distributed(
@@ -158,6 +174,7 @@ def run_distributed(
             else:
                 errors.append(f"rank {r}: no result (exit code {procs[r].exitcode}; killed after a peer failed or timed out)"
                               if failed else f"rank {r}: no result (exit code {procs[r].exitcode})")
+                errors[-1] += _signal_stacks(procs[r].exitcode, path)
         if failed or errors:
             raise RuntimeError(f"distributed run failed ({failed or 'error'}):\n" + "\n".join(map(str, errors)))
         return results
