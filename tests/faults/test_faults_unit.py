@@ -259,3 +259,49 @@ def test_store_calls_share_one_thread_that_a_hung_call_retires():
     while store_threads() > before and time.monotonic() < deadline:
         time.sleep(0.05)
     assert store_threads() == before
+
+
+def test_a_rank_that_raises_the_same_error_while_leaving_for_a_peers_takes_its_leaving_back(monkeypatch):
+    """An error every rank raises together, caught by the user: a rank whose watchdog read the peer's report
+    first notes it is leaving, then fails on its own. The note is taken back, so the failed peer's session,
+    lingering past ``exit_grace`` (its error caught), does not end that process for a stop that never came."""
+    import os
+    import socket
+    import threading
+    import time
+
+    from hp_lightning.core.watchdog import departure as departure_module
+    from hp_lightning.core.watchdog.departure import Departure
+    from hp_lightning.core.watchdog.failure_board import FailureBoard
+    from hp_lightning.core.watchdog.liveness import PeerLiveness
+    from hp_lightning.core.watchdog.reports import _ProcessInfo
+
+    def exit_called(code: int) -> None:
+        raise AssertionError(f"os._exit({code}) called")
+
+    monkeypatch.setattr(departure_module.os, "_exit", exit_called)
+    store = dist.HashStore()
+    me = _ProcessInfo(socket.gethostname(), "machine", os.getpid(), 0)
+
+    def departure_of(rank: int) -> tuple[FailureBoard, Departure]:
+        board = FailureBoard(store, rank=rank, world_size=2, deadline=5.0, store_host_rank=0)
+        peers = PeerLiveness(board, me, local_ranks=[], heartbeat_timeout=60.0)
+        return board, Departure(board, peers, me, exit_grace=5.0, poll_interval=1.0, exit_lock=threading.RLock(), at_exit=lambda: None)
+
+    board0, first = departure_of(0)
+    board1, second = departure_of(1)
+    error = FailureReport(0, "error", "UnsafeCheckpointError: refused", me.host, me.pid, 0, time.time())
+    first.mark_failed(RuntimeError("refused"))  # rank 0 posted first
+    leaving = threading.Thread(target=second.stop_for, args=(error,))  # rank 1's watchdog read rank 0's report
+    leaving.start()
+    deadline = time.monotonic() + 5
+    while not board0.any_stopped() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert board0.any_stopped()  # told while the store is surely up
+    second.mark_failed(RuntimeError("refused"))  # then rank 1 raised the same error itself
+    leaving.join(timeout=5)
+    assert not leaving.is_alive()
+    assert not board0.any_stopped() and not board1.all_left_for_failure()
+    # Rank 0's session, past its grace with its error caught and the user carrying on, leaves it running.
+    first.failed_at = time.monotonic() - 3 * 5.0
+    first.end_if_lingering()

@@ -127,6 +127,13 @@ class Departure:
             except _StoreUnreachable:
                 pass
             if failure.kind == "error" and not self._wait_for_end_of(failure.rank):
+                # This rank raised its own error meanwhile (raised on every rank together): it is not
+                # leaving for the other's failure after all. Left counted, the failed rank's session,
+                # lingering where the user caught the error, would end its process.
+                try:
+                    self._board.withdraw_stopping(left=waits_for_parent)
+                except _StoreUnreachable:
+                    pass
                 return
             cause = failure.describe()
             _record_for_torchrun(StoppedForPeerFailure(f"rank {self.rank}: stopped because {cause}"), _second_after(failure))

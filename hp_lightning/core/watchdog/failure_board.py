@@ -219,6 +219,12 @@ class FailureBoard:
         """This rank is leaving for another's failure (told first, while the store is surely up)."""
         self.op(lambda s: s.add("stopped", 1))
 
+    def withdraw_stopping(self, *, left: bool) -> None:
+        """Take back :meth:`note_stopping` (and :meth:`note_left_for_failure` with ``left``): this rank failed on its own."""
+        self.op(lambda s: s.add("stopped", -1))
+        if left:
+            self.op(lambda s: s.add("left for the failure", -1))
+
     def any_stopped(self) -> bool:
         """Whether any rank is leaving for this rank's failure (or the store went with the others)."""
         try:
